@@ -1,0 +1,1 @@
+//! kvx-policy (work in progress).

@@ -1,0 +1,18 @@
+//! kvx: move LLM KV-cache blocks between engine memory, host memory, files and remote nodes,
+//! with a hard deadline on every transfer and a verdict on every block.
+//!
+//! This facade re-exports the kvx crates, one cargo feature each:
+//!
+//! | feature | crate |
+//! |---|---|
+//! | (always) | [`core`] = `kvx-core` |
+//! | `policy` (default) | [`policy`] = `kvx-policy` |
+//!
+//! ```
+//! let key = kvx::core::BlockKey::chain(None, b"tokens of the first block");
+//! assert_eq!(key.to_hex().len(), 32);
+//! ```
+
+pub use kvx_core as core;
+#[cfg(feature = "policy")]
+pub use kvx_policy as policy;
