@@ -1,4 +1,72 @@
-//! kvx-core (work in progress).
+//! kvx-core: ids, owned buffers, the sans-IO task/deadline/preemption [`Tracker`], the
+//! [`Backend`] trait, a host-memory backend and the threaded [`Driver`].
+//!
+//! A load and a store through the host backend, polled to completion:
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use kvx_core::*;
+//!
+//! // Engine memory: 4 blocks of 4 KiB in host RAM; a pool of kvx-owned staging buffers.
+//! let mut arena = HostArena::contiguous(4096, 4).unwrap();
+//! arena.write_block(EngineBlockId(0), &[7u8; 4096]).unwrap();
+//! let pool = BufferPool::new(8, 4096, DEFAULT_ALIGN).unwrap();
+//!
+//! let mut b = DriverBuilder::new(DriverConfig::default());
+//! // SAFETY: the arena outlives the driver and is only read after the tasks finished.
+//! let host = b.backend(Box::new(unsafe {
+//!     HostBackend::new(arena.layout().clone(), HostBackendConfig::default()).unwrap()
+//! }));
+//! let driver = b.spawn().unwrap();
+//! let deadline = || Instant::now() + Duration::from_secs(5);
+//!
+//! // Store engine block 0 into a kvx buffer.
+//! let key = BlockKey::chain(None, b"first block");
+//! let store = driver.submit(TaskSpec {
+//!     request: RequestId(1), dir: Direction::Store, route: vec![host],
+//!     blocks: vec![OpBlock { key, engine: Some(EngineBlockId(0)), buf: Buf::Owned(pool.take().unwrap()) }],
+//!     deadline: deadline(), deferred: false,
+//! }).unwrap();
+//! let report = driver.wait_report(store, deadline()).unwrap();
+//! assert_eq!(report.state, TaskState::Done);
+//! let saved = report.blocks.into_iter().next().unwrap().buf.unwrap();
+//!
+//! // Load it back into engine block 3.
+//! let load = driver.submit(TaskSpec {
+//!     request: RequestId(1), dir: Direction::Load, route: vec![host],
+//!     blocks: vec![OpBlock { key, engine: Some(EngineBlockId(3)), buf: saved }],
+//!     deadline: deadline(), deferred: false,
+//! }).unwrap();
+//! assert!(driver.wait_report(load, deadline()).unwrap().is_ok());
+//! assert!(!driver.finish(RequestId(1)).unwrap());
+//! drop(driver);
+//! assert_eq!(arena.read_block(EngineBlockId(3)).unwrap(), vec![7u8; 4096]);
+//! assert!(pool.is_whole());
+//! ```
 #![warn(missing_docs)]
+
+pub mod arena;
+pub mod backend;
+pub mod buffer;
+pub mod driver;
+pub mod error;
+pub mod host;
 pub mod ids;
+pub mod layout;
+pub mod op;
+pub mod task;
+pub mod tracker;
+
+pub use arena::HostArena;
+pub use backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
+pub use buffer::{AlignedBuf, Buf, BufferPool, DEFAULT_ALIGN, PoolBuf};
+#[cfg(feature = "tokio")]
+pub use driver::TaskFuture;
+pub use driver::{Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished};
+pub use error::CoreError;
+pub use host::{HostBackend, HostBackendConfig};
 pub use ids::*;
+pub use layout::{KvLayout, MemoryKind, Region};
+pub use op::{BlockError, Op, OpBlock, OpCompletion};
+pub use task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
+pub use tracker::{Event, Fence, Tracker, TrackerConfig, TrackerStats, Transmit};

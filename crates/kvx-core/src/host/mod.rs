@@ -1,0 +1,250 @@
+//! The host-memory backend: memcpy between engine host memory and kvx-owned buffers, on worker
+//! threads. CPU-only engines use it as their engine tier, and it lets every layer above run on a
+//! machine without a GPU.
+
+mod copy;
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashSet;
+
+use crate::backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
+use crate::buffer::Buf;
+use crate::error::CoreError;
+use crate::ids::{Direction, OpId};
+use crate::layout::KvLayout;
+use crate::op::{BlockError, Op, OpCompletion};
+
+/// Settings of the host backend.
+#[derive(Debug, Clone)]
+pub struct HostBackendConfig {
+    /// Worker threads doing the copies (default 1).
+    pub threads: usize,
+    /// Fault injection for tests: each op sleeps this long before copying (default zero).
+    pub delay: Duration,
+}
+
+impl Default for HostBackendConfig {
+    fn default() -> Self {
+        HostBackendConfig {
+            threads: 1,
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    done: Vec<OpCompletion>,
+    pending: FxHashSet<OpId>,
+    cancelled: FxHashSet<OpId>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+    notifier: Mutex<Notifier>,
+    layout: KvLayout,
+    delay: Duration,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Copies blocks between registered engine host memory and op buffers.
+pub struct HostBackend {
+    name: String,
+    tx: Option<Sender<Op>>,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl HostBackend {
+    /// A host backend over `layout`.
+    ///
+    /// # Safety
+    /// Every region of `layout` must be host memory valid for reads and writes for as long as
+    /// this backend (and any op it still runs) lives, and the caller must not read or write a
+    /// block while an op naming it is outstanding: wait for the task's report or a fence.
+    pub unsafe fn new(layout: KvLayout, cfg: HostBackendConfig) -> Result<HostBackend, CoreError> {
+        if !layout.is_host() {
+            return Err(CoreError::UnsupportedMemory {
+                backend: "host".into(),
+                what: "device memory".into(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            notifier: Mutex::new(Notifier::noop()),
+            layout,
+            delay: cfg.delay,
+        });
+        let (tx, rx) = channel::<Op>();
+        let rx = Arc::new(Mutex::new(rx));
+        let workers = (0..cfg.threads.max(1))
+            .map(|i| {
+                let shared = shared.clone();
+                let rx = rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("kvx-host-{i}"))
+                    .spawn(move || worker(shared, rx))
+                    .map_err(|e| CoreError::BadLayout(format!("cannot spawn host worker: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(HostBackend {
+            name: "host".into(),
+            tx: Some(tx),
+            shared,
+            workers,
+        })
+    }
+
+    /// Bytes of one engine block.
+    pub fn block_bytes(&self) -> usize {
+        self.shared.layout.block_bytes()
+    }
+}
+
+fn worker(shared: Arc<Shared>, rx: Arc<Mutex<Receiver<Op>>>) {
+    loop {
+        let op = {
+            let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+            match rx.recv() {
+                Ok(op) => op,
+                Err(_) => return,
+            }
+        };
+        if !shared.delay.is_zero() {
+            std::thread::sleep(shared.delay);
+        }
+        let cancelled = shared.lock().cancelled.remove(&op.id);
+        let completion = if cancelled {
+            OpCompletion::all(op, Err(BlockError::Cancelled))
+        } else {
+            run(&shared.layout, op)
+        };
+        let id = completion.op.id;
+        {
+            let mut st = shared.lock();
+            st.pending.remove(&id);
+            st.done.push(completion);
+        }
+        shared.cv.notify_all();
+        shared
+            .notifier
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .notify();
+    }
+}
+
+fn run(layout: &KvLayout, mut op: Op) -> OpCompletion {
+    let dir = op.dir;
+    let results = op
+        .blocks
+        .iter_mut()
+        .map(|b| {
+            let engine = b
+                .engine
+                .ok_or_else(|| BlockError::Invalid("host op block names no engine block".into()))?;
+            match dir {
+                Direction::Load => copy::to_engine(layout, engine, b.buf.as_slice()),
+                Direction::Store => match &mut b.buf {
+                    Buf::Owned(buf) => {
+                        let cap = buf.capacity();
+                        buf.set_len(cap);
+                        let n = copy::from_engine(layout, engine, buf.as_mut_slice())?;
+                        buf.set_len(n);
+                        Ok(())
+                    }
+                    Buf::Shared(_) => Err(BlockError::Invalid(
+                        "a store needs an owned destination buffer".into(),
+                    )),
+                },
+            }
+        })
+        .collect();
+    OpCompletion { op, results }
+}
+
+impl Backend for HostBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn touches_engine_memory(&self) -> bool {
+        true
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        *self
+            .shared
+            .notifier
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = notifier;
+    }
+
+    fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
+        let id = op.id;
+        let Some(tx) = self.tx.as_ref() else {
+            return Err(SubmitError {
+                op,
+                kind: SubmitErrorKind::Unavailable("host backend is shutting down".into()),
+            });
+        };
+        self.shared.lock().pending.insert(id);
+        tx.send(op).map_err(|std::sync::mpsc::SendError(op)| {
+            self.shared.lock().pending.remove(&id);
+            SubmitError {
+                op,
+                kind: SubmitErrorKind::Unavailable("host workers stopped".into()),
+            }
+        })
+    }
+
+    fn poll(&mut self, out: &mut Vec<OpCompletion>) {
+        out.append(&mut self.shared.lock().done);
+    }
+
+    fn cancel(&mut self, op: OpId) {
+        let mut st = self.shared.lock();
+        if st.pending.contains(&op) {
+            st.cancelled.insert(op);
+        }
+    }
+
+    fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
+        let mut st = self.shared.lock();
+        loop {
+            if ops.iter().all(|o| !st.pending.contains(o)) {
+                return WaitOutcome::Completed;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return WaitOutcome::TimedOut;
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        self.tx.take();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
