@@ -1,0 +1,34 @@
+//! The `kvx` command. One module per subcommand; `main` only parses and dispatches.
+
+mod bench;
+mod info;
+
+use clap::{Parser, Subcommand};
+
+/// kvx: move LLM KV-cache blocks on a deadline.
+#[derive(Parser)]
+#[command(name = "kvx", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the version and what this build of kvx contains.
+    Info,
+    /// Benchmark a backend against the physical path, measured side by side in one run.
+    Bench {
+        #[command(subcommand)]
+        target: bench::BenchTarget,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Command::Info => info::run(),
+        Command::Bench { target } => bench::run(target),
+    };
+    std::process::exit(code);
+}
