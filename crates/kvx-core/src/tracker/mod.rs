@@ -646,6 +646,10 @@ impl Tracker {
         }));
         self.maybe_release(t.request);
         self.recheck_blocked();
+        let tasks = &self.tasks;
+        self.deadlines.compact(tasks.len(), |t, at| {
+            tasks.get(&t).is_some_and(|e| e.deadline == at)
+        });
     }
 
     /// Drop a finished request's entry once nothing of it is outstanding.
