@@ -1,0 +1,146 @@
+//! Settings of a [`crate::PosixStore`] and what it reports about itself.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use kvx_policy::BreakerConfig;
+
+use crate::error::PosixError;
+
+/// Which I/O engine runs the store's file operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    /// io_uring: every open, read, write, sync, close, rename, unlink and mkdir is a ring op
+    /// submitted with `IOSQE_ASYNC` (Linux only; the default there).
+    Uring,
+    /// A thread pool doing blocking syscalls; a thread stuck in the kernel is written off and
+    /// replaced, up to a bound.
+    Psync,
+}
+
+impl EngineKind {
+    /// `uring` or `psync`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Uring => "uring",
+            EngineKind::Psync => "psync",
+        }
+    }
+}
+
+impl Default for EngineKind {
+    fn default() -> Self {
+        if cfg!(target_os = "linux") {
+            EngineKind::Uring
+        } else {
+            EngineKind::Psync
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for EngineKind {
+    type Err = PosixError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "uring" | "io_uring" => Ok(EngineKind::Uring),
+            "psync" => Ok(EngineKind::Psync),
+            other => Err(PosixError::BadConfig(format!(
+                "unknown engine {other:?} (expected uring or psync)"
+            ))),
+        }
+    }
+}
+
+/// Settings of a file block store.
+#[derive(Debug, Clone)]
+pub struct PosixConfig {
+    /// Root directories (one per disk or mount); blocks are spread over them by key.
+    pub roots: Vec<PathBuf>,
+    /// I/O engine (default: uring on Linux).
+    pub engine: EngineKind,
+    /// Block I/Os in flight per ring (uring) or worker threads (psync); default 32.
+    pub queue_depth: usize,
+    /// Rings, each with its own thread (uring only); default 1.
+    pub rings: usize,
+    /// Most I/Os written off as stuck (past their deadline or cancelled but still in the
+    /// kernel) before new ops are refused with `Busy`; default 256.
+    pub max_stuck: usize,
+    /// Try O_DIRECT (default true); a root whose filesystem refuses it falls back to buffered
+    /// I/O with one warning.
+    pub direct: bool,
+    /// fdatasync each block before renaming it into place (default false).
+    pub fdatasync: bool,
+    /// Health breaker of each root.
+    pub breaker: BreakerConfig,
+    /// A temporary file of another process older than this is removed by the startup scan
+    /// (one of a process that no longer runs on this host is removed at any age); default 10 min.
+    pub stale_temp_age: Duration,
+    /// A store whose rename lands less than this before its deadline is undone, so that a block
+    /// the tracker reports as timed out is never left visible; default 10 ms.
+    pub visibility_margin: Duration,
+}
+
+impl PosixConfig {
+    /// Defaults with one root.
+    pub fn new(root: impl Into<PathBuf>) -> PosixConfig {
+        PosixConfig {
+            roots: vec![root.into()],
+            engine: EngineKind::default(),
+            queue_depth: 32,
+            rings: 1,
+            max_stuck: 256,
+            direct: true,
+            fdatasync: false,
+            breaker: BreakerConfig::default(),
+            stale_temp_age: Duration::from_secs(600),
+            visibility_margin: Duration::from_millis(10),
+        }
+    }
+
+    /// Check the settings.
+    pub fn validate(&self) -> Result<(), PosixError> {
+        if self.roots.is_empty() {
+            return Err(PosixError::NoRoots);
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return Err(PosixError::BadConfig(format!(
+                "queue_depth must be 1..=4096, got {}",
+                self.queue_depth
+            )));
+        }
+        if self.rings == 0 || self.rings > 64 {
+            return Err(PosixError::BadConfig(format!(
+                "rings must be 1..=64, got {}",
+                self.rings
+            )));
+        }
+        if self.max_stuck == 0 {
+            return Err(PosixError::BadConfig("max_stuck must be at least 1".into()));
+        }
+        self.breaker
+            .validate()
+            .map_err(|e| PosixError::BadConfig(e.to_string()))
+    }
+}
+
+/// What a store found out about itself when it opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The engine in use.
+    pub engine: EngineKind,
+    /// True when every root uses O_DIRECT.
+    pub direct: bool,
+    /// O_DIRECT per root, in the order of the configuration.
+    pub direct_per_root: Vec<bool>,
+    /// Blocks found by the startup scan.
+    pub scanned_blocks: usize,
+    /// Stale temporary files the startup scan removed.
+    pub removed_temps: usize,
+}

@@ -1,0 +1,168 @@
+//! The in-memory index of blocks present, and the startup scan that rebuilds it.
+
+use std::path::Path;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, SystemTime};
+
+use kvx_core::BlockKey;
+use rustc_hash::FxHashSet;
+
+use crate::error::PosixError;
+use crate::paths::{Entry, Layout, classify};
+
+/// Keys of the blocks the store holds.
+#[derive(Debug, Default)]
+pub struct Index {
+    keys: RwLock<FxHashSet<BlockKey>>,
+}
+
+impl Index {
+    fn read(&self) -> RwLockReadGuard<'_, FxHashSet<BlockKey>> {
+        self.keys.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, FxHashSet<BlockKey>> {
+        self.keys.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many of `keys`, from the first, are present.
+    pub fn lookup(&self, keys: &[BlockKey]) -> usize {
+        let k = self.read();
+        keys.iter().take_while(|key| k.contains(key)).count()
+    }
+
+    /// Whether `key` is present.
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.read().contains(&key)
+    }
+
+    /// Blocks present.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// True when no block is present.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Record `key` as present.
+    pub fn insert(&self, key: BlockKey) {
+        self.write().insert(key);
+    }
+
+    /// Forget `key`; true if it was present.
+    pub fn remove(&self, key: BlockKey) -> bool {
+        self.write().remove(&key)
+    }
+
+    /// Record many keys.
+    pub fn extend(&self, keys: impl IntoIterator<Item = BlockKey>) {
+        self.write().extend(keys);
+    }
+
+    /// Every key (for tests and tools).
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.read().iter().copied().collect()
+    }
+}
+
+/// What the startup scan found.
+#[derive(Debug, Default)]
+pub struct Scan {
+    /// Block files found.
+    pub keys: Vec<BlockKey>,
+    /// Leaf directories that exist: (root, 16-bit key prefix).
+    pub dirs: Vec<(usize, u16)>,
+    /// Stale temporary files removed.
+    pub removed_temps: usize,
+}
+
+fn hex2(name: &str) -> Option<u8> {
+    if name.len() == 2
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    {
+        u8::from_str_radix(name, 16).ok()
+    } else {
+        None
+    }
+}
+
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks whether the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> PosixError {
+    PosixError::Root {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Walk every root: collect block keys and leaf directories, and remove temporary files left by
+/// a process that no longer runs here, or older than `stale_age` (never this process's own).
+pub fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixError> {
+    let me = std::process::id();
+    let now = SystemTime::now();
+    let mut out = Scan::default();
+    for (ri, root) in layout.roots().iter().enumerate() {
+        for top in std::fs::read_dir(root).map_err(|e| io_err(root, e))? {
+            let top = top.map_err(|e| io_err(root, e))?;
+            let tname = top.file_name();
+            let Some(ab) = tname.to_str().and_then(hex2) else {
+                continue;
+            };
+            if !top.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                continue;
+            }
+            let tpath = top.path();
+            for leaf in std::fs::read_dir(&tpath).map_err(|e| io_err(&tpath, e))? {
+                let leaf = leaf.map_err(|e| io_err(&tpath, e))?;
+                let lname = leaf.file_name();
+                let Some(cd) = lname.to_str().and_then(hex2) else {
+                    continue;
+                };
+                if !leaf.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    continue;
+                }
+                out.dirs.push((ri, u16::from_be_bytes([ab, cd])));
+                let lpath = leaf.path();
+                let (abs, cds) = (format!("{ab:02x}"), format!("{cd:02x}"));
+                for f in std::fs::read_dir(&lpath).map_err(|e| io_err(&lpath, e))? {
+                    let f = f.map_err(|e| io_err(&lpath, e))?;
+                    let name = f.file_name();
+                    let Some(name) = name.to_str() else {
+                        continue;
+                    };
+                    match classify(name, &abs, &cds) {
+                        Entry::Block(key) => out.keys.push(key),
+                        Entry::Temp { pid } if pid != me => {
+                            let age = f
+                                .metadata()
+                                .and_then(|m| m.modified())
+                                .ok()
+                                .and_then(|m| now.duration_since(m).ok())
+                                .unwrap_or_default();
+                            if !process_alive(pid) || age >= stale_age {
+                                match std::fs::remove_file(f.path()) {
+                                    Ok(()) => out.removed_temps += 1,
+                                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                                    Err(e) => return Err(io_err(&f.path(), e)),
+                                }
+                            }
+                        }
+                        Entry::Temp { .. } | Entry::Other => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}

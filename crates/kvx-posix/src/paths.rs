@@ -1,0 +1,164 @@
+//! Where a block lives: `root/ab/cd/<32 hex>.kvb`, the root chosen by key; temporary names
+//! `<32 hex>.<pid>-<seq>.kvb.tmp` beside it.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvx_core::BlockKey;
+
+/// Suffix of a block file.
+pub const BLOCK_SUFFIX: &str = ".kvb";
+/// Suffix of a temporary file being written.
+pub const TEMP_SUFFIX: &str = ".kvb.tmp";
+
+/// The directory tree of a store.
+#[derive(Debug)]
+pub struct Layout {
+    roots: Vec<PathBuf>,
+    pid: u32,
+    seq: AtomicU64,
+}
+
+/// The names one block job needs, as C strings for the kernel.
+#[derive(Debug)]
+pub struct BlockPaths {
+    /// `root/ab`.
+    pub dir1: CString,
+    /// `root/ab/cd`.
+    pub dir2: CString,
+    /// `root/ab/cd/<hex>.kvb`.
+    pub block: CString,
+    /// A fresh temporary name beside it (stores only).
+    pub temp: Option<CString>,
+}
+
+fn cstr(p: &Path) -> CString {
+    // Paths built from a root (checked at open to have no NUL) and hex digits.
+    CString::new(p.as_os_str().as_bytes()).unwrap_or_default()
+}
+
+impl Layout {
+    /// A layout over `roots` (non-empty, without NUL bytes).
+    pub fn new(roots: Vec<PathBuf>) -> Layout {
+        Layout {
+            roots,
+            pid: std::process::id(),
+            seq: AtomicU64::new(0),
+        }
+    }
+
+    /// The roots.
+    pub fn roots(&self) -> &[PathBuf] {
+        &self.roots
+    }
+
+    /// Index of the root that holds `key`.
+    pub fn root_of(&self, key: BlockKey) -> usize {
+        let mixed = (key.0 as u64) ^ ((key.0 >> 64) as u64).rotate_left(17);
+        (mixed % self.roots.len() as u64) as usize
+    }
+
+    /// `root/ab/cd` for `key`.
+    pub fn dir_of(&self, key: BlockKey) -> PathBuf {
+        let hex = key.to_hex();
+        self.roots[self.root_of(key)]
+            .join(&hex[0..2])
+            .join(&hex[2..4])
+    }
+
+    /// Final path of `key`'s block file.
+    pub fn block_path(&self, key: BlockKey) -> PathBuf {
+        self.dir_of(key)
+            .join(format!("{}{BLOCK_SUFFIX}", key.to_hex()))
+    }
+
+    /// The C paths of a job on `key`; with a fresh temporary name when `temp`.
+    pub fn paths(&self, key: BlockKey, temp: bool) -> BlockPaths {
+        let dir2 = self.dir_of(key);
+        let dir1 = dir2.parent().map(Path::to_path_buf).unwrap_or_default();
+        let hex = key.to_hex();
+        let temp = temp.then(|| {
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            cstr(&dir2.join(format!("{hex}.{}-{seq}{TEMP_SUFFIX}", self.pid)))
+        });
+        BlockPaths {
+            dir1: cstr(&dir1),
+            block: cstr(&dir2.join(format!("{hex}{BLOCK_SUFFIX}"))),
+            dir2: cstr(&dir2),
+            temp,
+        }
+    }
+}
+
+/// What a file name in a leaf directory is.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// A block file of this key.
+    Block(BlockKey),
+    /// A temporary file written by process `pid`.
+    Temp {
+        /// Writer's process id.
+        pid: u32,
+    },
+    /// Anything else (left alone).
+    Other,
+}
+
+/// Classify a file name found in `ab/cd/`.
+pub fn classify(name: &str, ab: &str, cd: &str) -> Entry {
+    if let Some(stem) = name.strip_suffix(TEMP_SUFFIX) {
+        let Some((hex, tag)) = stem.split_once('.') else {
+            return Entry::Other;
+        };
+        let Some((pid, _seq)) = tag.split_once('-') else {
+            return Entry::Other;
+        };
+        return match (BlockKey::from_hex(hex), pid.parse()) {
+            (Some(_), Ok(pid)) => Entry::Temp { pid },
+            _ => Entry::Other,
+        };
+    }
+    if let Some(hex) = name.strip_suffix(BLOCK_SUFFIX)
+        && let Some(key) = BlockKey::from_hex(hex)
+        && hex.get(0..2) == Some(ab)
+        && hex.get(2..4) == Some(cd)
+    {
+        return Entry::Block(key);
+    }
+    Entry::Other
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_classification() {
+        let l = Layout::new(vec!["/r0".into(), "/r1".into()]);
+        let key = BlockKey(0xabcd_0000_0000_0000_0000_0000_0000_1234u128);
+        let p = l.block_path(key);
+        let name = p.file_name().unwrap().to_str().unwrap();
+        assert!(p.to_str().unwrap().contains("/ab/cd/abcd"), "{p:?}");
+        assert_eq!(classify(name, "ab", "cd"), Entry::Block(key));
+        assert_eq!(classify(name, "ab", "ce"), Entry::Other);
+        let paths = l.paths(key, true);
+        let t = PathBuf::from(std::ffi::OsStr::from_bytes(
+            paths.temp.as_ref().unwrap().as_bytes(),
+        ));
+        let tname = t.file_name().unwrap().to_str().unwrap();
+        assert_eq!(
+            classify(tname, "ab", "cd"),
+            Entry::Temp {
+                pid: std::process::id()
+            }
+        );
+        assert_ne!(l.paths(key, true).temp, paths.temp, "temp names are unique");
+        assert_eq!(classify("notes.txt", "ab", "cd"), Entry::Other);
+        // Keys spread over both roots.
+        let hits: std::collections::HashSet<usize> =
+            (0..64u128).map(|i| l.root_of(BlockKey(i * 7919))).collect();
+        assert_eq!(hits.len(), 2);
+    }
+}

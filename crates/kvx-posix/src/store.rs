@@ -1,0 +1,641 @@
+//! [`PosixStore`]: the file block store as a kvx [`Backend`], and [`PosixHandle`], its
+//! thread-safe side (lookup, remove, health, counters).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvx_core::{
+    Backend, BlockError, BlockKey, Buf, Direction, EngineBlockId, Notifier, Op, OpCompletion, OpId,
+    SubmitError, SubmitErrorKind, WaitOutcome,
+};
+use kvx_policy::{Admission, BreakerState};
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::config::{Capabilities, EngineKind, PosixConfig};
+use crate::error::PosixError;
+use crate::health::Health;
+use crate::index::{Index, scan};
+use crate::io::psync::PsyncEngine;
+use crate::io::{IoEngine, Sink};
+use crate::job::{BlockJob, JobKind, JobParams, header_buf};
+use crate::paths::Layout;
+use crate::probe::probe_root;
+
+/// Counters of a store (all since it opened).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PosixStats {
+    /// Block I/Os accepted by the engine and not yet returned.
+    pub in_flight: usize,
+    /// Of those, I/Os written off as stuck (cancelled or past their deadline).
+    pub written_off: usize,
+    /// Blocks loaded and verified.
+    pub loaded: u64,
+    /// Blocks stored and renamed into place.
+    pub stored: u64,
+    /// Blocks that failed verification.
+    pub corrupt: u64,
+    /// Blocks failed at once because their root's breaker was open.
+    pub rejected: u64,
+    /// Renames undone because they landed after the deadline or a cancel.
+    pub undone: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    loaded: AtomicU64,
+    stored: AtomicU64,
+    corrupt: AtomicU64,
+    rejected: AtomicU64,
+    undone: AtomicU64,
+}
+
+struct Shared {
+    index: Index,
+    health: Health,
+    layout: Layout,
+    engine: Box<dyn IoEngine>,
+    sink: Arc<Sink>,
+    caps: Capabilities,
+    counters: Counters,
+}
+
+impl Shared {
+    fn remove_job(&self, key: BlockKey) -> Result<Box<BlockJob>, BlockError> {
+        let root = self.layout.root_of(key);
+        Ok(Box::new(BlockJob::new(
+            OpId(0),
+            0,
+            root,
+            JobKind::Remove,
+            key,
+            None,
+            header_buf()?,
+            self.layout.paths(key, false),
+            JobParams {
+                direct: false,
+                fdatasync: false,
+                make_dirs: false,
+                deadline: Instant::now(),
+                cancel: Arc::new(AtomicBool::new(false)),
+                margin: Duration::ZERO,
+            },
+        )))
+    }
+
+    /// Unlink `key`'s file in the background (a cache entry: losing it only costs a reload).
+    fn unlink(&self, key: BlockKey) {
+        match self.remove_job(key) {
+            Ok(job) => {
+                if let Err(r) = self.engine.submit(job) {
+                    tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
+                }
+            }
+            Err(e) => tracing::error!(%key, error = %e, "posix: cannot remove a block"),
+        }
+    }
+}
+
+/// The thread-safe side of a store: lookups, removal, health and counters. Cheap to clone.
+#[derive(Clone)]
+pub struct PosixHandle {
+    shared: Arc<Shared>,
+}
+
+impl PosixHandle {
+    /// How many of `keys`, from the first, the store holds.
+    pub fn lookup(&self, keys: &[BlockKey]) -> usize {
+        self.shared.index.lookup(keys)
+    }
+
+    /// Whether the store holds `key`.
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.shared.index.contains(key)
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.shared.index.len()
+    }
+
+    /// True when no block is held.
+    pub fn is_empty(&self) -> bool {
+        self.shared.index.is_empty()
+    }
+
+    /// Every key held.
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.shared.index.keys()
+    }
+
+    /// Forget `key` at once and unlink its file through the engine (never blocks); true if the
+    /// store held it.
+    pub fn remove(&self, key: BlockKey) -> bool {
+        let had = self.shared.index.remove(key);
+        self.shared.unlink(key);
+        had
+    }
+
+    /// Where `key`'s block file lives.
+    pub fn block_path(&self, key: BlockKey) -> std::path::PathBuf {
+        self.shared.layout.block_path(key)
+    }
+
+    /// What the store found out when it opened.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.shared.caps
+    }
+
+    /// State of the breaker of root `root`.
+    pub fn breaker_state(&self, root: usize) -> Option<BreakerState> {
+        self.shared.health.state(root)
+    }
+
+    /// The root that holds `key`.
+    pub fn root_of(&self, key: BlockKey) -> usize {
+        self.shared.layout.root_of(key)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PosixStats {
+        let c = &self.shared.counters;
+        let e = self.shared.engine.counters();
+        PosixStats {
+            in_flight: e.in_flight(),
+            written_off: e.written_off(),
+            loaded: c.loaded.load(Ordering::Relaxed),
+            stored: c.stored.load(Ordering::Relaxed),
+            corrupt: c.corrupt.load(Ordering::Relaxed),
+            rejected: c.rejected.load(Ordering::Relaxed),
+            undone: c.undone.load(Ordering::Relaxed),
+        }
+    }
+}
+
+struct BlockSlot {
+    key: BlockKey,
+    engine: Option<EngineBlockId>,
+    root: usize,
+    buf: Option<Buf>,
+    result: Option<Result<(), BlockError>>,
+}
+
+struct OpState {
+    op: Op,
+    slots: Vec<BlockSlot>,
+    pending: usize,
+    cancel: Arc<AtomicBool>,
+    submitted: Instant,
+    /// Roots whose breaker admitted this op.
+    roots: Vec<usize>,
+    health_recorded: bool,
+}
+
+/// A file block store: one verified file per block under one or more roots. Implements
+/// [`Backend`]: loads fill the op's owned buffers, stores persist the buffers' bytes; it never
+/// touches engine memory.
+pub struct PosixStore {
+    name: String,
+    cfg: PosixConfig,
+    shared: Arc<Shared>,
+    direct: Vec<bool>,
+    dirs: FxHashSet<(usize, u16)>,
+    ops: FxHashMap<OpId, OpState>,
+    ready: Vec<OpCompletion>,
+    notifier: Notifier,
+}
+
+impl PosixStore {
+    /// Open (or create) a store: probe each root for O_DIRECT, scan it to rebuild the index and
+    /// remove stale temporary files, and start the engine. Blocks while it scans: open a store
+    /// before its mount is in the engine's critical path.
+    pub fn open(cfg: PosixConfig) -> Result<PosixStore, PosixError> {
+        cfg.validate()?;
+        for r in &cfg.roots {
+            if r.as_os_str().as_encoded_bytes().contains(&0) {
+                return Err(PosixError::BadConfig(format!(
+                    "root {r:?} contains a NUL byte"
+                )));
+            }
+        }
+        let direct = cfg
+            .roots
+            .iter()
+            .map(|r| probe_root(r, cfg.direct))
+            .collect::<Result<Vec<bool>, _>>()?;
+        let layout = Layout::new(cfg.roots.clone());
+        let found = scan(&layout, cfg.stale_temp_age)?;
+        let sink = Arc::new(Sink::default());
+        let engine: Box<dyn IoEngine> = match cfg.engine {
+            EngineKind::Psync => Box::new(PsyncEngine::new(
+                cfg.queue_depth,
+                cfg.max_stuck,
+                sink.clone(),
+            )?),
+            #[cfg(target_os = "linux")]
+            EngineKind::Uring => Box::new(crate::io::uring::UringEngine::new(
+                cfg.rings,
+                cfg.queue_depth,
+                cfg.max_stuck,
+                sink.clone(),
+            )?),
+            #[cfg(not(target_os = "linux"))]
+            EngineKind::Uring => {
+                return Err(PosixError::Engine {
+                    engine: "uring",
+                    msg: "io_uring needs Linux".into(),
+                });
+            }
+        };
+        let caps = Capabilities {
+            engine: cfg.engine,
+            direct: direct.iter().all(|d| *d),
+            direct_per_root: direct.clone(),
+            scanned_blocks: found.keys.len(),
+            removed_temps: found.removed_temps,
+        };
+        let index = Index::default();
+        index.extend(found.keys);
+        let health = Health::new(cfg.roots.len(), cfg.breaker)?;
+        let name = format!(
+            "posix:{}",
+            cfg.roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        tracing::info!(store = %name, engine = %cfg.engine, direct = caps.direct,
+            blocks = caps.scanned_blocks, removed_temps = caps.removed_temps, "posix store opened");
+        Ok(PosixStore {
+            name,
+            shared: Arc::new(Shared {
+                index,
+                health,
+                layout,
+                engine,
+                sink,
+                caps,
+                counters: Counters::default(),
+            }),
+            direct,
+            dirs: found.dirs.into_iter().collect(),
+            ops: FxHashMap::default(),
+            ready: Vec::new(),
+            notifier: Notifier::noop(),
+            cfg,
+        })
+    }
+
+    /// A thread-safe handle for lookups, removal, health and counters.
+    pub fn handle(&self) -> PosixHandle {
+        PosixHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// What the store found out when it opened.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.shared.caps
+    }
+
+    /// How many of `keys`, from the first, the store holds.
+    pub fn lookup(&self, keys: &[BlockKey]) -> usize {
+        self.shared.index.lookup(keys)
+    }
+
+    /// Forget `key` and unlink its file in the background; true if the store held it.
+    pub fn remove(&self, key: BlockKey) -> bool {
+        self.handle().remove(key)
+    }
+
+    fn prefix(key: BlockKey) -> u16 {
+        (key.0 >> 112) as u16
+    }
+
+    /// Fold finished jobs into their ops; finished ops go to `ready`.
+    fn absorb(&mut self, jobs: Vec<Box<BlockJob>>) {
+        let now = Instant::now();
+        for mut job in jobs {
+            if job.kind == JobKind::Remove {
+                if let Err(e) = &job.result {
+                    tracing::warn!(key = %job.key, error = %e, "posix: remove failed");
+                }
+                continue;
+            }
+            let Some(st) = self.ops.get_mut(&job.op) else {
+                tracing::error!(op = %job.op, "posix: completion of an unknown op");
+                continue;
+            };
+            if job.made_dirs {
+                self.dirs.insert((job.root, Self::prefix(job.key)));
+            }
+            let mut result = std::mem::replace(&mut job.result, Ok(()));
+            let c = &self.shared.counters;
+            match (job.kind, &result) {
+                (JobKind::Store, Ok(())) => {
+                    let cancelled = st.cancel.load(Ordering::Acquire);
+                    if cancelled || now + self.cfg.visibility_margin >= st.op.deadline {
+                        // The tracker may already have ended the task: never leave it visible.
+                        result = Err(if cancelled {
+                            BlockError::Cancelled
+                        } else {
+                            BlockError::TimedOut
+                        });
+                        c.undone.fetch_add(1, Ordering::Relaxed);
+                        self.shared.unlink(job.key);
+                    } else {
+                        c.stored.fetch_add(1, Ordering::Relaxed);
+                        self.shared.index.insert(job.key);
+                    }
+                }
+                (JobKind::Load, Ok(())) => {
+                    c.loaded.fetch_add(1, Ordering::Relaxed);
+                    self.shared.index.insert(job.key);
+                }
+                (JobKind::Load, Err(BlockError::NotFound)) => {
+                    self.shared.index.remove(job.key);
+                }
+                (JobKind::Load, Err(BlockError::Corrupt(m))) => {
+                    tracing::warn!(key = %job.key, error = %m, "posix: corrupt block");
+                    c.corrupt.fetch_add(1, Ordering::Relaxed);
+                    self.shared.index.remove(job.key);
+                }
+                (JobKind::Store, Err(BlockError::TimedOut | BlockError::Cancelled))
+                    if job.undone =>
+                {
+                    c.undone.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+            let Some(slot) = st.slots.get_mut(job.index) else {
+                continue;
+            };
+            slot.buf = job.buf.take();
+            slot.result = Some(result);
+            st.pending -= 1;
+            if st.pending == 0 {
+                let id = job.op;
+                self.finish(id, now);
+            }
+        }
+    }
+
+    /// Report an op's health to its roots' breakers (once), then queue its completion.
+    fn finish(&mut self, id: OpId, now: Instant) {
+        let Some(mut st) = self.ops.remove(&id) else {
+            return;
+        };
+        if !st.health_recorded {
+            let late = now >= st.op.deadline;
+            for &root in &st.roots {
+                let mut failed = late;
+                let mut only_cancelled = true;
+                for s in st.slots.iter().filter(|s| s.root == root) {
+                    match &s.result {
+                        Some(Err(BlockError::Io(_) | BlockError::TimedOut)) => failed = true,
+                        Some(Err(BlockError::Cancelled)) => {}
+                        _ => only_cancelled = false,
+                    }
+                }
+                if failed {
+                    self.shared.health.failure(root, now);
+                } else if !only_cancelled {
+                    self.shared.health.success(
+                        root,
+                        now,
+                        now.saturating_duration_since(st.submitted),
+                    );
+                }
+            }
+        }
+        let mut results = Vec::with_capacity(st.slots.len());
+        let mut blocks = Vec::with_capacity(st.slots.len());
+        for s in st.slots.drain(..) {
+            let Some(buf) = s.buf else {
+                // Unreachable by construction: every slot gets its buffer back before pending
+                // reaches zero. Dropping the block would lose a buffer, so keep going loudly.
+                tracing::error!(op = %id, key = %s.key, "posix: block finished without its buffer");
+                continue;
+            };
+            results.push(s.result.unwrap_or(Err(BlockError::Io("no result".into()))));
+            blocks.push(kvx_core::OpBlock {
+                key: s.key,
+                engine: s.engine,
+                buf,
+            });
+        }
+        st.op.blocks = blocks;
+        self.ready.push(OpCompletion { op: st.op, results });
+    }
+
+    fn params(
+        &self,
+        root: usize,
+        key: BlockKey,
+        dir: Direction,
+        deadline: Instant,
+        cancel: &Arc<AtomicBool>,
+    ) -> JobParams {
+        JobParams {
+            direct: self.direct.get(root).copied().unwrap_or(false),
+            fdatasync: self.cfg.fdatasync,
+            make_dirs: dir == Direction::Store && !self.dirs.contains(&(root, Self::prefix(key))),
+            deadline,
+            cancel: cancel.clone(),
+            margin: self.cfg.visibility_margin,
+        }
+    }
+}
+
+impl Backend for PosixStore {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn touches_engine_memory(&self) -> bool {
+        false
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        self.notifier = notifier.clone();
+        self.shared.sink.set_notifier(notifier);
+    }
+
+    fn submit(&mut self, mut op: Op) -> Result<(), SubmitError> {
+        let stuck = self.shared.engine.counters().written_off();
+        if stuck >= self.cfg.max_stuck {
+            return Err(SubmitError {
+                op,
+                kind: SubmitErrorKind::Busy(format!(
+                    "{} ({} engine): {stuck} I/Os stuck in the kernel (limit {})",
+                    self.name,
+                    self.shared.engine.name(),
+                    self.cfg.max_stuck
+                )),
+            });
+        }
+        let now = Instant::now();
+        let layout = &self.shared.layout;
+        let mut admission: FxHashMap<usize, Admission> = FxHashMap::default();
+        for b in &op.blocks {
+            let root = layout.root_of(b.key);
+            admission
+                .entry(root)
+                .or_insert_with(|| self.shared.health.admit(root, now));
+        }
+        if !op.blocks.is_empty() && admission.values().all(|a| *a == Admission::Rejected) {
+            self.shared
+                .counters
+                .rejected
+                .fetch_add(op.blocks.len() as u64, Ordering::Relaxed);
+            let roots: Vec<String> = admission
+                .keys()
+                .map(|r| layout.roots()[*r].display().to_string())
+                .collect();
+            return Err(SubmitError {
+                op,
+                kind: SubmitErrorKind::Unavailable(format!("breaker open on {}", roots.join(", "))),
+            });
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        let blocks = std::mem::take(&mut op.blocks);
+        let mut slots = Vec::with_capacity(blocks.len());
+        let mut jobs = Vec::new();
+        for (i, b) in blocks.into_iter().enumerate() {
+            let root = layout.root_of(b.key);
+            let mut slot = BlockSlot {
+                key: b.key,
+                engine: b.engine,
+                root,
+                buf: None,
+                result: None,
+            };
+            let refuse = if admission.get(&root) == Some(&Admission::Rejected) {
+                self.shared
+                    .counters
+                    .rejected
+                    .fetch_add(1, Ordering::Relaxed);
+                Some(BlockError::Unavailable(format!(
+                    "breaker open on {}",
+                    layout.roots()[root].display()
+                )))
+            } else if op.dir == Direction::Load && matches!(b.buf, Buf::Shared(_)) {
+                Some(BlockError::Invalid(
+                    "a load needs an owned destination buffer".into(),
+                ))
+            } else {
+                None
+            };
+            if let Some(e) = refuse {
+                slot.buf = Some(b.buf);
+                slot.result = Some(Err(e));
+                slots.push(slot);
+                continue;
+            }
+            let header = match header_buf() {
+                Ok(h) => h,
+                Err(e) => {
+                    slot.buf = Some(b.buf);
+                    slot.result = Some(Err(e));
+                    slots.push(slot);
+                    continue;
+                }
+            };
+            let kind = match op.dir {
+                Direction::Load => JobKind::Load,
+                Direction::Store => JobKind::Store,
+            };
+            let params = self.params(root, b.key, op.dir, op.deadline, &cancel);
+            let paths = layout.paths(b.key, kind == JobKind::Store);
+            jobs.push(Box::new(BlockJob::new(
+                op.id,
+                i,
+                root,
+                kind,
+                b.key,
+                Some(b.buf),
+                header,
+                paths,
+                params,
+            )));
+            slots.push(slot);
+        }
+        let mut roots: Vec<usize> = admission
+            .iter()
+            .filter(|(_, a)| **a != Admission::Rejected)
+            .map(|(r, _)| *r)
+            .collect();
+        roots.sort_unstable();
+        let id = op.id;
+        let mut st = OpState {
+            op,
+            slots,
+            pending: 0,
+            cancel,
+            submitted: now,
+            roots,
+            health_recorded: false,
+        };
+        for job in jobs {
+            let index = job.index;
+            match self.shared.engine.submit(job) {
+                Ok(()) => st.pending += 1,
+                Err(r) => {
+                    let mut job = r.job;
+                    st.slots[index].buf = job.buf.take();
+                    st.slots[index].result = Some(Err(BlockError::Unavailable(r.reason)));
+                }
+            }
+        }
+        let immediate = st.pending == 0;
+        self.ops.insert(id, st);
+        if immediate {
+            self.finish(id, now);
+            self.notifier.notify();
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<OpCompletion>) {
+        let jobs = self.shared.sink.take();
+        if !jobs.is_empty() {
+            self.absorb(jobs);
+        }
+        out.append(&mut self.ready);
+    }
+
+    fn cancel(&mut self, op: OpId) {
+        let now = Instant::now();
+        let Some(st) = self.ops.get_mut(&op) else {
+            return;
+        };
+        st.cancel.store(true, Ordering::Release);
+        if now >= st.op.deadline && !st.health_recorded {
+            // A timeout: count it now, while the I/O may still be stuck.
+            st.health_recorded = true;
+            for &root in &st.roots {
+                self.shared.health.failure(root, now);
+            }
+        }
+        self.shared.engine.kick();
+    }
+
+    fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
+        loop {
+            let jobs = self.shared.sink.take();
+            if !jobs.is_empty() {
+                self.absorb(jobs);
+            }
+            if ops.iter().all(|o| !self.ops.contains_key(o)) {
+                return WaitOutcome::Completed;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return WaitOutcome::TimedOut;
+            }
+            let jobs = self.shared.sink.take_or_wait(until - now);
+            self.absorb(jobs);
+        }
+    }
+}
