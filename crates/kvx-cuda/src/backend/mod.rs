@@ -1,0 +1,567 @@
+//! The CUDA backend: copies between engine GPU memory and pinned host buffers.
+//!
+//! - Loads (host → device) and stores (device → host) each have their own non-blocking stream,
+//!   so a flood of stores never queues behind loads the next step needs.
+//! - `submit` validates each block, plans the op's runs (coalescing contiguous ones, see
+//!   [`crate::plan`]), queues them with one batched call (or one call per run), records the op's
+//!   event and returns. It never waits for the GPU; past `max_inflight_ops` it refuses with
+//!   `Busy` so the driver's queue cannot fill up and block it.
+//! - A completer thread per stream sleeps in `cuEventSynchronize` and completes ops in order,
+//!   then calls the Notifier. `poll` only takes what the completers queued: it never blocks.
+//! - `wait(ops, until)` sleeps on a condition variable until those ops' events completed (the
+//!   preemption flush), or `until` passes.
+//! - Deadlines are the tracker's business: a CUDA copy cannot be cancelled, so `cancel` is a
+//!   no-op and a timed-out op keeps its buffers (zombie) until its event really completed.
+
+mod lane;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use kvx_core::{
+    Backend, BlockError, Buf, Direction, EngineBlockId, KvLayout, MemoryKind, Notifier, Op,
+    OpBlock, OpCompletion, OpId, SubmitError, SubmitErrorKind, WaitOutcome,
+};
+use rustc_hash::FxHashSet;
+
+use crate::config::{BatchMode, CudaBackendConfig};
+use crate::device::CudaDevice;
+use crate::driver::Ctx;
+use crate::error::CudaError;
+use crate::pinned::{PinnedPool, PinnedRanges};
+use crate::plan;
+use crate::stream::{self, CopyDir, Event, Stream};
+use lane::{InFlight, Lane};
+
+/// Counters of one backend (monotonic, except `in_flight`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CudaStats {
+    /// Ops accepted.
+    pub ops: u64,
+    /// Blocks in accepted ops.
+    pub blocks: u64,
+    /// Blocks refused as invalid (no engine block, unpinned or short buffer, duplicate).
+    pub invalid_blocks: u64,
+    /// Bytes queued for copying.
+    pub bytes: u64,
+    /// Copy runs after coalescing.
+    pub runs: u64,
+    /// Driver copy calls (a batch counts one).
+    pub api_calls: u64,
+    /// Batched copy calls.
+    pub batch_calls: u64,
+    /// Batched calls that failed and were redone run by run.
+    pub batch_fallbacks: u64,
+    /// Ops completed (handed to `poll`).
+    pub completed_ops: u64,
+    /// Ops whose copies failed in the driver.
+    pub failed_ops: u64,
+    /// Ops accepted and not yet completed.
+    pub in_flight: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    ops: AtomicU64,
+    blocks: AtomicU64,
+    invalid_blocks: AtomicU64,
+    bytes: AtomicU64,
+    runs: AtomicU64,
+    api_calls: AtomicU64,
+    batch_calls: AtomicU64,
+    batch_fallbacks: AtomicU64,
+    completed_ops: AtomicU64,
+    failed_ops: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    done: Vec<OpCompletion>,
+    pending: FxHashSet<OpId>,
+}
+
+/// What the backend shares with its completer threads.
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+    notifier: Mutex<Notifier>,
+    events: Mutex<Vec<Event>>,
+    stats: Counters,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queue a completion, wake waiters and the driver.
+    pub(crate) fn complete(&self, c: OpCompletion) {
+        {
+            let mut st = self.lock();
+            st.pending.remove(&c.op.id);
+            st.done.push(c);
+        }
+        self.stats.completed_ops.fetch_add(1, Ordering::Relaxed);
+        self.cv.notify_all();
+        self.notifier
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .notify();
+    }
+
+    /// Return a completed event to the pool.
+    pub(crate) fn put_event(&self, ev: Event) {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ev);
+    }
+
+    fn snapshot(&self) -> CudaStats {
+        let c = &self.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CudaStats {
+            ops: get(&c.ops),
+            blocks: get(&c.blocks),
+            invalid_blocks: get(&c.invalid_blocks),
+            bytes: get(&c.bytes),
+            runs: get(&c.runs),
+            api_calls: get(&c.api_calls),
+            batch_calls: get(&c.batch_calls),
+            batch_fallbacks: get(&c.batch_fallbacks),
+            completed_ops: get(&c.completed_ops),
+            failed_ops: get(&c.failed_ops),
+            in_flight: self.lock().pending.len(),
+        }
+    }
+}
+
+/// Reads a backend's counters after the backend moved into a driver.
+#[derive(Clone)]
+pub struct CudaStatsHandle {
+    shared: Arc<Shared>,
+}
+
+impl CudaStatsHandle {
+    /// The counters now.
+    pub fn snapshot(&self) -> CudaStats {
+        self.shared.snapshot()
+    }
+}
+
+impl std::fmt::Debug for CudaStatsHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.snapshot().fmt(f)
+    }
+}
+
+/// Copies KV blocks between engine memory on one CUDA device and pinned host buffers.
+pub struct CudaBackend {
+    cfg: CudaBackendConfig,
+    device: CudaDevice,
+    layout: KvLayout,
+    pinned: PinnedRanges,
+    /// `[loads (HtoD), stores (DtoH)]`.
+    lanes: [Arc<Lane>; 2],
+    shared: Arc<Shared>,
+    batch: AtomicBool,
+    completers: Vec<JoinHandle<()>>,
+}
+
+impl CudaBackend {
+    /// A backend over `layout`, whose regions must all be memory of `device`.
+    ///
+    /// # Safety
+    /// Every region of `layout` must be device memory of `device` (in its primary context),
+    /// valid for reads and writes for as long as this backend lives (it drains its copies when
+    /// dropped), and the caller must not read or write a block while an op naming it is
+    /// outstanding: wait for the task's report or a fence, as with kvx-core's `HostBackend`.
+    /// The engine must also have finished the kernels that wrote a block before storing it
+    /// (the backend's streams do not order against the engine's streams).
+    pub unsafe fn new(
+        device: &CudaDevice,
+        layout: KvLayout,
+        cfg: CudaBackendConfig,
+    ) -> Result<CudaBackend, CudaError> {
+        cfg.validate()?;
+        check_layout(&layout, device.ordinal())?;
+        let ctx = device.ctx().clone();
+        let lanes = [
+            Arc::new(Lane::new(Stream::new(ctx.clone())?)),
+            Arc::new(Lane::new(Stream::new(ctx.clone())?)),
+        ];
+        let batch = cfg.batch == BatchMode::Auto && ctx.batch_copy();
+        let mut backend = CudaBackend {
+            cfg,
+            device: device.clone(),
+            layout,
+            pinned: PinnedRanges::default(),
+            lanes,
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                cv: Condvar::new(),
+                notifier: Mutex::new(Notifier::noop()),
+                events: Mutex::new(Vec::new()),
+                stats: Counters::default(),
+            }),
+            batch: AtomicBool::new(batch),
+            completers: Vec::new(),
+        };
+        for (lane, what) in backend.lanes.iter().zip(["load", "store"]) {
+            let (lane, shared, ctx) = (lane.clone(), backend.shared.clone(), ctx.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("kvx-cuda-{what}"))
+                .spawn(move || lane::run(lane, shared, ctx))
+                .map_err(|e| CudaError::Spawn {
+                    what: format!("the kvx-cuda {what} completer"),
+                    reason: e.to_string(),
+                })?;
+            backend.completers.push(handle);
+        }
+        Ok(backend)
+    }
+
+    /// Create a pinned pool on this backend's device and accept it.
+    pub fn pinned_pool(&mut self, count: usize, buf_size: usize) -> Result<PinnedPool, CudaError> {
+        let pool = self.device.pinned_pool(count, buf_size)?;
+        self.accept_pool(&pool);
+        Ok(pool)
+    }
+
+    /// Let ops use buffers of `pool` (e.g. a host tier's pool shared with other backends). The
+    /// backend keeps the pool's registration alive until it is dropped.
+    pub fn accept_pool(&mut self, pool: &PinnedPool) {
+        self.pinned.add(pool.registration());
+    }
+
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The engine layout this backend serves.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Whether ops are submitted with one batched call (config allows it and the driver has it).
+    pub fn batching(&self) -> bool {
+        self.batch.load(Ordering::Relaxed)
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> CudaStats {
+        self.shared.snapshot()
+    }
+
+    /// A handle to read the counters later (e.g. after the backend moved into a driver).
+    pub fn stats_handle(&self) -> CudaStatsHandle {
+        CudaStatsHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    fn ctx(&self) -> &Arc<Ctx> {
+        self.device.ctx()
+    }
+
+    fn take_event(&self) -> Result<Event, CudaError> {
+        let pooled = self
+            .shared
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        match pooled {
+            Some(ev) => Ok(ev),
+            None => Event::new(self.ctx().clone()),
+        }
+    }
+
+    /// Check one block; returns its engine block and the host address of its buffer.
+    fn check_block(
+        &self,
+        dir: Direction,
+        b: &mut OpBlock,
+        seen: &mut FxHashSet<EngineBlockId>,
+    ) -> Result<(EngineBlockId, usize), BlockError> {
+        let bb = self.layout.block_bytes();
+        let engine = b
+            .engine
+            .ok_or_else(|| BlockError::Invalid("a CUDA op block names no engine block".into()))?;
+        self.layout
+            .check(engine)
+            .map_err(|e| BlockError::Invalid(e.to_string()))?;
+        let addr = match (dir, &mut b.buf) {
+            (Direction::Load, buf) => {
+                if buf.len() < bb {
+                    return Err(BlockError::Invalid(format!(
+                        "source buffer holds {} bytes, block {engine} needs {bb}",
+                        buf.len()
+                    )));
+                }
+                buf.as_slice().as_ptr() as usize
+            }
+            (Direction::Store, Buf::Owned(buf)) => {
+                if buf.capacity() < bb {
+                    return Err(BlockError::Invalid(format!(
+                        "destination buffer holds {} bytes, block {engine} needs {bb}",
+                        buf.capacity()
+                    )));
+                }
+                buf.set_len(bb);
+                buf.as_mut_ptr() as usize
+            }
+            (Direction::Store, Buf::Shared(_)) => {
+                return Err(BlockError::Invalid(format!(
+                    "store of block {engine} needs an owned destination buffer"
+                )));
+            }
+        };
+        if !self.pinned.contains(addr, bb) {
+            return Err(BlockError::Invalid(format!(
+                "buffer of block {engine} is not pinned memory accepted by backend {} \
+                 (use CudaBackend::pinned_pool or accept_pool)",
+                self.cfg.name
+            )));
+        }
+        if !seen.insert(engine) {
+            return Err(BlockError::Invalid(format!(
+                "block {engine} appears twice in one op"
+            )));
+        }
+        Ok((engine, addr))
+    }
+}
+
+fn check_layout(layout: &KvLayout, ordinal: u32) -> Result<(), CudaError> {
+    for (i, r) in layout.regions().iter().enumerate() {
+        if r.kind != MemoryKind::Cuda(ordinal) {
+            return Err(CudaError::BadLayout(format!(
+                "region {i} is {:?} memory; this backend copies to and from CUDA device {ordinal}",
+                r.kind
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    fn touches_engine_memory(&self) -> bool {
+        true
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        *self
+            .shared
+            .notifier
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = notifier;
+    }
+
+    fn submit(&mut self, mut op: Op) -> Result<(), SubmitError> {
+        let in_flight = self.shared.lock().pending.len();
+        if in_flight >= self.cfg.max_inflight_ops {
+            return Err(SubmitError {
+                op,
+                kind: SubmitErrorKind::Busy(format!(
+                    "{in_flight} CUDA ops in flight (max_inflight_ops)"
+                )),
+            });
+        }
+        let event = match self.ctx().bind().and_then(|()| self.take_event()) {
+            Ok(ev) => ev,
+            Err(e) => {
+                return Err(SubmitError {
+                    op,
+                    kind: SubmitErrorKind::Unavailable(e.to_string()),
+                });
+            }
+        };
+        let dir = op.dir;
+        let mut seen = FxHashSet::default();
+        let mut results = Vec::with_capacity(op.blocks.len());
+        let mut targets = Vec::with_capacity(op.blocks.len());
+        let mut target_pos = Vec::with_capacity(op.blocks.len());
+        for (i, b) in op.blocks.iter_mut().enumerate() {
+            let r = self.check_block(dir, b, &mut seen);
+            if let Ok(t) = r {
+                targets.push(t);
+                target_pos.push(i);
+            }
+            results.push(r.map(|_| ()));
+        }
+        let stats = &self.shared.stats;
+        stats.ops.fetch_add(1, Ordering::Relaxed);
+        stats
+            .blocks
+            .fetch_add(op.blocks.len() as u64, Ordering::Relaxed);
+        stats
+            .invalid_blocks
+            .fetch_add((op.blocks.len() - targets.len()) as u64, Ordering::Relaxed);
+        let runs = match plan::plan(&self.layout, &targets) {
+            Ok(runs) => runs,
+            Err(e) => {
+                // Unreachable in practice (each block was checked), but never lose the op.
+                for &i in &target_pos {
+                    results[i] = Err(BlockError::Invalid(e.to_string()));
+                }
+                Vec::new()
+            }
+        };
+        self.shared.lock().pending.insert(op.id);
+        if runs.is_empty() {
+            self.shared.put_event(event);
+            self.shared.complete(OpCompletion { op, results });
+            return Ok(());
+        }
+        let (lane, copy_dir) = match dir {
+            Direction::Load => (&self.lanes[0], CopyDir::HtoD),
+            Direction::Store => (&self.lanes[1], CopyDir::DtoH),
+        };
+        // SAFETY: every run comes from a block that passed `check_block`: its host range is
+        // inside a pinned registration this backend holds, in a buffer owned by `op`, which
+        // stays in this backend (lane queue, then the completer) until the event recorded
+        // below completed; a store's destination is an exclusively owned buffer. Device ranges
+        // are segments of `layout`, which the caller of the unsafe `new` vouched for.
+        let enqueued = unsafe {
+            stream::enqueue(
+                self.ctx(),
+                &lane.stream,
+                copy_dir,
+                &runs,
+                &self.batch,
+                self.cfg.min_batch_runs,
+            )
+        };
+        match enqueued {
+            Ok(calls) => {
+                stats.runs.fetch_add(runs.len() as u64, Ordering::Relaxed);
+                stats.bytes.fetch_add(
+                    runs.iter().map(|r| r.len as u64).sum::<u64>(),
+                    Ordering::Relaxed,
+                );
+                stats
+                    .api_calls
+                    .fetch_add(calls.api_calls, Ordering::Relaxed);
+                stats
+                    .batch_calls
+                    .fetch_add(calls.batch_calls, Ordering::Relaxed);
+                stats
+                    .batch_fallbacks
+                    .fetch_add(calls.batch_fallbacks, Ordering::Relaxed);
+            }
+            Err(e) => {
+                // Some runs may be queued already: the op still waits for its event below.
+                stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+                let msg = format!("queueing the CUDA copy failed: {e}");
+                for &i in &target_pos {
+                    results[i] = Err(BlockError::Io(msg.clone()));
+                }
+            }
+        }
+        let event = match event.record(&lane.stream) {
+            Ok(()) => Some(event),
+            Err(e) => {
+                tracing::warn!(error = %e, op = %op.id, "cuEventRecord failed; the completer will synchronise the stream");
+                None
+            }
+        };
+        lane.push(InFlight { op, results, event });
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<OpCompletion>) {
+        out.append(&mut self.shared.lock().done);
+    }
+
+    fn cancel(&mut self, op: OpId) {
+        // A queued DMA cannot be withdrawn; the op completes when its event does.
+        tracing::debug!(%op, "kvx-cuda: cancel is a no-op (CUDA copies cannot be cancelled)");
+    }
+
+    fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
+        let mut st = self.shared.lock();
+        loop {
+            if ops.iter().all(|o| !st.pending.contains(o)) {
+                return WaitOutcome::Completed;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return WaitOutcome::TimedOut;
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Completers drain their queues (every event waited for) before exiting, so streams,
+        // events and pinned registrations are released only after the last copy finished.
+        for lane in &self.lanes {
+            lane.shutdown();
+        }
+        for h in self.completers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("name", &self.cfg.name)
+            .field("device", &self.device)
+            .field("batching", &self.batching())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvx_core::Region;
+
+    #[test]
+    fn host_or_foreign_device_regions_are_rejected() {
+        let cuda0 = KvLayout::contiguous(0x1000, MemoryKind::Cuda(0), 64, 4).unwrap();
+        assert!(check_layout(&cuda0, 0).is_ok());
+        assert!(matches!(
+            check_layout(&cuda0, 1),
+            Err(CudaError::BadLayout(_))
+        ));
+        let mixed = KvLayout::new(
+            vec![
+                Region {
+                    base: 0x1000,
+                    kind: MemoryKind::Cuda(0),
+                    stride: 64,
+                    segment_len: 64,
+                },
+                Region {
+                    base: 0x9000,
+                    kind: MemoryKind::Host,
+                    stride: 64,
+                    segment_len: 64,
+                },
+            ],
+            4,
+        )
+        .unwrap();
+        let err = check_layout(&mixed, 0).unwrap_err();
+        assert!(err.to_string().contains("region 1"), "{err}");
+    }
+}

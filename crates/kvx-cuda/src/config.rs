@@ -1,0 +1,91 @@
+//! Settings of the CUDA backend.
+
+use crate::error::CudaError;
+
+/// How runs left after coalescing are submitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchMode {
+    /// One `cuMemcpyBatchAsync` per op where the driver has it (12.8+), else one call per run.
+    Auto,
+    /// Always one `cuMemcpy*Async` call per run (for comparison and old drivers).
+    Never,
+}
+
+/// Settings of [`crate::CudaBackend`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaBackendConfig {
+    /// Name in logs and errors (default `cuda`).
+    pub name: String,
+    /// Ops in flight at once (both directions); past it `submit` refuses with `Busy`
+    /// (default 1024). Bounds the driver's queue so `submit` never blocks on a full push buffer.
+    pub max_inflight_ops: usize,
+    /// Batched or per-run copies (default `Auto`).
+    pub batch: BatchMode,
+    /// Fewest runs for which a batch call is used; fewer go one call each (default 2).
+    pub min_batch_runs: usize,
+}
+
+impl Default for CudaBackendConfig {
+    fn default() -> Self {
+        CudaBackendConfig {
+            name: "cuda".into(),
+            max_inflight_ops: 1024,
+            batch: BatchMode::Auto,
+            min_batch_runs: 2,
+        }
+    }
+}
+
+impl CudaBackendConfig {
+    /// Reject settings that make no sense.
+    pub fn validate(&self) -> Result<(), CudaError> {
+        if self.name.trim().is_empty() {
+            return Err(CudaError::BadConfig("the backend name is empty".into()));
+        }
+        if self.max_inflight_ops == 0 {
+            return Err(CudaError::BadConfig(
+                "max_inflight_ops is 0: the backend could never accept an op".into(),
+            ));
+        }
+        if self.min_batch_runs == 0 {
+            return Err(CudaError::BadConfig(
+                "min_batch_runs is 0; use 1 to batch every op, or BatchMode::Never".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_nonsense_is_rejected() {
+        assert!(CudaBackendConfig::default().validate().is_ok());
+        let bad = [
+            CudaBackendConfig {
+                name: " ".into(),
+                ..Default::default()
+            },
+            CudaBackendConfig {
+                max_inflight_ops: 0,
+                ..Default::default()
+            },
+            CudaBackendConfig {
+                min_batch_runs: 0,
+                ..Default::default()
+            },
+        ];
+        for cfg in bad {
+            let err = cfg.validate().unwrap_err();
+            assert!(matches!(err, CudaError::BadConfig(_)), "{cfg:?} gave {err}");
+        }
+        let one = CudaBackendConfig {
+            min_batch_runs: 1,
+            batch: BatchMode::Never,
+            ..Default::default()
+        };
+        assert!(one.validate().is_ok());
+    }
+}

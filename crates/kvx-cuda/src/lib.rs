@@ -1,0 +1,91 @@
+//! kvx-cuda: a kvx-core [`Backend`](kvx_core::Backend) that copies KV blocks between engine
+//! memory on a CUDA device and page-locked host buffers, on one stream per direction, each op
+//! tracked by a CUDA event.
+//!
+//! Store engine block 3 into a pinned buffer and load it back into block 5 (needs a GPU; on a
+//! machine without CUDA, `CudaDevice::open` returns [`CudaError::NoCuda`] instead of panicking):
+//!
+//! ```no_run
+//! use std::time::{Duration, Instant};
+//! use kvx_core::*;
+//! use kvx_cuda::{CudaBackend, CudaBackendConfig, CudaDevice};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let device = CudaDevice::open(0)?;
+//! let block = 2 << 20;
+//! let engine = device.alloc(64 * block)?; // stands in for the engine's KV cache
+//! let layout = KvLayout::contiguous(engine.ptr() as usize, MemoryKind::Cuda(0), block, 64)?;
+//! // SAFETY: `engine` outlives the driver; no block is touched while a task on it runs.
+//! let mut gpu = unsafe { CudaBackend::new(&device, layout, CudaBackendConfig::default())? };
+//! let pool = gpu.pinned_pool(8, block)?; // the op buffers must be pinned
+//!
+//! let mut b = DriverBuilder::new(DriverConfig::default());
+//! let gpu = b.backend(Box::new(gpu));
+//! let driver = b.spawn()?;
+//! let soon = || Instant::now() + Duration::from_secs(2);
+//! let key = BlockKey::chain(None, b"tokens");
+//! let store = driver.submit(TaskSpec {
+//!     request: RequestId(1), dir: Direction::Store, route: vec![gpu],
+//!     blocks: vec![OpBlock { key, engine: Some(EngineBlockId(3)), buf: Buf::Owned(pool.take().unwrap()) }],
+//!     deadline: soon(), deferred: false,
+//! })?;
+//! let report = driver.wait_report(store, soon()).expect("store report");
+//! let buf = report.blocks.into_iter().next().unwrap().buf.unwrap();
+//! let load = driver.submit(TaskSpec {
+//!     request: RequestId(1), dir: Direction::Load, route: vec![gpu],
+//!     blocks: vec![OpBlock { key, engine: Some(EngineBlockId(5)), buf }],
+//!     deadline: soon(), deferred: false,
+//! })?;
+//! assert!(driver.wait_report(load, soon()).expect("load report").is_ok());
+//! # Ok(()) }
+//! ```
+//!
+//! # How it works
+//!
+//! - **Loading CUDA.** cudarc with `dynamic-loading`: the crate builds without CUDA, and
+//!   [`CudaDevice::open`] checks that `libcuda` loads and has every symbol used before the first
+//!   driver call (cudarc panics otherwise), returning [`CudaError::NoCuda`] /
+//!   [`CudaError::MissingSymbol`] / [`CudaError::NoDevice`].
+//! - **CUDA version feature: `cuda-12080`.** It is the oldest of cudarc's bindings that declare
+//!   `cuMemcpyBatchAsync` (CUDA 12.8, r570 drivers), which turns the runs of an op into one
+//!   call. Everything else called here exists since CUDA 11 or earlier, and symbols are resolved
+//!   at run time, so older drivers work too: batching is used only when the driver reports
+//!   ≥ 12080 **and** the symbol resolves (looked up without calling cudarc's panicking loader);
+//!   otherwise each run is one `cuMemcpy*Async` call. A batch call that fails is redone run by
+//!   run and batching is switched off.
+//! - **Pinned memory.** [`PinnedPool`] is a kvx-core `BufferPool` whose buffers are registered
+//!   with `cuMemHostRegister`, so the op's own buffers are what the DMA reads or writes; see
+//!   `pinned.rs` for the ownership rule. Ops with buffers outside accepted pools fail per block.
+//! - **Scatter/gather.** [`plan`] sorts an op's segments by device address and merges runs that
+//!   are contiguous on both sides; the rest go in one batched call.
+//! - **Completion.** One non-blocking stream per direction; an event (blocking-sync, no timing)
+//!   is recorded after each op; a completer thread per stream sleeps on the events in order,
+//!   completes the ops and calls the driver's Notifier. `poll` never blocks; `wait` sleeps on a
+//!   condition variable until the named ops' events completed (the preemption flush).
+//! - **Deadlines.** Kept by kvx-core's tracker. A copy cannot be cancelled: an op whose task timed
+//!   out keeps its buffers (a zombie, quarantined) until its event completed; only then does the
+//!   backend give them back.
+//!
+//! # As a tier
+//!
+//! A GPU tier is this backend on a route: a store to host is `[cuda]` with pinned buffers from
+//! [`PinnedPool`]; a load from a file is `[posix, cuda]` when the file backend fills buffers of
+//! a pool the CUDA backend accepted ([`CudaBackend::accept_pool`]).
+#![warn(missing_docs)]
+
+mod backend;
+pub mod bench;
+mod config;
+mod device;
+mod driver;
+mod error;
+mod pinned;
+pub mod plan;
+mod stream;
+
+pub use backend::{CudaBackend, CudaStats, CudaStatsHandle};
+pub use config::{BatchMode, CudaBackendConfig};
+pub use device::{CudaDevice, DeviceMem};
+pub use driver::cuda_available;
+pub use error::CudaError;
+pub use pinned::{PAGE_SIZE, PinnedPool, validate_pool_shape};
