@@ -1,0 +1,39 @@
+//! Errors of kvx-offload.
+
+use kvx_core::{CoreError, RequestId};
+
+use crate::tier::Tier;
+
+/// What went wrong in kvx-offload.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum OffloadError {
+    /// A tier cannot make room: too many of its blocks are pinned or being stored.
+    #[error("{tier:?} tier has no room: {needed} blocks needed, only {evictable} evictable")]
+    NoRoom {
+        /// The tier.
+        tier: Tier,
+        /// Blocks that had to be evicted.
+        needed: usize,
+        /// Blocks that could be.
+        evictable: usize,
+    },
+    /// A request the connector does not know.
+    #[error("{0} is unknown to the connector")]
+    UnknownRequest(RequestId),
+    /// Engine blocks and keys do not match up.
+    #[error("{request}: {keys} block keys but {blocks} engine blocks")]
+    BlockCountMismatch {
+        /// The request.
+        request: RequestId,
+        /// Keys given.
+        keys: usize,
+        /// Engine blocks given.
+        blocks: usize,
+    },
+    /// Bad configuration.
+    #[error("invalid offload config: {0}")]
+    Config(String),
+    /// The kvx-core driver failed.
+    #[error(transparent)]
+    Core(#[from] CoreError),
+}

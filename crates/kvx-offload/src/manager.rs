@@ -1,0 +1,298 @@
+//! The offload manager (scheduler side): what each tier holds, what may be loaded, what must be
+//! stored, and what to evict. Pure bookkeeping: no I/O, no threads.
+//!
+//! Tiers: a host tier (kvx-owned host memory) and, optionally, a file tier. The file tier is
+//! **written through**: a block stored into the host tier is also written to the file tier
+//! (when new there), so host eviction never has to write anything and a stuck disk never
+//! holds engine memory. Loads read the host tier, else the file tier; a block loaded from a
+//! file is promoted into the host tier, which is how concurrent requests sharing a prefix read
+//! it from disk only once.
+
+use kvx_core::BlockKey;
+use rustc_hash::FxHashMap;
+
+use crate::error::OffloadError;
+use crate::eviction::EvictionKind;
+use crate::tier::{StorePlan, Tier, TierIndex};
+
+/// Answer of [`OffloadManager::lookup`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// The longest present prefix: the tier each of its blocks will be loaded from.
+    Hit(Vec<Tier>),
+    /// A block that would extend the prefix is being stored or promoted: ask again later.
+    Retry,
+}
+
+impl Lookup {
+    /// Number of leading blocks present (0 for `Retry`).
+    pub fn blocks(&self) -> usize {
+        match self {
+            Lookup::Hit(t) => t.len(),
+            Lookup::Retry => 0,
+        }
+    }
+}
+
+/// What a store must do in each tier.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct StoreDecision {
+    /// Keys to copy into the host tier.
+    pub host: Vec<BlockKey>,
+    /// Keys (a subset of `host`) to also write to the file tier.
+    pub file: Vec<BlockKey>,
+    /// Host-tier keys evicted to make room (drop their buffers).
+    pub evicted_host: Vec<BlockKey>,
+    /// File-tier keys evicted to make room (remove their files).
+    pub evicted_file: Vec<BlockKey>,
+}
+
+/// Scheduler-side index of the tiers.
+pub struct OffloadManager {
+    host: TierIndex,
+    file: Option<TierIndex>,
+    /// File-tier keys being loaded (and promoted into the host tier), with a count.
+    promoting: FxHashMap<BlockKey, u32>,
+}
+
+impl OffloadManager {
+    /// A manager with a host tier of `host_blocks` and an optional file tier of `file_blocks`.
+    pub fn new(
+        host_blocks: usize,
+        file_blocks: Option<usize>,
+        kind: EvictionKind,
+    ) -> OffloadManager {
+        OffloadManager {
+            host: TierIndex::new(Tier::Host, host_blocks, kind),
+            file: file_blocks.map(|n| TierIndex::new(Tier::File, n, kind)),
+            promoting: FxHashMap::default(),
+        }
+    }
+
+    /// The host tier's index.
+    pub fn host(&self) -> &TierIndex {
+        &self.host
+    }
+
+    /// The file tier's index, if there is one.
+    pub fn file(&self) -> Option<&TierIndex> {
+        self.file.as_ref()
+    }
+
+    /// Adopt blocks already in the file tier (from its startup scan).
+    pub fn adopt_file_blocks(&mut self, keys: impl IntoIterator<Item = BlockKey>) -> usize {
+        self.file.as_mut().map_or(0, |f| f.adopt(keys))
+    }
+
+    /// Longest prefix of `keys` present in the tiers, or `Retry` when the next block is being
+    /// stored or promoted.
+    pub fn lookup(&self, keys: &[BlockKey]) -> Lookup {
+        let mut tiers = Vec::new();
+        for k in keys {
+            if self.host.is_stored(*k) {
+                tiers.push(Tier::Host);
+            } else if self.promoting.contains_key(k) {
+                return Lookup::Retry;
+            } else if self.file.as_ref().is_some_and(|f| f.is_stored(*k)) {
+                tiers.push(Tier::File);
+            } else if self.host.is_storing(*k)
+                || self.file.as_ref().is_some_and(|f| f.is_storing(*k))
+            {
+                return Lookup::Retry;
+            } else {
+                break;
+            }
+        }
+        Lookup::Hit(tiers)
+    }
+
+    /// Pin `keys` (loaded from `tiers`, as `lookup` said) until `complete_load`.
+    pub fn prepare_load(&mut self, keys: &[BlockKey], tiers: &[Tier]) {
+        for (k, t) in keys.iter().zip(tiers) {
+            match t {
+                Tier::Host => self.host.pin(&[*k]),
+                Tier::File => {
+                    if let Some(f) = self.file.as_mut() {
+                        f.pin(&[*k]);
+                    }
+                    *self.promoting.entry(*k).or_default() += 1;
+                }
+            }
+        }
+    }
+
+    /// A load ended: unpin; blocks that failed verification leave their tier; blocks read from
+    /// files and handed over in `promoted` enter the host tier if it can make room. Returns the
+    /// host keys evicted for them and the promoted keys that did not fit (drop both buffers).
+    pub fn complete_load(
+        &mut self,
+        keys: &[BlockKey],
+        tiers: &[Tier],
+        corrupt: &[BlockKey],
+        promoted: &[BlockKey],
+    ) -> (Vec<BlockKey>, Vec<BlockKey>) {
+        for (k, t) in keys.iter().zip(tiers) {
+            match t {
+                Tier::Host => self.host.unpin(&[*k]),
+                Tier::File => {
+                    if let Some(f) = self.file.as_mut() {
+                        f.unpin(&[*k]);
+                    }
+                    if let Some(n) = self.promoting.get_mut(k) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.promoting.remove(k);
+                        }
+                    }
+                }
+            }
+        }
+        for k in corrupt {
+            self.host.remove(*k);
+            if let Some(f) = self.file.as_mut() {
+                f.remove(*k);
+            }
+        }
+        let fresh: Vec<BlockKey> = promoted
+            .iter()
+            .copied()
+            .filter(|k| !self.host.is_stored(*k))
+            .collect();
+        let mut dropped: Vec<BlockKey> = promoted
+            .iter()
+            .copied()
+            .filter(|k| self.host.is_stored(*k))
+            .collect();
+        match self.host.prepare_store(&fresh) {
+            Ok(plan) => {
+                self.host.complete_store(&plan.new, true);
+                // Keys already being stored by someone else keep that store's buffer.
+                dropped.extend(fresh.iter().copied().filter(|k| !plan.new.contains(k)));
+                (plan.evicted, dropped)
+            }
+            Err(_) => {
+                dropped.extend(fresh);
+                (Vec::new(), dropped)
+            }
+        }
+    }
+
+    /// Mark keys recently used in every tier that holds them.
+    pub fn touch(&mut self, keys: &[BlockKey]) {
+        self.host.touch(keys);
+        if let Some(f) = self.file.as_mut() {
+            f.touch(keys);
+        }
+    }
+
+    /// Decide a store of `keys`: new host blocks (evicting LRU/ARC victims atomically), and the
+    /// subset also new to the file tier. If the host tier cannot make room nothing is stored.
+    pub fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<StoreDecision, OffloadError> {
+        let StorePlan { new, evicted } = self.host.prepare_store(keys)?;
+        let mut d = StoreDecision {
+            host: new,
+            evicted_host: evicted,
+            ..Default::default()
+        };
+        if let Some(f) = self.file.as_mut() {
+            let candidates: Vec<BlockKey> = d
+                .host
+                .iter()
+                .copied()
+                .filter(|k| !f.is_stored(*k) && !f.is_storing(*k))
+                .collect();
+            match f.prepare_store(&candidates) {
+                Ok(plan) => {
+                    d.file = plan.new;
+                    d.evicted_file = plan.evicted;
+                }
+                Err(e) => tracing::debug!(error = %e, "file tier full: store stays host-only"),
+            }
+        }
+        Ok(d)
+    }
+
+    /// A store into `tier` ended for `keys`.
+    pub fn complete_store(&mut self, tier: Tier, keys: &[BlockKey], success: bool) {
+        match tier {
+            Tier::Host => self.host.complete_store(keys, success),
+            Tier::File => {
+                if let Some(f) = self.file.as_mut() {
+                    f.complete_store(keys, success)
+                }
+            }
+        }
+    }
+
+    /// Forget in-flight stores, pins and promotions (after a reset).
+    pub fn reset_in_flight(&mut self) {
+        self.host.reset_in_flight();
+        if let Some(f) = self.file.as_mut() {
+            f.reset_in_flight();
+        }
+        self.promoting.clear();
+    }
+
+    /// True when no load or store is in flight in the index.
+    pub fn is_quiet(&self) -> bool {
+        self.promoting.is_empty()
+            && self.host.total_pins() == 0
+            && self.host.storing() == 0
+            && self
+                .file
+                .as_ref()
+                .is_none_or(|f| f.total_pins() == 0 && f.storing() == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u128) -> BlockKey {
+        BlockKey(i)
+    }
+
+    #[test]
+    fn lookup_prefers_host_then_file_and_stops_at_a_gap() {
+        let mut m = OffloadManager::new(4, Some(8), EvictionKind::Lru);
+        let d = m.prepare_store(&[k(1), k(2)]).unwrap();
+        assert_eq!(d.file, vec![k(1), k(2)]);
+        assert_eq!(m.lookup(&[k(1), k(2)]), Lookup::Retry, "stores in flight");
+        m.complete_store(Tier::Host, &[k(1)], true);
+        m.complete_store(Tier::File, &[k(1), k(2)], true);
+        m.complete_store(Tier::Host, &[k(2)], false);
+        assert_eq!(
+            m.lookup(&[k(1), k(2), k(3)]),
+            Lookup::Hit(vec![Tier::Host, Tier::File])
+        );
+    }
+
+    #[test]
+    fn promotion_in_flight_makes_others_wait_then_hit_host() {
+        let mut m = OffloadManager::new(4, Some(8), EvictionKind::Lru);
+        m.adopt_file_blocks([k(1), k(2)]);
+        let Lookup::Hit(tiers) = m.lookup(&[k(1), k(2)]) else {
+            panic!()
+        };
+        m.prepare_load(&[k(1), k(2)], &tiers);
+        assert_eq!(m.lookup(&[k(1)]), Lookup::Retry);
+        let (evicted, dropped) = m.complete_load(&[k(1), k(2)], &tiers, &[], &[k(1), k(2)]);
+        assert!(evicted.is_empty() && dropped.is_empty());
+        assert_eq!(
+            m.lookup(&[k(1), k(2)]),
+            Lookup::Hit(vec![Tier::Host, Tier::Host])
+        );
+        assert!(m.is_quiet());
+    }
+
+    #[test]
+    fn corrupt_blocks_leave_the_index() {
+        let mut m = OffloadManager::new(4, Some(8), EvictionKind::Lru);
+        m.adopt_file_blocks([k(1), k(2)]);
+        let tiers = vec![Tier::File, Tier::File];
+        m.prepare_load(&[k(1), k(2)], &tiers);
+        m.complete_load(&[k(1), k(2)], &tiers, &[k(2)], &[k(1)]);
+        assert_eq!(m.lookup(&[k(1), k(2)]), Lookup::Hit(vec![Tier::Host]));
+    }
+}

@@ -1,0 +1,128 @@
+//! What the scheduler half tells the worker half each step, and what comes back.
+
+use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
+use kvx_policy::LoadDecision;
+
+use crate::tier::Tier;
+
+/// A transfer job, numbered by the scheduler half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub u64);
+
+/// One block of a load job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadBlock {
+    /// Content key.
+    pub key: BlockKey,
+    /// Engine block to fill.
+    pub engine: EngineBlockId,
+    /// Tier to read it from.
+    pub tier: Tier,
+}
+
+/// Load a request's leading blocks from the tiers into engine blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadJob {
+    /// Job id.
+    pub job: JobId,
+    /// Request.
+    pub request: RequestId,
+    /// Blocks in prefix order.
+    pub blocks: Vec<LoadBlock>,
+}
+
+/// Store engine blocks into the host tier, and write the new ones through to the file tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreJob {
+    /// Job id.
+    pub job: JobId,
+    /// Request.
+    pub request: RequestId,
+    /// Blocks to copy out of engine memory.
+    pub blocks: Vec<(BlockKey, EngineBlockId)>,
+    /// Keys (among `blocks`) to also write to the file tier.
+    pub write_file: Vec<BlockKey>,
+}
+
+/// Per-step instructions from the scheduler half to the worker half.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepMeta {
+    /// Loads to start now.
+    pub loads: Vec<LoadJob>,
+    /// Stores to queue (submitted at the start of the next step).
+    pub stores: Vec<StoreJob>,
+    /// Requests preempted this step.
+    pub preempted: Vec<RequestId>,
+    /// Requests that finished this step.
+    pub finished: Vec<RequestId>,
+    /// Host-tier blocks to drop.
+    pub evict_host: Vec<BlockKey>,
+    /// File-tier blocks to remove.
+    pub evict_file: Vec<BlockKey>,
+    /// After a reset: the only host-tier keys to keep.
+    pub retain_host: Option<Vec<BlockKey>>,
+    /// No request remains: submit everything queued now.
+    pub flush: bool,
+}
+
+/// What a finished job was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobKind {
+    /// A load into engine memory.
+    Load,
+    /// The host-tier part of a store.
+    StoreHost,
+    /// The file-tier part of a store (write-through).
+    StoreFile,
+}
+
+/// The outcome of one job (or one part of a store job).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobResult {
+    /// Job id.
+    pub job: JobId,
+    /// Request.
+    pub request: RequestId,
+    /// Which part.
+    pub kind: JobKind,
+    /// Keys that made it.
+    pub ok: Vec<BlockKey>,
+    /// Keys that did not, and why.
+    pub failed: Vec<(BlockKey, BlockError)>,
+    /// Loads only: keys read from files now held in host memory (to enter the host tier).
+    pub promoted: Vec<BlockKey>,
+}
+
+/// What the worker half reports after a step (`get_finished`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkerOutput {
+    /// Finished requests that may free their blocks now.
+    pub finished_sending: Vec<RequestId>,
+    /// Requests whose load ended (see `decisions` for those that did not fully load).
+    pub finished_recving: Vec<RequestId>,
+    /// Engine blocks whose contents are not valid after a load.
+    pub invalid_blocks: Vec<EngineBlockId>,
+    /// The failure-policy decision for each request whose load was incomplete.
+    pub decisions: Vec<(RequestId, LoadDecision)>,
+    /// Job outcomes, for the scheduler half.
+    pub jobs: Vec<JobResult>,
+}
+
+impl WorkerOutput {
+    /// True when nothing happened.
+    pub fn is_empty(&self) -> bool {
+        self.finished_sending.is_empty()
+            && self.finished_recving.is_empty()
+            && self.invalid_blocks.is_empty()
+            && self.jobs.is_empty()
+    }
+
+    /// Append another output.
+    pub fn merge(&mut self, o: WorkerOutput) {
+        self.finished_sending.extend(o.finished_sending);
+        self.finished_recving.extend(o.finished_recving);
+        self.invalid_blocks.extend(o.invalid_blocks);
+        self.decisions.extend(o.decisions);
+        self.jobs.extend(o.jobs);
+    }
+}

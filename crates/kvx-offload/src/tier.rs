@@ -1,0 +1,302 @@
+//! The index of one tier: which blocks it holds, which are being stored, which are pinned by a
+//! load, and the eviction order over the rest.
+
+use kvx_core::BlockKey;
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::{Deserialize, Serialize};
+
+use crate::error::OffloadError;
+use crate::eviction::{EvictionKind, EvictionOrder, new_order};
+
+/// A tier below engine memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Tier {
+    /// kvx-owned host memory.
+    Host,
+    /// Files (kvx-posix).
+    File,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    stored: bool,
+    pins: u32,
+}
+
+/// What `prepare_store` decided.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct StorePlan {
+    /// Keys to store now (they were absent; now marked "being stored").
+    pub new: Vec<BlockKey>,
+    /// Keys evicted to make room (already gone from the index).
+    pub evicted: Vec<BlockKey>,
+}
+
+/// Index of one tier.
+pub struct TierIndex {
+    tier: Tier,
+    capacity: usize,
+    entries: FxHashMap<BlockKey, Entry>,
+    order: Box<dyn EvictionOrder>,
+}
+
+impl TierIndex {
+    /// An empty tier of `capacity` blocks.
+    pub fn new(tier: Tier, capacity: usize, kind: EvictionKind) -> TierIndex {
+        TierIndex {
+            tier,
+            capacity,
+            entries: FxHashMap::default(),
+            order: new_order(kind, capacity),
+        }
+    }
+
+    /// Capacity in blocks.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Blocks held or being stored.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// True when `key` is fully stored here.
+    pub fn is_stored(&self, key: BlockKey) -> bool {
+        self.entries.get(&key).is_some_and(|e| e.stored)
+    }
+
+    /// True when a store of `key` into this tier is in flight.
+    pub fn is_storing(&self, key: BlockKey) -> bool {
+        self.entries.get(&key).is_some_and(|e| !e.stored)
+    }
+
+    /// Pins held on `key` by loads.
+    pub fn pins(&self, key: BlockKey) -> u32 {
+        self.entries.get(&key).map_or(0, |e| e.pins)
+    }
+
+    /// Total pins (0 when no load is in flight).
+    pub fn total_pins(&self) -> u64 {
+        self.entries.values().map(|e| e.pins as u64).sum()
+    }
+
+    /// Blocks being stored.
+    pub fn storing(&self) -> usize {
+        self.entries.values().filter(|e| !e.stored).count()
+    }
+
+    /// Mark absent keys as being stored, evicting unpinned stored blocks if needed. Atomic:
+    /// if there is not enough room, nothing changes and an error says how much was missing.
+    pub fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<StorePlan, OffloadError> {
+        let mut seen = FxHashSet::default();
+        let new: Vec<BlockKey> = keys
+            .iter()
+            .copied()
+            .filter(|k| !self.entries.contains_key(k) && seen.insert(*k))
+            .collect();
+        let need = (self.entries.len() + new.len()).saturating_sub(self.capacity);
+        let evicted = if need > 0 {
+            let entries = &self.entries;
+            let protected = &seen;
+            let v = self.order.victims(need, &|k| {
+                !protected.contains(&k) && entries.get(&k).is_some_and(|e| e.stored && e.pins == 0)
+            });
+            if v.len() < need {
+                return Err(OffloadError::NoRoom {
+                    tier: self.tier,
+                    needed: need,
+                    evictable: v.len(),
+                });
+            }
+            v
+        } else {
+            Vec::new()
+        };
+        for k in &evicted {
+            self.entries.remove(k);
+            self.order.remove(*k);
+        }
+        for k in &new {
+            self.entries.insert(
+                *k,
+                Entry {
+                    stored: false,
+                    pins: 0,
+                },
+            );
+        }
+        Ok(StorePlan { new, evicted })
+    }
+
+    /// A store of `keys` ended: they become visible on success, vanish on failure. Keys that
+    /// are not being stored (e.g. after a reset) are ignored.
+    pub fn complete_store(&mut self, keys: &[BlockKey], success: bool) {
+        for k in keys {
+            if let Some(e) = self.entries.get_mut(k)
+                && !e.stored
+            {
+                if success {
+                    e.stored = true;
+                    self.order.insert(*k);
+                } else if e.pins == 0 {
+                    self.entries.remove(k);
+                }
+            }
+        }
+    }
+
+    /// Pin stored keys against eviction (a load reads them).
+    pub fn pin(&mut self, keys: &[BlockKey]) {
+        for k in keys {
+            if let Some(e) = self.entries.get_mut(k) {
+                e.pins += 1;
+                self.order.touch(*k);
+            }
+        }
+    }
+
+    /// Release pins taken by `pin`.
+    pub fn unpin(&mut self, keys: &[BlockKey]) {
+        for k in keys {
+            if let Some(e) = self.entries.get_mut(k) {
+                e.pins = e.pins.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Mark keys recently used.
+    pub fn touch(&mut self, keys: &[BlockKey]) {
+        for k in keys {
+            if self.is_stored(*k) {
+                self.order.touch(*k);
+            }
+        }
+    }
+
+    /// Drop `key` (e.g. it failed verification on load). Pinned keys stay until unpinned.
+    pub fn remove(&mut self, key: BlockKey) -> bool {
+        match self.entries.get(&key) {
+            Some(e) if e.pins == 0 => {
+                self.entries.remove(&key);
+                self.order.remove(key);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Insert already-stored keys (a startup scan of a file tier), up to capacity; returns how
+    /// many were taken.
+    pub fn adopt(&mut self, keys: impl IntoIterator<Item = BlockKey>) -> usize {
+        let mut n = 0;
+        for k in keys {
+            if self.entries.len() >= self.capacity {
+                break;
+            }
+            if self
+                .entries
+                .insert(
+                    k,
+                    Entry {
+                        stored: true,
+                        pins: 0,
+                    },
+                )
+                .is_none()
+            {
+                self.order.insert(k);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Every stored key.
+    pub fn stored_keys(&self) -> Vec<BlockKey> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.stored)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Forget in-flight stores and pins (after a reset); stored blocks stay.
+    pub fn reset_in_flight(&mut self) {
+        self.entries.retain(|_, e| e.stored);
+        for e in self.entries.values_mut() {
+            e.pins = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(r: std::ops::Range<u128>) -> Vec<BlockKey> {
+        r.map(BlockKey).collect()
+    }
+
+    #[test]
+    fn store_skips_present_and_evicts_lru() {
+        let mut t = TierIndex::new(Tier::Host, 3, EvictionKind::Lru);
+        let p = t.prepare_store(&keys(0..3)).unwrap();
+        assert_eq!(p.new.len(), 3);
+        assert!(t.is_storing(BlockKey(0)));
+        t.complete_store(&keys(0..3), true);
+        t.touch(&[BlockKey(0)]);
+        let p = t.prepare_store(&keys(2..4)).unwrap();
+        assert_eq!(p.new, vec![BlockKey(3)]);
+        assert_eq!(p.evicted, vec![BlockKey(1)]);
+        assert!(!t.is_stored(BlockKey(1)));
+    }
+
+    #[test]
+    fn prepare_store_is_atomic_when_no_room() {
+        let mut t = TierIndex::new(Tier::File, 2, EvictionKind::Lru);
+        t.prepare_store(&keys(0..2)).unwrap();
+        t.complete_store(&keys(0..2), true);
+        t.pin(&[BlockKey(0)]);
+        let err = t.prepare_store(&keys(5..7)).unwrap_err();
+        assert!(matches!(
+            err,
+            OffloadError::NoRoom {
+                needed: 2,
+                evictable: 1,
+                ..
+            }
+        ));
+        assert!(
+            t.is_stored(BlockKey(0)) && t.is_stored(BlockKey(1)),
+            "nothing changed"
+        );
+        assert!(!t.is_storing(BlockKey(5)));
+        t.unpin(&[BlockKey(0)]);
+        assert_eq!(t.prepare_store(&keys(5..7)).unwrap().evicted.len(), 2);
+    }
+
+    #[test]
+    fn keys_being_stored_are_not_evicted_and_failures_vanish() {
+        let mut t = TierIndex::new(Tier::Host, 2, EvictionKind::Arc);
+        t.prepare_store(&keys(0..2)).unwrap();
+        assert!(
+            t.prepare_store(&keys(2..3)).is_err(),
+            "both are being stored"
+        );
+        t.complete_store(&[BlockKey(0)], false);
+        assert_eq!(t.len(), 1);
+        t.complete_store(&[BlockKey(1)], true);
+        assert!(t.is_stored(BlockKey(1)));
+        t.complete_store(&[BlockKey(1)], false);
+        assert!(
+            t.is_stored(BlockKey(1)),
+            "a late failure does not undo a stored block"
+        );
+    }
+}
