@@ -122,7 +122,7 @@ pub(crate) enum CopyDir {
 }
 
 /// Driver calls one `enqueue` made.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct Calls {
     /// Copy calls issued (a batch counts one).
     pub(crate) api_calls: u64,
@@ -130,6 +130,8 @@ pub(crate) struct Calls {
     pub(crate) batch_calls: u64,
     /// Batch calls that failed and were redone run by run.
     pub(crate) batch_fallbacks: u64,
+    /// Why the batch call failed, if it did.
+    pub(crate) batch_error: Option<CudaError>,
 }
 
 /// Queue `runs` on `stream`: one `cuMemcpyBatchAsync` when `batch` allows it and there are at
@@ -162,6 +164,7 @@ pub(crate) unsafe fn enqueue(
                 unsafe { enqueue_each(stream, dir, runs, &mut calls) }?;
                 tracing::warn!(error = %e, "cuMemcpyBatchAsync failed, per-run copies worked: batching disabled");
                 batch.store(false, Ordering::Relaxed);
+                calls.batch_error = Some(e);
                 return Ok(calls);
             }
         }

@@ -234,6 +234,11 @@ fn round_trip(
         runs <= pieces,
         "{name}: more runs ({runs}) than segments ({pieces})"
     );
+    ensure!(
+        after.batch_fallbacks == 0,
+        "{name}: cuMemcpyBatchAsync failed and was redone run by run: {:?}",
+        after.last_batch_error
+    );
     if backend.batching() {
         ensure!(
             calls <= ops,
@@ -243,6 +248,7 @@ fn round_trip(
         ensure!(calls == runs, "{name}: {calls} copy calls for {runs} runs");
     }
     let snap = engine.snapshot()?;
+    let poisoned = vec![poison; bb];
     for b in 0..engine.layout.num_blocks() {
         let b = EngineBlockId(b);
         let got = engine.block_of(&snap, b);
@@ -252,7 +258,7 @@ fn round_trip(
                 "{name}: engine block {b} differs from what was loaded"
             ),
             None => ensure!(
-                got.iter().all(|&x| x == poison),
+                got == poisoned,
                 "{name}: engine block {b} was not in the op but changed"
             ),
         }

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | (always) | [`core`] = `kvx-core` |
 //! | `policy` (default) | [`policy`] = `kvx-policy` |
+//! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA) |
 //!
 //! ```
 //! let key = kvx::core::BlockKey::chain(None, b"tokens of the first block");
@@ -14,5 +15,7 @@
 //! ```
 
 pub use kvx_core as core;
+#[cfg(feature = "cuda")]
+pub use kvx_cuda as cuda;
 #[cfg(feature = "policy")]
 pub use kvx_policy as policy;

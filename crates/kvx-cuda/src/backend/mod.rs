@@ -60,6 +60,8 @@ pub struct CudaStats {
     pub failed_ops: u64,
     /// Ops accepted and not yet completed.
     pub in_flight: usize,
+    /// The last error of a batched copy call (after which batching was switched off).
+    pub last_batch_error: Option<String>,
 }
 
 #[derive(Default)]
@@ -74,6 +76,7 @@ struct Counters {
     batch_fallbacks: AtomicU64,
     completed_ops: AtomicU64,
     failed_ops: AtomicU64,
+    last_batch_error: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -134,6 +137,11 @@ impl Shared {
             completed_ops: get(&c.completed_ops),
             failed_ops: get(&c.failed_ops),
             in_flight: self.lock().pending.len(),
+            last_batch_error: c
+                .last_batch_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
         }
     }
 }
@@ -456,6 +464,12 @@ impl Backend for CudaBackend {
                 stats
                     .batch_fallbacks
                     .fetch_add(calls.batch_fallbacks, Ordering::Relaxed);
+                if let Some(e) = calls.batch_error {
+                    *stats
+                        .last_batch_error
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                }
             }
             Err(e) => {
                 // Some runs may be queued already: the op still waits for its event below.

@@ -1,0 +1,141 @@
+//! `kvx bench cuda [--json]`: the CUDA backend's host<->device copies next to a plain
+//! `cuMemcpyHtoD`/`cuMemcpyDtoH` of the same bytes, measured side by side in one run.
+//!
+//! Without CUDA it prints the reason and exits with status 2.
+
+use clap::Args;
+use kvx_core::Direction;
+use kvx_cuda::bench::{Case, Rig, Sample, measure};
+use kvx_cuda::{BatchMode, CudaDevice, CudaError};
+
+/// Options of `kvx bench cuda`.
+#[derive(Args)]
+pub struct CudaArgs {
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    /// Measured iterations per case and direction (after 3 warm-ups).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+}
+
+/// Run the benchmark; returns the exit code.
+pub fn run(args: CudaArgs) -> i32 {
+    let device = match CudaDevice::open(args.device) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("kvx bench cuda: {e}");
+            return 2;
+        }
+    };
+    match collect(&device, args.iters) {
+        Ok(rows) => {
+            if args.json {
+                println!("{}", to_json(&device, &rows));
+            } else {
+                print_table(&device, &rows);
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("kvx bench cuda: {e}");
+            1
+        }
+    }
+}
+
+/// A measured row; `reference` marks the per-run comparison row (not held to a target).
+struct Row {
+    sample: Sample,
+    reference: bool,
+}
+
+fn collect(device: &CudaDevice, iters: usize) -> Result<Vec<Row>, CudaError> {
+    let mut cases = vec![
+        (Case::Contiguous, BatchMode::Auto),
+        (Case::Scattered, BatchMode::Auto),
+    ];
+    if device.batch_copy_available() {
+        // The same scattered blocks one copy call per run, to show what batching buys.
+        cases.push((Case::Scattered, BatchMode::Never));
+    }
+    let mut out = Vec::new();
+    for (case, batch) in cases {
+        let mut rig = Rig::new(device, case, batch)?;
+        for dir in [Direction::Load, Direction::Store] {
+            out.push(Row {
+                sample: measure(&mut rig, dir, iters)?,
+                reference: batch == BatchMode::Never,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn print_table(device: &CudaDevice, rows: &[Row]) {
+    println!(
+        "kvx bench cuda: {} (device {}, driver {}, cuMemcpyBatchAsync {})",
+        device.name(),
+        device.ordinal(),
+        device.driver_version(),
+        if device.batch_copy_available() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    println!(
+        "{:<25} {:<4} {:<8} {:>9} {:>10} {:>6} {:>7} {:>9}  verdict",
+        "case", "dir", "copies", "kvx GB/s", "plain GB/s", "ratio", "target", "calls/op"
+    );
+    for r in rows {
+        let s = &r.sample;
+        println!(
+            "{:<25} {:<4} {:<8} {:>9.2} {:>10.2} {:>6.2} {:>7.2} {:>9.1}  {}",
+            s.case,
+            s.dir,
+            if s.batched { "batched" } else { "per-run" },
+            s.kvx_gbps,
+            s.plain_gbps,
+            s.ratio,
+            s.target,
+            s.calls_per_op,
+            verdict(r)
+        );
+    }
+}
+
+fn verdict(r: &Row) -> &'static str {
+    if r.reference {
+        "reference: one call per run"
+    } else if r.sample.ratio >= r.sample.target {
+        "ok"
+    } else {
+        "below target"
+    }
+}
+
+fn to_json(device: &CudaDevice, rows: &[Row]) -> serde_json::Value {
+    serde_json::json!({
+        "device": device.name(),
+        "ordinal": device.ordinal(),
+        "driver_version": device.driver_version(),
+        "batch_copy_available": device.batch_copy_available(),
+        "results": rows.iter().map(|r| (r, &r.sample)).map(|(r, s)| serde_json::json!({
+            "case": s.case,
+            "dir": s.dir,
+            "batched": s.batched,
+            "bytes": s.bytes,
+            "kvx_gbps": s.kvx_gbps,
+            "plain_gbps": s.plain_gbps,
+            "ratio": s.ratio,
+            "target": s.target,
+            "calls_per_op": s.calls_per_op,
+            "reference": r.reference,
+            "verdict": verdict(r),
+        })).collect::<Vec<_>>(),
+    })
+}
