@@ -52,10 +52,16 @@ impl HostArena {
 
     /// A copy of `block`'s bytes (segments concatenated).
     pub fn read_block(&self, block: EngineBlockId) -> Result<Vec<u8>, CoreError> {
-        let mut out = Vec::with_capacity(self.layout.block_bytes());
+        let mut out = vec![0u8; self.layout.block_bytes()];
+        let mut pos = 0;
         for (addr, len) in self.layout.segments(block)? {
-            let off = addr - self.mem.as_ptr() as usize;
-            out.extend_from_slice(&self.mem.as_slice()[off..off + len]);
+            // SAFETY: `addr..addr+len` lies inside `self.mem` (the layout was built from it);
+            // per the module's ownership rule no op touches this block now. Raw copies touch
+            // only this block's bytes, never the rest of the arena.
+            unsafe {
+                std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr().add(pos), len)
+            };
+            pos += len;
         }
         Ok(out)
     }
@@ -69,12 +75,11 @@ impl HostArena {
                 self.layout.block_bytes()
             )));
         }
-        let base = self.mem.as_ptr() as usize;
-        let segs: Vec<_> = self.layout.segments(block)?.collect();
         let mut pos = 0;
-        for (addr, len) in segs {
-            let off = addr - base;
-            self.mem.as_mut_slice()[off..off + len].copy_from_slice(&data[pos..pos + len]);
+        for (addr, len) in self.layout.segments(block)? {
+            // SAFETY: as in `read_block`; `&mut self` and the ownership rule make this block
+            // ours, and `data` holds `pos + len` bytes (its length was checked above).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(pos), addr as *mut u8, len) };
             pos += len;
         }
         Ok(())
