@@ -1,0 +1,547 @@
+//! The producer's bookkeeping, sans-IO: exported requests, their leases (kvx-policy's
+//! [`LeaseTable`]) and the reads in progress on each.
+//!
+//! A lease that ends (all readers done, expiry, abort) stops new reads at once, but the
+//! request is reported released only when no read still copies from its blocks: the engine
+//! may reuse blocks the moment it sees the release, so the release is the fence.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use kvx_core::{BlockKey, EngineBlockId, RequestId};
+use kvx_policy::{LeaseConfig, LeaseState, LeaseTable, PolicyError, ReleaseReason};
+
+use crate::error::RdmaError;
+use crate::wire::ErrorCode;
+
+/// How many released request ids are remembered to explain late reads.
+const RECENT: usize = 4096;
+
+/// A request whose lease ended and whose blocks the engine may now free.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    /// The request.
+    pub request: RequestId,
+    /// Why its lease ended.
+    pub reason: ReleaseReason,
+    /// The engine blocks it had exported.
+    pub blocks: Vec<EngineBlockId>,
+}
+
+/// Counters of the producer side.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportStats {
+    /// Requests exported and not yet released (any state).
+    pub exported: usize,
+    /// Of those, with a started lease.
+    pub active: usize,
+    /// Of those, whose lease ended but a read still holds the blocks.
+    pub draining: usize,
+    /// Reads copying from engine memory right now.
+    pub pins: u64,
+    /// Releases not yet taken by `poll_released`.
+    pub unpolled: usize,
+    /// Released because every reader was done.
+    pub released_read: u64,
+    /// Released because the lease expired.
+    pub released_expired: u64,
+    /// Released because the producer aborted.
+    pub released_aborted: u64,
+}
+
+/// A refused read, heartbeat or done: the error code and message to send back.
+pub type Refusal = (ErrorCode, String);
+
+struct Entry {
+    blocks: Vec<(BlockKey, EngineBlockId)>,
+    pins: u64,
+    ended: Option<ReleaseReason>,
+}
+
+/// Exported requests and their leases.
+pub struct ExportTable {
+    leases: LeaseTable<RequestId>,
+    entries: HashMap<RequestId, Entry>,
+    fresh: Vec<Released>,
+    released: VecDeque<Released>,
+    recent: VecDeque<(RequestId, ReleaseReason)>,
+    num_blocks: u32,
+    block_bytes: u64,
+    stats: ExportStats,
+}
+
+impl ExportTable {
+    /// A table for an engine pool of `num_blocks` blocks of `block_bytes` each.
+    pub fn new(num_blocks: u32, block_bytes: u64) -> ExportTable {
+        ExportTable {
+            leases: LeaseTable::new(),
+            entries: HashMap::new(),
+            fresh: Vec::new(),
+            released: VecDeque::new(),
+            recent: VecDeque::new(),
+            num_blocks,
+            block_bytes,
+            stats: ExportStats::default(),
+        }
+    }
+
+    /// Bytes of each block.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    /// Export `blocks` of `request` under a pending lease (no reads, no expiry until `ready`).
+    pub fn export(
+        &mut self,
+        request: RequestId,
+        blocks: &[(BlockKey, EngineBlockId)],
+        cfg: &LeaseConfig,
+    ) -> Result<(), RdmaError> {
+        if self.entries.contains_key(&request) {
+            return Err(RdmaError::AlreadyExported(request));
+        }
+        if blocks.is_empty() {
+            return Err(RdmaError::BadDescriptor {
+                request,
+                what: "no blocks to export".into(),
+            });
+        }
+        if let Some((_, b)) = blocks.iter().find(|(_, b)| b.0 >= self.num_blocks) {
+            return Err(RdmaError::BlockOutOfRange {
+                request,
+                block: *b,
+                num_blocks: self.num_blocks,
+            });
+        }
+        self.leases
+            .insert(request, cfg)
+            .map_err(|source| RdmaError::Lease { request, source })?;
+        self.entries.insert(
+            request,
+            Entry {
+                blocks: blocks.to_vec(),
+                pins: 0,
+                ended: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// The request is ready to be read: its lease starts at `now`.
+    pub fn ready(&mut self, request: RequestId, now: Instant) -> Result<(), RdmaError> {
+        self.tick(now);
+        let r = self.leases.start(&request, now);
+        self.settle();
+        r.map_err(|e| self.lease_error(request, e))
+    }
+
+    /// The producer gives up on `request` (e.g. the engine aborted it).
+    pub fn abort(&mut self, request: RequestId) -> Result<(), RdmaError> {
+        let r = self.leases.abort(&request);
+        self.settle();
+        r.map_err(|e| self.lease_error(request, e))
+    }
+
+    /// Expire leases due at `now`.
+    pub fn tick(&mut self, now: Instant) {
+        self.leases.handle_timeout(now);
+        self.settle();
+    }
+
+    /// When `tick` should run next (the earliest lease expiry).
+    pub fn next_timeout(&mut self) -> Option<Instant> {
+        self.leases.poll_timeout()
+    }
+
+    /// The next released request, after expiring what is due at `now`.
+    pub fn poll_released(&mut self, now: Instant) -> Option<Released> {
+        self.tick(now);
+        let fresh = self.take_fresh();
+        self.publish(fresh);
+        self.pop_released()
+    }
+
+    /// Releases settled since the last call, not yet visible to `pop_released` (the caller
+    /// lets go of their memory first, then `publish`es them).
+    pub fn take_fresh(&mut self) -> Vec<Released> {
+        std::mem::take(&mut self.fresh)
+    }
+
+    /// Make releases visible to `pop_released`.
+    pub fn publish(&mut self, released: Vec<Released>) {
+        self.released.extend(released);
+    }
+
+    /// The next published release.
+    pub fn pop_released(&mut self) -> Option<Released> {
+        self.released.pop_front()
+    }
+
+    /// Releases not yet taken.
+    pub fn unpolled(&self) -> usize {
+        self.released.len() + self.fresh.len()
+    }
+
+    /// Where the lease of `request` stands (`Released` while reads still drain).
+    pub fn lease_state(&self, request: RequestId) -> Option<LeaseState> {
+        let e = self.entries.get(&request)?;
+        match e.ended {
+            Some(r) => Some(LeaseState::Released(r)),
+            None => self.leases.get(&request).map(|l| l.state()),
+        }
+    }
+
+    /// The blocks of an exported request.
+    pub fn blocks(&self, request: RequestId) -> Option<&[(BlockKey, EngineBlockId)]> {
+        self.entries.get(&request).map(|e| e.blocks.as_slice())
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ExportStats {
+        let mut s = self.stats.clone();
+        s.exported = self.entries.len();
+        s.active = self
+            .entries
+            .keys()
+            .filter(|r| self.leases.is_active(r))
+            .count();
+        s.draining = self.entries.values().filter(|e| e.ended.is_some()).count();
+        s.pins = self.entries.values().map(|e| e.pins).sum();
+        s.unpolled = self.unpolled();
+        s
+    }
+
+    /// Check a read of `len` bytes at `offset` of block index `block` and pin the request's
+    /// blocks until [`ExportTable::end_read`]. Returns the engine block to copy from.
+    pub fn begin_read(
+        &mut self,
+        request: RequestId,
+        block: u32,
+        offset: u64,
+        len: u64,
+        now: Instant,
+    ) -> Result<EngineBlockId, Refusal> {
+        self.tick(now);
+        self.usable(request)?;
+        let block_bytes = self.block_bytes;
+        let Some(e) = self.entries.get_mut(&request) else {
+            return Err(self.unknown(request));
+        };
+        let Some(&(_, engine)) = e.blocks.get(block as usize) else {
+            return Err((
+                ErrorCode::OutOfBounds,
+                format!(
+                    "{request} exports {} blocks; block index {block} is out of bounds",
+                    e.blocks.len()
+                ),
+            ));
+        };
+        if offset.checked_add(len).is_none_or(|end| end > block_bytes) || len == 0 {
+            return Err((
+                ErrorCode::OutOfBounds,
+                format!(
+                    "{request} block {block}: bytes {offset}..+{len} are outside the \
+                     {block_bytes}-byte block"
+                ),
+            ));
+        }
+        e.pins += 1;
+        Ok(engine)
+    }
+
+    /// A read that `begin_read` admitted finished copying.
+    pub fn end_read(&mut self, request: RequestId) {
+        if let Some(e) = self.entries.get_mut(&request) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+        self.settle();
+    }
+
+    /// Renew the lease of `request` at `now`.
+    pub fn heartbeat(&mut self, request: RequestId, now: Instant) -> Result<(), Refusal> {
+        self.tick(now);
+        self.usable_or_pending(request)?;
+        let r = self.leases.heartbeat(&request, now);
+        self.settle();
+        r.map_err(|e| self.refusal(request, e))
+    }
+
+    /// Reader `reader` is done with `request`.
+    pub fn reader_done(
+        &mut self,
+        request: RequestId,
+        reader: u32,
+        now: Instant,
+    ) -> Result<(), Refusal> {
+        self.tick(now);
+        self.usable_or_pending(request)?;
+        let r = self.leases.reader_done(&request, reader, now);
+        self.settle();
+        r.map_err(|e| self.refusal(request, e))
+    }
+
+    fn usable_or_pending(&self, request: RequestId) -> Result<(), Refusal> {
+        match self.entries.get(&request) {
+            None => Err(self.unknown(request)),
+            Some(Entry {
+                ended: Some(reason),
+                ..
+            }) => Err(ended(request, *reason)),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn usable(&self, request: RequestId) -> Result<(), Refusal> {
+        self.usable_or_pending(request)?;
+        if self.leases.is_active(&request) {
+            Ok(())
+        } else {
+            Err((
+                ErrorCode::NotReady,
+                format!("{request} is exported but not ready to be read yet"),
+            ))
+        }
+    }
+
+    fn unknown(&self, request: RequestId) -> Refusal {
+        match self.recent.iter().rev().find(|(r, _)| *r == request) {
+            Some((_, reason)) => ended(request, *reason),
+            None => (
+                ErrorCode::UnknownRequest,
+                format!("{request} is not exported here"),
+            ),
+        }
+    }
+
+    fn refusal(&self, request: RequestId, e: PolicyError) -> Refusal {
+        match e {
+            PolicyError::LeaseReleased { reason, .. } => ended(request, reason),
+            PolicyError::UnknownLease { .. } => self.unknown(request),
+            other => (ErrorCode::Internal, other.to_string()),
+        }
+    }
+
+    fn lease_error(&self, request: RequestId, e: PolicyError) -> RdmaError {
+        match e {
+            PolicyError::LeaseReleased { reason, .. } => RdmaError::LeaseEnded { request, reason },
+            PolicyError::UnknownLease { .. } => match self.entries.get(&request) {
+                Some(Entry {
+                    ended: Some(reason),
+                    ..
+                }) => RdmaError::LeaseEnded {
+                    request,
+                    reason: *reason,
+                },
+                _ => RdmaError::UnknownRequest(request),
+            },
+            source => RdmaError::Lease { request, source },
+        }
+    }
+
+    /// Move ended leases into their entries, and drained entries into the released queue.
+    fn settle(&mut self) {
+        while let Some((request, reason)) = self.leases.poll_released() {
+            if let Some(e) = self.entries.get_mut(&request) {
+                e.ended.get_or_insert(reason);
+            }
+        }
+        let done: Vec<RequestId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.ended.is_some() && e.pins == 0)
+            .map(|(r, _)| *r)
+            .collect();
+        for request in done {
+            let Some(e) = self.entries.remove(&request) else {
+                continue;
+            };
+            let reason = e.ended.unwrap_or(ReleaseReason::Aborted);
+            match reason {
+                ReleaseReason::Read => self.stats.released_read += 1,
+                ReleaseReason::Expired => self.stats.released_expired += 1,
+                ReleaseReason::Aborted => self.stats.released_aborted += 1,
+            }
+            if self.recent.len() == RECENT {
+                self.recent.pop_front();
+            }
+            self.recent.push_back((request, reason));
+            self.fresh.push(Released {
+                request,
+                reason,
+                blocks: e.blocks.into_iter().map(|(_, b)| b).collect(),
+            });
+        }
+    }
+}
+
+fn ended(request: RequestId, reason: ReleaseReason) -> Refusal {
+    (
+        ErrorCode::LeaseEnded,
+        format!(
+            "the lease of {request} ended ({reason}); its blocks may belong to another request now"
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn ms(t0: Instant, n: u64) -> Instant {
+        t0 + Duration::from_millis(n)
+    }
+
+    fn blocks(n: u32) -> Vec<(BlockKey, EngineBlockId)> {
+        (0..n)
+            .map(|i| (BlockKey(u128::from(i) + 100), EngineBlockId(i)))
+            .collect()
+    }
+
+    fn cfg(ttl: u64, readers: u32) -> LeaseConfig {
+        LeaseConfig {
+            expected_readers: readers,
+            ..LeaseConfig::with_ttl_ms(ttl)
+        }
+    }
+
+    #[test]
+    fn lease_expires_without_reader_fake_time() {
+        let t0 = Instant::now();
+        let mut t = ExportTable::new(8, 4096);
+        t.export(RequestId(1), &blocks(4), &cfg(30_000, 1)).unwrap();
+        // Pending: nothing expires however long nobody reads.
+        assert_eq!(t.poll_released(ms(t0, 3_600_000)), None);
+        assert_eq!(
+            t.begin_read(RequestId(1), 0, 0, 4096, t0).unwrap_err().0,
+            ErrorCode::NotReady
+        );
+        t.ready(RequestId(1), ms(t0, 1_000)).unwrap();
+        assert_eq!(t.next_timeout(), Some(ms(t0, 31_000)));
+        assert_eq!(t.poll_released(ms(t0, 30_999)), None);
+        let r = t.poll_released(ms(t0, 31_000)).unwrap();
+        assert_eq!(r.request, RequestId(1));
+        assert_eq!(r.reason, ReleaseReason::Expired);
+        assert_eq!(
+            r.blocks,
+            vec![
+                EngineBlockId(0),
+                EngineBlockId(1),
+                EngineBlockId(2),
+                EngineBlockId(3)
+            ]
+        );
+        assert_eq!(t.poll_released(ms(t0, 40_000)), None, "released once");
+        let s = t.stats();
+        assert_eq!((s.exported, s.released_expired, s.pins), (0, 1, 0));
+        assert_eq!(t.next_timeout(), None);
+    }
+
+    #[test]
+    fn heartbeat_keeps_lease_fake_time() {
+        let t0 = Instant::now();
+        let mut t = ExportTable::new(8, 4096);
+        t.export(RequestId(1), &blocks(1), &cfg(1_000, 1)).unwrap();
+        t.ready(RequestId(1), t0).unwrap();
+        for i in 1..=10 {
+            t.heartbeat(RequestId(1), ms(t0, i * 500)).unwrap();
+        }
+        assert_eq!(t.poll_released(ms(t0, 5_900)), None);
+        assert!(
+            t.begin_read(RequestId(1), 0, 0, 4096, ms(t0, 5_900))
+                .is_ok()
+        );
+        t.end_read(RequestId(1));
+        t.reader_done(RequestId(1), 0, ms(t0, 5_950)).unwrap();
+        assert_eq!(
+            t.poll_released(ms(t0, 5_950)).map(|r| r.reason),
+            Some(ReleaseReason::Read)
+        );
+    }
+
+    #[test]
+    fn release_waits_for_reads_in_progress() {
+        let t0 = Instant::now();
+        let mut t = ExportTable::new(8, 4096);
+        t.export(RequestId(2), &blocks(2), &cfg(1_000, 1)).unwrap();
+        t.ready(RequestId(2), t0).unwrap();
+        t.begin_read(RequestId(2), 1, 0, 4096, ms(t0, 10)).unwrap();
+        // Expiry stops new reads at once...
+        let (code, msg) = t
+            .begin_read(RequestId(2), 0, 0, 4096, ms(t0, 1_000))
+            .unwrap_err();
+        assert_eq!(code, ErrorCode::LeaseEnded);
+        assert!(msg.contains("expired"), "{msg}");
+        // ...but the engine hears of it only when the copy in progress is over.
+        assert_eq!(t.poll_released(ms(t0, 2_000)), None);
+        assert_eq!(t.stats().draining, 1);
+        t.end_read(RequestId(2));
+        assert_eq!(
+            t.poll_released(ms(t0, 2_000)).map(|r| r.reason),
+            Some(ReleaseReason::Expired)
+        );
+        // Later reads and heartbeats say why, not just "unknown".
+        let (code, msg) = t.heartbeat(RequestId(2), ms(t0, 3_000)).unwrap_err();
+        assert_eq!(code, ErrorCode::LeaseEnded);
+        assert!(msg.contains("expired"));
+    }
+
+    #[test]
+    fn tp_ratio_readers_fake_time() {
+        let t0 = Instant::now();
+        let mut t = ExportTable::new(8, 64);
+        t.export(RequestId(3), &blocks(1), &cfg(10_000, 4)).unwrap();
+        t.ready(RequestId(3), t0).unwrap();
+        for reader in 0..3 {
+            t.reader_done(RequestId(3), reader, ms(t0, 1)).unwrap();
+            t.reader_done(RequestId(3), reader, ms(t0, 2)).unwrap();
+            assert_eq!(t.poll_released(ms(t0, 3)), None, "after reader {reader}");
+        }
+        t.reader_done(RequestId(3), 3, ms(t0, 4)).unwrap();
+        assert_eq!(
+            t.poll_released(ms(t0, 5)).map(|r| r.reason),
+            Some(ReleaseReason::Read)
+        );
+    }
+
+    #[test]
+    fn bounds_unknown_and_abort() {
+        let t0 = Instant::now();
+        let mut t = ExportTable::new(8, 100);
+        assert!(matches!(
+            t.export(
+                RequestId(4),
+                &[(BlockKey(1), EngineBlockId(8))],
+                &cfg(1_000, 1)
+            ),
+            Err(RdmaError::BlockOutOfRange { .. })
+        ));
+        t.export(RequestId(4), &blocks(2), &cfg(1_000, 1)).unwrap();
+        assert!(matches!(
+            t.export(RequestId(4), &blocks(2), &cfg(1_000, 1)),
+            Err(RdmaError::AlreadyExported(_))
+        ));
+        t.ready(RequestId(4), t0).unwrap();
+        let oob =
+            |t: &mut ExportTable, b, o, l| t.begin_read(RequestId(4), b, o, l, t0).unwrap_err().0;
+        assert_eq!(oob(&mut t, 2, 0, 1), ErrorCode::OutOfBounds);
+        assert_eq!(oob(&mut t, 0, 50, 51), ErrorCode::OutOfBounds);
+        assert_eq!(oob(&mut t, 0, u64::MAX, 2), ErrorCode::OutOfBounds);
+        assert_eq!(oob(&mut t, 0, 0, 0), ErrorCode::OutOfBounds);
+        assert_eq!(
+            t.begin_read(RequestId(9), 0, 0, 1, t0).unwrap_err().0,
+            ErrorCode::UnknownRequest
+        );
+        assert_eq!(t.stats().pins, 0, "refused reads pin nothing");
+        t.abort(RequestId(4)).unwrap();
+        assert_eq!(
+            t.poll_released(t0).map(|r| r.reason),
+            Some(ReleaseReason::Aborted)
+        );
+        assert!(matches!(
+            t.ready(RequestId(4), t0),
+            Err(RdmaError::UnknownRequest(_))
+        ));
+    }
+}

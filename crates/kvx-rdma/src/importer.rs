@@ -1,0 +1,462 @@
+//! The consumer: a kvx-core [`Backend`] that loads remote blocks into the ops' own buffers.
+//!
+//! Ops are `Load`s whose blocks name keys of a registered [`RemoteDescriptor`]; the importer
+//! fills each block's `Owned` buffer (it never touches engine memory, so a route is
+//! `[rdma, host]`). The op's deadline bounds every read: at the deadline the transport drops
+//! the connection (or flushes the queue pair) and the op completes with the unread blocks
+//! `TimedOut`, its buffers handed back — so a late reply can only ever land in the op's own
+//! buffer while the op is still with the importer. Deadlines of the task and zombie
+//! quarantine are kvx-core's Tracker's business; the importer only never loses an op.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvx_core::{
+    Backend, BlockError, BlockKey, Buf, Direction, Notifier, Op, OpCompletion, OpId, PoolBuf,
+    RequestId, SubmitError, SubmitErrorKind, WaitOutcome,
+};
+use tokio::runtime::{Handle, Runtime};
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use crate::descriptor::{RemoteDescriptor, TransportKind};
+use crate::error::RdmaError;
+use crate::tcp::{TcpClientConfig, TcpTransport};
+use crate::transport::{CancelSource, CancelToken, ReadSlot, Transport};
+use crate::wire::ErrorCode;
+
+/// Settings of an [`Importer`].
+#[derive(Debug, Clone)]
+pub struct ImporterConfig {
+    /// This reader's id (e.g. its tensor-parallel rank); the producer counts distinct ids.
+    pub reader: u32,
+    /// Shared token to present to producers (default none).
+    pub token: Option<String>,
+    /// Runtime worker threads (default 2).
+    pub threads: usize,
+    /// Renew the leases of registered requests every descriptor heartbeat interval (default on).
+    pub heartbeats: bool,
+    /// Ops in flight at once; more are refused as busy (default 4096).
+    pub max_ops: usize,
+    /// Connect + handshake timeout (default 2 s).
+    pub connect_timeout: Duration,
+    /// Heartbeat / done round-trip timeout (default 2 s).
+    pub control_timeout: Duration,
+}
+
+impl Default for ImporterConfig {
+    fn default() -> Self {
+        ImporterConfig {
+            reader: 0,
+            token: None,
+            threads: 2,
+            heartbeats: true,
+            max_ops: 4096,
+            connect_timeout: Duration::from_secs(2),
+            control_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl ImporterConfig {
+    /// The TCP transport settings implied by this config.
+    pub fn tcp(&self) -> TcpClientConfig {
+        TcpClientConfig {
+            reader: self.reader,
+            token: self.token.clone(),
+            connect_timeout: self.connect_timeout,
+            control_timeout: self.control_timeout,
+            ..TcpClientConfig::default()
+        }
+    }
+}
+
+struct Registered {
+    desc: Arc<RemoteDescriptor>,
+    stop: watch::Sender<bool>,
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+#[derive(Default)]
+struct Registry {
+    descs: HashMap<RequestId, Registered>,
+    keys: HashMap<BlockKey, Vec<(RequestId, u32)>>,
+}
+
+impl Registry {
+    fn lookup(&self, key: BlockKey) -> Option<(Arc<RemoteDescriptor>, u32)> {
+        self.keys
+            .get(&key)?
+            .iter()
+            .find_map(|(r, i)| self.descs.get(r).map(|reg| (reg.desc.clone(), *i)))
+    }
+
+    fn remove(&mut self, request: RequestId) -> Option<Registered> {
+        let reg = self.descs.remove(&request)?;
+        for key in &reg.desc.blocks {
+            if let Some(v) = self.keys.get_mut(key) {
+                v.retain(|(r, _)| *r != request);
+                if v.is_empty() {
+                    self.keys.remove(key);
+                }
+            }
+        }
+        Some(reg)
+    }
+}
+
+#[derive(Default)]
+struct OpState {
+    done: Vec<OpCompletion>,
+    pending: HashMap<OpId, CancelSource>,
+}
+
+struct Shared {
+    cfg: ImporterConfig,
+    ops: Mutex<OpState>,
+    cv: Condvar,
+    notifier: Mutex<Notifier>,
+    registry: Mutex<Registry>,
+    transports: Vec<Arc<dyn Transport>>,
+    rt: Handle,
+}
+
+impl Shared {
+    fn transport(&self, kind: TransportKind) -> Option<Arc<dyn Transport>> {
+        self.transports.iter().find(|t| t.kind() == kind).cloned()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The consumer-side backend. Register descriptors through an [`ImporterHandle`].
+pub struct Importer {
+    name: String,
+    shared: Arc<Shared>,
+    rt: Option<Runtime>,
+}
+
+/// A cloneable handle to register remote requests with an [`Importer`] (which the driver owns)
+/// and to say when this reader is done with them.
+#[derive(Clone)]
+pub struct ImporterHandle {
+    shared: Arc<Shared>,
+}
+
+impl Importer {
+    /// An importer reading over TCP.
+    pub fn new(cfg: ImporterConfig) -> Result<Importer, RdmaError> {
+        let tcp = Arc::new(TcpTransport::new(cfg.tcp()));
+        Importer::with_transports(cfg, vec![tcp])
+    }
+
+    /// An importer with the given transports (one per [`TransportKind`]).
+    pub fn with_transports(
+        cfg: ImporterConfig,
+        transports: Vec<Arc<dyn Transport>>,
+    ) -> Result<Importer, RdmaError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cfg.threads.max(1))
+            .thread_name("kvx-rdma-importer")
+            .enable_all()
+            .build()
+            .map_err(|e| RdmaError::Runtime(format!("cannot start the importer runtime: {e}")))?;
+        let shared = Arc::new(Shared {
+            cfg,
+            ops: Mutex::new(OpState::default()),
+            cv: Condvar::new(),
+            notifier: Mutex::new(Notifier::noop()),
+            registry: Mutex::new(Registry::default()),
+            transports,
+            rt: rt.handle().clone(),
+        });
+        Ok(Importer {
+            name: "rdma".into(),
+            shared,
+            rt: Some(rt),
+        })
+    }
+
+    /// A handle for registering descriptors (keep it when the importer moves into a driver).
+    pub fn handle(&self) -> ImporterHandle {
+        ImporterHandle {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl ImporterHandle {
+    /// Make `desc`'s blocks loadable by key, and start renewing its lease.
+    pub fn register(&self, desc: RemoteDescriptor) -> Result<(), RdmaError> {
+        desc.validate()?;
+        let transport = self
+            .shared
+            .transport(desc.transport)
+            .ok_or_else(|| RdmaError::TransportUnavailable(desc.transport.to_string()))?;
+        let request = desc.request;
+        let desc = Arc::new(desc);
+        let mut reg = lock(&self.shared.registry);
+        if reg.descs.contains_key(&request) {
+            return Err(RdmaError::BadDescriptor {
+                request,
+                what: "already registered with this importer".into(),
+            });
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(k) = desc.blocks.iter().find(|k| !seen.insert(**k)) {
+            return Err(RdmaError::BadBlock {
+                request,
+                key: *k,
+                what: "appears twice in the descriptor".into(),
+            });
+        }
+        let (stop, stop_rx) = watch::channel(false);
+        let lost = Arc::new(Mutex::new(None));
+        for (i, key) in desc.blocks.iter().enumerate() {
+            reg.keys.entry(*key).or_default().push((request, i as u32));
+        }
+        reg.descs.insert(
+            request,
+            Registered {
+                desc: desc.clone(),
+                stop,
+                lost: lost.clone(),
+            },
+        );
+        drop(reg);
+        if self.shared.cfg.heartbeats {
+            self.shared
+                .rt
+                .spawn(heartbeats(transport, desc, stop_rx, lost));
+        }
+        Ok(())
+    }
+
+    /// Why the producer refused a heartbeat for `request` (its lease ended), if it did.
+    pub fn lease_lost(&self, request: RequestId) -> Option<String> {
+        let reg = lock(&self.shared.registry);
+        reg.descs.get(&request).and_then(|r| lock(&r.lost).clone())
+    }
+
+    /// Requests registered now.
+    pub fn registered(&self) -> usize {
+        lock(&self.shared.registry).descs.len()
+    }
+
+    /// Stop renewing `request`'s lease and unregister it, without telling the producer.
+    pub fn forget(&self, request: RequestId) -> Result<(), RdmaError> {
+        let reg = lock(&self.shared.registry)
+            .remove(request)
+            .ok_or(RdmaError::NotRegistered(request))?;
+        let _ = reg.stop.send(true);
+        Ok(())
+    }
+
+    /// This reader is done with `request`: stop heartbeats, unregister, and tell the producer
+    /// (waits at most the control timeout).
+    pub fn done(&self, request: RequestId) -> Result<(), RdmaError> {
+        let reg = lock(&self.shared.registry)
+            .remove(request)
+            .ok_or(RdmaError::NotRegistered(request))?;
+        let _ = reg.stop.send(true);
+        let transport = self
+            .shared
+            .transport(reg.desc.transport)
+            .ok_or_else(|| RdmaError::TransportUnavailable(reg.desc.transport.to_string()))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let desc = reg.desc.clone();
+        self.shared.rt.spawn(async move {
+            let _ = tx.send(transport.done(&desc).await);
+        });
+        let wait = self.shared.cfg.control_timeout + Duration::from_millis(500);
+        rx.recv_timeout(wait).map_err(|_| RdmaError::TimedOut {
+            what: "done",
+            addr: reg.desc.addr,
+        })?
+    }
+}
+
+async fn heartbeats(
+    transport: Arc<dyn Transport>,
+    desc: Arc<RemoteDescriptor>,
+    mut stop: watch::Receiver<bool>,
+    lost: Arc<Mutex<Option<String>>>,
+) {
+    let every = desc.heartbeat_interval();
+    loop {
+        tokio::select! {
+            r = transport.heartbeat(&desc) => match r {
+                Ok(()) => {}
+                Err(RdmaError::Remote { code: ErrorCode::LeaseEnded | ErrorCode::UnknownRequest, message, .. }) => {
+                    warn!(request = %desc.request, %message, "kvx-rdma: lease lost");
+                    *lock(&lost) = Some(message);
+                    return;
+                }
+                Err(e) => debug!(request = %desc.request, error = %e, "kvx-rdma: heartbeat failed; retrying"),
+            },
+            _ = stop.wait_for(|v| *v) => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|v| *v) => return,
+        }
+    }
+}
+
+async fn run_op(shared: Arc<Shared>, mut op: Op, cancel: CancelToken) {
+    let n = op.blocks.len();
+    let mut results: Vec<Option<Result<(), BlockError>>> = vec![None; n];
+    // Resolve keys and group blocks by remote request.
+    // Per remote request: (position in the op, block index in the descriptor).
+    type Group = (Arc<RemoteDescriptor>, Vec<(usize, u32)>);
+    let mut groups: Vec<Group> = Vec::new();
+    {
+        let reg = lock(&shared.registry);
+        for (pos, b) in op.blocks.iter().enumerate() {
+            let Some((desc, index)) = reg.lookup(b.key) else {
+                results[pos] = Some(Err(BlockError::NotFound));
+                continue;
+            };
+            let problem = match &b.buf {
+                Buf::Shared(_) => Some("a remote load needs an owned destination buffer".into()),
+                Buf::Owned(p) if (p.capacity() as u64) < desc.block_bytes => Some(format!(
+                    "buffer of {} bytes is smaller than the {}-byte remote block",
+                    p.capacity(),
+                    desc.block_bytes
+                )),
+                Buf::Owned(_) => None,
+            };
+            if let Some(msg) = problem {
+                results[pos] = Some(Err(BlockError::Invalid(msg)));
+                continue;
+            }
+            match groups.iter_mut().find(|(d, _)| Arc::ptr_eq(d, &desc)) {
+                Some((_, v)) => v.push((pos, index)),
+                None => groups.push((desc, vec![(pos, index)])),
+            }
+        }
+    }
+    {
+        let mut bufs: Vec<Option<&mut PoolBuf>> =
+            op.blocks.iter_mut().map(|b| b.buf.as_owned_mut()).collect();
+        for (desc, members) in groups {
+            let Some(transport) = shared.transport(desc.transport) else {
+                for (pos, _) in members {
+                    results[pos] = Some(Err(BlockError::Unavailable(format!(
+                        "no {} transport",
+                        desc.transport
+                    ))));
+                }
+                continue;
+            };
+            let mut slots: Vec<ReadSlot<'_>> = Vec::with_capacity(members.len());
+            let mut positions = Vec::with_capacity(members.len());
+            for (pos, index) in members {
+                if let Some(buf) = bufs[pos].take() {
+                    slots.push(ReadSlot { index, buf });
+                    positions.push(pos);
+                }
+            }
+            let out = transport
+                .read(&desc, &mut slots, op.deadline, &cancel)
+                .await;
+            for (pos, r) in positions.into_iter().zip(out) {
+                results[pos] = Some(r);
+            }
+        }
+    }
+    let results = results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(BlockError::Io("block was not read".into()))))
+        .collect();
+    let id = op.id;
+    {
+        let mut st = lock(&shared.ops);
+        st.pending.remove(&id);
+        st.done.push(OpCompletion { op, results });
+    }
+    shared.cv.notify_all();
+    lock(&shared.notifier).notify();
+}
+
+impl Backend for Importer {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn touches_engine_memory(&self) -> bool {
+        false
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        *lock(&self.shared.notifier) = notifier;
+    }
+
+    fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
+        if op.dir != Direction::Load {
+            return Err(SubmitError {
+                op,
+                kind: SubmitErrorKind::Invalid("the rdma importer only loads".into()),
+            });
+        }
+        let (source, token) = CancelToken::new();
+        {
+            let mut st = lock(&self.shared.ops);
+            if st.pending.len() >= self.shared.cfg.max_ops {
+                let msg = format!("{} remote ops in flight", st.pending.len());
+                drop(st);
+                return Err(SubmitError {
+                    op,
+                    kind: SubmitErrorKind::Busy(msg),
+                });
+            }
+            st.pending.insert(op.id, source);
+        }
+        let shared = self.shared.clone();
+        self.shared.rt.spawn(run_op(shared, op, token));
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<OpCompletion>) {
+        out.append(&mut lock(&self.shared.ops).done);
+    }
+
+    fn cancel(&mut self, op: OpId) {
+        if let Some(s) = lock(&self.shared.ops).pending.get(&op) {
+            s.cancel();
+        }
+    }
+
+    fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
+        let mut st = lock(&self.shared.ops);
+        loop {
+            if ops.iter().all(|o| !st.pending.contains_key(o)) {
+                return WaitOutcome::Completed;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return WaitOutcome::TimedOut;
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for Importer {
+    fn drop(&mut self) {
+        for r in lock(&self.shared.registry).descs.values() {
+            let _ = r.stop.send(true);
+        }
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}

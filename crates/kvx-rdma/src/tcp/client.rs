@@ -1,0 +1,347 @@
+//! The consumer's TCP transport: pooled connections, pipelined reads straight into the op's
+//! buffers, a hard stop at the deadline (the connection is dropped, never reused half-read).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvx_core::BlockError;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::{timeout, timeout_at};
+
+use crate::descriptor::{RemoteDescriptor, TransportKind};
+use crate::error::RdmaError;
+use crate::transport::{BoxFuture, CancelToken, ReadSlot, Transport};
+use crate::wire::{self, PROTOCOL_VERSION, Reply, ReplyHead, Request};
+
+/// Settings of a [`TcpTransport`].
+#[derive(Debug, Clone)]
+pub struct TcpClientConfig {
+    /// This reader's id (its tensor-parallel rank, say); the producer counts distinct ids.
+    pub reader: u32,
+    /// Shared token to present (default none).
+    pub token: Option<String>,
+    /// Connecting and the handshake must finish within this (default 2 s; never past a deadline).
+    pub connect_timeout: Duration,
+    /// Heartbeats and done notifications must finish within this (default 2 s).
+    pub control_timeout: Duration,
+    /// Reads in flight on one connection (default 8).
+    pub window: usize,
+    /// Idle connections kept per producer (default 4).
+    pub max_idle: usize,
+}
+
+impl Default for TcpClientConfig {
+    fn default() -> Self {
+        TcpClientConfig {
+            reader: 0,
+            token: None,
+            connect_timeout: Duration::from_secs(2),
+            control_timeout: Duration::from_secs(2),
+            window: 8,
+            max_idle: 4,
+        }
+    }
+}
+
+/// Reads exported blocks over TCP.
+#[derive(Debug)]
+pub struct TcpTransport {
+    cfg: TcpClientConfig,
+    idle: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
+    next_tag: AtomicU64,
+}
+
+impl TcpTransport {
+    /// A transport with `cfg`.
+    pub fn new(cfg: TcpClientConfig) -> TcpTransport {
+        TcpTransport {
+            cfg,
+            idle: Mutex::new(HashMap::new()),
+            next_tag: AtomicU64::new(1),
+        }
+    }
+
+    fn tags(&self, n: usize) -> u64 {
+        self.next_tag.fetch_add(n as u64, Ordering::Relaxed)
+    }
+
+    /// Connect and handshake.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
+        let io = |what, source| RdmaError::Io { what, addr, source };
+        let fut = async {
+            let mut s = TcpStream::connect(addr)
+                .await
+                .map_err(|e| io("connecting to", e))?;
+            s.set_nodelay(true).map_err(|e| io("configuring", e))?;
+            let hello = Request::Hello {
+                version: PROTOCOL_VERSION,
+                reader: self.cfg.reader,
+                token: self.cfg.token.clone().unwrap_or_default().into_bytes(),
+            };
+            s.write_all(&hello.encode())
+                .await
+                .map_err(|e| io("sending hello to", e))?;
+            match wire::read_reply_head(&mut s, 0).await {
+                Ok(ReplyHead::Control(Reply::Welcome { version, .. }))
+                    if version == PROTOCOL_VERSION =>
+                {
+                    Ok(s)
+                }
+                Ok(ReplyHead::Control(Reply::Error { code, message, .. })) => {
+                    Err(RdmaError::Remote {
+                        addr,
+                        code,
+                        message,
+                    })
+                }
+                Ok(other) => Err(RdmaError::Protocol {
+                    addr,
+                    what: format!("unexpected handshake reply {other:?}"),
+                }),
+                Err(what) => Err(RdmaError::Protocol { addr, what }),
+            }
+        };
+        timeout(self.cfg.connect_timeout, fut)
+            .await
+            .map_err(|_| RdmaError::TimedOut {
+                what: "connecting",
+                addr,
+            })?
+    }
+
+    async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
+        let pooled = self
+            .idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&addr)
+            .and_then(|v| v.pop());
+        match pooled {
+            Some(s) => Ok(s),
+            None => self.connect(addr).await,
+        }
+    }
+
+    fn checkin(&self, addr: SocketAddr, s: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let v = idle.entry(addr).or_default();
+        if v.len() < self.cfg.max_idle {
+            v.push(s);
+        }
+    }
+
+    /// One control round trip (heartbeat or done).
+    async fn control(&self, desc: &RemoteDescriptor, done: bool) -> Result<(), RdmaError> {
+        let addr = desc.addr;
+        let what = if done { "done" } else { "heartbeat" };
+        let fut = async {
+            let mut s = self.checkout(addr).await?;
+            let tag = self.tags(1);
+            let req = if done {
+                Request::Done {
+                    tag,
+                    request: desc.request.0,
+                }
+            } else {
+                Request::Heartbeat {
+                    tag,
+                    request: desc.request.0,
+                }
+            };
+            s.write_all(&req.encode())
+                .await
+                .map_err(|source| RdmaError::Io {
+                    what: "sending to",
+                    addr,
+                    source,
+                })?;
+            let reply = wire::read_reply_head(&mut s, 0)
+                .await
+                .map_err(|what| RdmaError::Protocol { addr, what })?;
+            match reply {
+                ReplyHead::Control(Reply::Ack { tag: t }) if t == tag => {
+                    self.checkin(addr, s);
+                    Ok(())
+                }
+                ReplyHead::Control(Reply::Error {
+                    tag: t,
+                    code,
+                    message,
+                }) if t == tag || t == 0 => {
+                    if t == tag && !code.is_fatal() {
+                        self.checkin(addr, s);
+                    }
+                    Err(RdmaError::Remote {
+                        addr,
+                        code,
+                        message,
+                    })
+                }
+                other => Err(RdmaError::Protocol {
+                    addr,
+                    what: format!("unexpected reply to {what}: {other:?}"),
+                }),
+            }
+        };
+        timeout(self.cfg.control_timeout, fut)
+            .await
+            .map_err(|_| RdmaError::TimedOut { what, addr })?
+    }
+
+    /// Pipelined reads of every slot on one connection. Fills `results[i]` as blocks arrive;
+    /// leaves the rest `None` when it gives up. Returns the connection if it is still in sync.
+    async fn read_all(
+        &self,
+        desc: &RemoteDescriptor,
+        slots: &mut [ReadSlot<'_>],
+        results: &mut [Option<Result<(), BlockError>>],
+    ) -> Option<TcpStream> {
+        let addr = desc.addr;
+        let n = slots.len();
+        let mut s = match self.checkout(addr).await {
+            Ok(s) => s,
+            Err(e) => {
+                fail_rest(results, 0, BlockError::Io(e.to_string()));
+                return None;
+            }
+        };
+        let base = self.tags(n);
+        let read = |i: usize, index: u32| {
+            Request::Read {
+                tag: base + i as u64,
+                request: desc.request.0,
+                block: index,
+                offset: 0,
+                len: desc.block_bytes,
+            }
+            .encode()
+        };
+        let mut sent = 0;
+        let mut batch = Vec::new();
+        while sent < n.min(self.cfg.window.max(1)) {
+            batch.extend(read(sent, slots[sent].index));
+            sent += 1;
+        }
+        if let Err(e) = s.write_all(&batch).await {
+            fail_rest(
+                results,
+                0,
+                BlockError::Io(format!("sending reads to {addr}: {e}")),
+            );
+            return None;
+        }
+        for i in 0..n {
+            let tag = base + i as u64;
+            let head = match wire::read_reply_head(&mut s, desc.block_bytes).await {
+                Ok(h) => h,
+                Err(e) => {
+                    fail_rest(results, i, BlockError::Io(format!("{addr}: {e}")));
+                    return None;
+                }
+            };
+            match head {
+                ReplyHead::Data { tag: t, len } if t == tag && len == desc.block_bytes => {
+                    let buf = &mut *slots[i].buf;
+                    let len = len as usize;
+                    buf.set_len(len);
+                    if let Err(e) = s.read_exact(&mut buf.as_mut_full()[..len]).await {
+                        buf.set_len(0);
+                        fail_rest(
+                            results,
+                            i,
+                            BlockError::Io(format!("reading from {addr}: {e}")),
+                        );
+                        return None;
+                    }
+                    results[i] = Some(Ok(()));
+                }
+                ReplyHead::Control(Reply::Error {
+                    tag: t,
+                    code,
+                    message,
+                }) if t == tag || t == 0 => {
+                    let err = BlockError::Remote(format!("{}: {code:?}: {message}", desc.request));
+                    if t == 0 || code.is_fatal() {
+                        fail_rest(results, i, err);
+                        return None;
+                    }
+                    results[i] = Some(Err(err));
+                }
+                other => {
+                    let what = format!(
+                        "{addr} broke the protocol: expected the reply to tag {tag}, got {other:?}"
+                    );
+                    fail_rest(results, i, BlockError::Io(what));
+                    return None;
+                }
+            }
+            if sent < n {
+                if let Err(e) = s.write_all(&read(sent, slots[sent].index)).await {
+                    fail_rest(
+                        results,
+                        i + 1,
+                        BlockError::Io(format!("sending reads to {addr}: {e}")),
+                    );
+                    return None;
+                }
+                sent += 1;
+            }
+        }
+        Some(s)
+    }
+}
+
+fn fail_rest(results: &mut [Option<Result<(), BlockError>>], from: usize, err: BlockError) {
+    for r in results[from..].iter_mut().filter(|r| r.is_none()) {
+        *r = Some(Err(err.clone()));
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn read<'a, 'b: 'a>(
+        &'a self,
+        desc: &'a RemoteDescriptor,
+        slots: &'a mut [ReadSlot<'b>],
+        deadline: Instant,
+        cancel: &'a CancelToken,
+    ) -> BoxFuture<'a, Vec<Result<(), BlockError>>> {
+        Box::pin(async move {
+            let mut results: Vec<Option<Result<(), BlockError>>> = vec![None; slots.len()];
+            let stop = {
+                let work = self.read_all(desc, slots, &mut results);
+                let until = tokio::time::Instant::from_std(deadline);
+                tokio::select! {
+                    conn = timeout_at(until, work) => match conn {
+                        Ok(Some(conn)) => { self.checkin(desc.addr, conn); None }
+                        Ok(None) => None,
+                        Err(_) => Some(BlockError::TimedOut),
+                    },
+                    _ = cancel.cancelled() => Some(BlockError::Cancelled),
+                }
+                // `work` is dropped here: its connection closes and no byte lands in a buffer
+                // after this point.
+            };
+            let stop = stop.unwrap_or_else(|| BlockError::Io("read abandoned".into()));
+            results
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|| Err(stop.clone())))
+                .collect()
+        })
+    }
+
+    fn heartbeat<'a>(&'a self, desc: &'a RemoteDescriptor) -> BoxFuture<'a, Result<(), RdmaError>> {
+        Box::pin(self.control(desc, false))
+    }
+
+    fn done<'a>(&'a self, desc: &'a RemoteDescriptor) -> BoxFuture<'a, Result<(), RdmaError>> {
+        Box::pin(self.control(desc, true))
+    }
+}

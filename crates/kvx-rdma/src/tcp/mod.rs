@@ -1,0 +1,9 @@
+//! The TCP transport (tokio): a producer-side server and a consumer-side client.
+
+mod client;
+mod server;
+
+pub use client::{TcpClientConfig, TcpTransport};
+#[cfg_attr(not(feature = "verbs"), allow(unused_imports))]
+pub(crate) use server::SideChannel;
+pub use server::{ServerConfig, TcpServer};

@@ -1,0 +1,462 @@
+//! The producer's TCP server: one task per connection, every read checked against the export
+//! table and its lease, timeouts on every read and write so one slow or hostile peer only ever
+//! stalls its own connection.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::RequestId;
+use kvx_policy::LeaseConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
+use tokio::sync::Semaphore;
+use tokio::time::timeout;
+use tracing::{debug, warn};
+
+use crate::descriptor::{RemoteDescriptor, TransportKind};
+use crate::error::RdmaError;
+use crate::exporter::Exporter;
+use crate::exports::Refusal;
+use crate::wire::{self, ErrorCode, FrameError, MAX_HELLO, PROTOCOL_VERSION, Reply, Request};
+
+/// Settings of a [`TcpServer`].
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Where to listen (default `127.0.0.1:0`: loopback, any free port).
+    pub listen: SocketAddr,
+    /// Shared token every client must present (default none).
+    pub token: Option<String>,
+    /// Largest frame a client may send (default 4 KiB; reads are small requests).
+    pub max_frame: u32,
+    /// Largest read served in one reply (default 64 MiB).
+    pub max_read: u64,
+    /// A client must complete its `Hello` within this (default 5 s).
+    pub handshake_timeout: Duration,
+    /// A frame whose first byte arrived must complete within this (default 5 s).
+    pub frame_timeout: Duration,
+    /// Each reply must be written within this, or the connection is dropped (default 5 s).
+    pub write_timeout: Duration,
+    /// A connection with no frame for this long is closed (default 10 min).
+    pub idle_timeout: Duration,
+    /// Connections served at once; more are refused with `Busy` (default 1024).
+    pub max_connections: usize,
+    /// Runtime worker threads (default 2).
+    pub threads: usize,
+    /// Fault injection for tests and demos: wait this long before each data reply (default 0).
+    pub pace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            token: None,
+            max_frame: 4096,
+            max_read: 64 << 20,
+            handshake_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(600),
+            max_connections: 1024,
+            threads: 2,
+            pace: Duration::ZERO,
+        }
+    }
+}
+
+/// Handles side-channel frames of another transport (verbs) on this server's connections.
+pub(crate) trait SideChannel: Send + Sync {
+    /// Answer one side-channel message of connection `conn` from reader `reader`.
+    fn handle(&self, conn: u64, reader: u32, body: &[u8]) -> Result<Vec<u8>, Refusal>;
+    /// Connection `conn` closed: free what it set up.
+    fn closed(&self, conn: u64);
+}
+
+struct Ctx {
+    exporter: Exporter,
+    cfg: ServerConfig,
+    side: Option<Arc<dyn SideChannel>>,
+    next_conn: std::sync::atomic::AtomicU64,
+}
+
+/// The producer's TCP server. Serves until dropped.
+pub struct TcpServer {
+    addr: SocketAddr,
+    rt: Option<Runtime>,
+}
+
+impl TcpServer {
+    /// Listen on `cfg.listen` and serve `exporter`'s requests.
+    pub fn start(exporter: Exporter, cfg: ServerConfig) -> Result<TcpServer, RdmaError> {
+        TcpServer::start_with(exporter, cfg, None)
+    }
+
+    pub(crate) fn start_with(
+        exporter: Exporter,
+        cfg: ServerConfig,
+        side: Option<Arc<dyn SideChannel>>,
+    ) -> Result<TcpServer, RdmaError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cfg.threads.max(1))
+            .thread_name("kvx-rdma-server")
+            .enable_all()
+            .build()
+            .map_err(|e| RdmaError::Runtime(format!("cannot start the server runtime: {e}")))?;
+        let listen = cfg.listen;
+        let std_listener = std::net::TcpListener::bind(listen).map_err(|source| RdmaError::Io {
+            what: "listening on",
+            addr: listen,
+            source,
+        })?;
+        let io = |source| RdmaError::Io {
+            what: "listening on",
+            addr: listen,
+            source,
+        };
+        std_listener.set_nonblocking(true).map_err(io)?;
+        let addr = std_listener.local_addr().map_err(io)?;
+        let listener = {
+            let _g = rt.enter();
+            TcpListener::from_std(std_listener).map_err(io)?
+        };
+        let ctx = Arc::new(Ctx {
+            exporter,
+            cfg,
+            side,
+            next_conn: std::sync::atomic::AtomicU64::new(1),
+        });
+        rt.spawn(reaper(ctx.exporter.clone()));
+        rt.spawn(accept_loop(listener, ctx));
+        Ok(TcpServer { addr, rt: Some(rt) })
+    }
+
+    /// The address the server listens on (with the real port when `listen` asked for port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The descriptor of an exported `request`, pointing at this server.
+    pub fn descriptor(
+        &self,
+        exporter: &Exporter,
+        request: RequestId,
+        lease: &LeaseConfig,
+    ) -> Result<RemoteDescriptor, RdmaError> {
+        exporter.descriptor(request, self.addr, TransportKind::Tcp, lease)
+    }
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Expire leases at their deadline even when nobody polls, so releases are reported on time.
+async fn reaper(exporter: Exporter) {
+    loop {
+        let now = Instant::now();
+        let next = exporter
+            .next_expiry()
+            .unwrap_or(now + Duration::from_millis(100))
+            .min(now + Duration::from_millis(100));
+        tokio::time::sleep_until(tokio::time::Instant::from_std(next)).await;
+        exporter.tick(Instant::now());
+    }
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
+    let slots = Arc::new(Semaphore::new(ctx.cfg.max_connections.max(1)));
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(error = %e, "kvx-rdma server: accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let ctx = ctx.clone();
+        match slots.clone().try_acquire_owned() {
+            Ok(permit) => {
+                tokio::spawn(async move {
+                    serve(stream, peer, &ctx).await;
+                    drop(permit);
+                });
+            }
+            Err(_) => {
+                tokio::spawn(async move {
+                    let mut stream = stream;
+                    let msg = format!(
+                        "server is at its limit of {} connections",
+                        ctx.cfg.max_connections
+                    );
+                    let _ = send_error(&mut stream, &ctx.cfg, 0, ErrorCode::Busy, &msg).await;
+                });
+            }
+        }
+    }
+}
+
+async fn send(stream: &mut TcpStream, cfg: &ServerConfig, bytes: &[u8]) -> Result<(), ()> {
+    match timeout(cfg.write_timeout, stream.write_all(bytes)).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(()),
+    }
+}
+
+async fn send_error(
+    stream: &mut TcpStream,
+    cfg: &ServerConfig,
+    tag: u64,
+    code: ErrorCode,
+    message: &str,
+) -> Result<(), ()> {
+    let frame = Reply::Error {
+        tag,
+        code,
+        message: message.to_string(),
+    }
+    .encode();
+    send(stream, cfg, &frame).await
+}
+
+fn token_matches(expected: &Option<String>, got: &[u8]) -> bool {
+    let want = expected.as_deref().unwrap_or("").as_bytes();
+    // Length is not secret; compare the bytes without an early exit.
+    want.len() == got.len() && want.iter().zip(got).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// Read and check the `Hello`; returns the reader id.
+async fn handshake(stream: &mut TcpStream, cfg: &ServerConfig) -> Result<u32, Refusal> {
+    let body = match wire::read_body(stream, MAX_HELLO).await {
+        Ok(b) => b,
+        Err(FrameError::TooLarge(n)) => {
+            return Err((
+                ErrorCode::BadHandshake,
+                format!("first frame announces {n} bytes; not a kvx-rdma hello (max {MAX_HELLO})"),
+            ));
+        }
+        Err(FrameError::Empty) => {
+            return Err((ErrorCode::BadHandshake, "empty first frame".into()));
+        }
+        Err(FrameError::Eof) | Err(FrameError::Io(_)) => {
+            return Err((
+                ErrorCode::BadHandshake,
+                "connection closed in the handshake".into(),
+            ));
+        }
+    };
+    match Request::decode(&body) {
+        Ok(Request::Hello {
+            version,
+            reader,
+            token,
+        }) => {
+            if version != PROTOCOL_VERSION {
+                return Err((
+                    ErrorCode::VersionMismatch,
+                    format!(
+                        "client speaks protocol version {version}, this server speaks {PROTOCOL_VERSION}"
+                    ),
+                ));
+            }
+            if !token_matches(&cfg.token, &token) {
+                return Err((
+                    ErrorCode::BadToken,
+                    if token.is_empty() {
+                        "this server requires a token".into()
+                    } else {
+                        "wrong token".into()
+                    },
+                ));
+            }
+            Ok(reader)
+        }
+        Ok(_) => Err((
+            ErrorCode::BadHandshake,
+            "the first frame must be a hello".into(),
+        )),
+        Err(e) => Err((ErrorCode::BadHandshake, format!("bad hello: {e}"))),
+    }
+}
+
+async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: &Ctx) {
+    let conn = ctx
+        .next_conn
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _ = stream.set_nodelay(true);
+    serve_conn(&mut stream, peer, conn, ctx).await;
+    if let Some(side) = &ctx.side {
+        side.closed(conn);
+    }
+}
+
+async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &Ctx) {
+    let cfg = &ctx.cfg;
+    let reader = match timeout(cfg.handshake_timeout, handshake(stream, cfg)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err((code, msg))) => {
+            debug!(%peer, ?code, %msg, "kvx-rdma server: handshake refused");
+            let _ = send_error(stream, cfg, 0, code, &msg).await;
+            return;
+        }
+        Err(_) => {
+            let msg = format!("no hello within {:?}", cfg.handshake_timeout);
+            let _ = send_error(stream, cfg, 0, ErrorCode::BadHandshake, &msg).await;
+            return;
+        }
+    };
+    let welcome = Reply::Welcome {
+        version: PROTOCOL_VERSION,
+        max_read: cfg.max_read,
+    }
+    .encode();
+    if send(stream, cfg, &welcome).await.is_err() {
+        return;
+    }
+    loop {
+        let len = match timeout(cfg.idle_timeout, wire::read_len(stream, cfg.max_frame)).await {
+            Err(_) => return,
+            Ok(Err(FrameError::Eof)) | Ok(Err(FrameError::Io(_))) => return,
+            Ok(Err(FrameError::TooLarge(n))) => {
+                let msg = format!(
+                    "frame of {n} bytes exceeds the maximum of {}",
+                    cfg.max_frame
+                );
+                let _ = send_error(stream, cfg, 0, ErrorCode::FrameTooLarge, &msg).await;
+                return;
+            }
+            Ok(Err(FrameError::Empty)) => {
+                let msg = "zero-length frame";
+                let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, msg).await;
+                return;
+            }
+            Ok(Ok(len)) => len,
+        };
+        let mut body = vec![0u8; len as usize];
+        match timeout(cfg.frame_timeout, stream.read_exact(&mut body)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return,
+            Err(_) => {
+                let msg = format!(
+                    "frame of {len} bytes not complete within {:?}",
+                    cfg.frame_timeout
+                );
+                let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, &msg).await;
+                return;
+            }
+        }
+        let req = match Request::decode(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, &e).await;
+                return;
+            }
+        };
+        let ok = match req {
+            Request::Hello { .. } => {
+                let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, "second hello").await;
+                return;
+            }
+            Request::Read {
+                tag,
+                request,
+                block,
+                offset,
+                len,
+            } => serve_read(stream, ctx, tag, RequestId(request), block, offset, len).await,
+            Request::Heartbeat { tag, request } => {
+                let r = ctx.exporter.heartbeat(RequestId(request));
+                answer(stream, cfg, tag, r).await
+            }
+            Request::Done { tag, request } => {
+                let r = ctx.exporter.reader_done(RequestId(request), reader);
+                answer(stream, cfg, tag, r).await
+            }
+            Request::Verbs { tag, body } => match &ctx.side {
+                Some(side) => match side.handle(conn, reader, &body) {
+                    Ok(body) => send(stream, cfg, &Reply::Verbs { tag, body }.encode()).await,
+                    Err((code, msg)) => send_error(stream, cfg, tag, code, &msg).await,
+                },
+                None => {
+                    let msg = "this server has no verbs transport";
+                    send_error(stream, cfg, tag, ErrorCode::Unsupported, msg).await
+                }
+            },
+        };
+        if ok.is_err() {
+            debug!(%peer, "kvx-rdma server: write failed or timed out; connection dropped");
+            return;
+        }
+    }
+}
+
+async fn answer(
+    stream: &mut TcpStream,
+    cfg: &ServerConfig,
+    tag: u64,
+    r: Result<(), Refusal>,
+) -> Result<(), ()> {
+    match r {
+        Ok(()) => send(stream, cfg, &Reply::Ack { tag }.encode()).await,
+        Err((code, msg)) => send_error(stream, cfg, tag, code, &msg).await,
+    }
+}
+
+async fn serve_read(
+    stream: &mut TcpStream,
+    ctx: &Ctx,
+    tag: u64,
+    request: RequestId,
+    block: u32,
+    offset: u64,
+    len: u64,
+) -> Result<(), ()> {
+    let cfg = &ctx.cfg;
+    if len > cfg.max_read {
+        let msg = format!(
+            "read of {len} bytes exceeds the server's maximum of {}",
+            cfg.max_read
+        );
+        return send_error(stream, cfg, tag, ErrorCode::ReadTooLarge, &msg).await;
+    }
+    if !cfg.pace.is_zero() {
+        tokio::time::sleep(cfg.pace).await;
+    }
+    let pin = match ctx.exporter.begin_read(request, block, offset, len) {
+        Ok(p) => p,
+        Err((code, msg)) => return send_error(stream, cfg, tag, code, &msg).await,
+    };
+    let head = Reply::Data {
+        tag,
+        len: pin.len(),
+    }
+    .encode();
+    // The pin is held only while the bytes are written, each write bounded by the timeout:
+    // the engine hears of a release only after it drops.
+    send(stream, cfg, &head).await?;
+    for s in pin.slices() {
+        send(stream, cfg, s).await?;
+    }
+    drop(pin);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_comparison() {
+        assert!(token_matches(&None, b""));
+        assert!(!token_matches(&None, b"x"));
+        assert!(token_matches(&Some("abc".into()), b"abc"));
+        assert!(!token_matches(&Some("abc".into()), b"abd"));
+        assert!(!token_matches(&Some("abc".into()), b"ab"));
+    }
+}

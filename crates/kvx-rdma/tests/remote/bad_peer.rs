@@ -1,0 +1,297 @@
+//! Hostile or broken peers: clear errors, dropped connections, nobody else stalled, no panic.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvx_core::{BlockError, BlockKey, RequestId, TaskState};
+use kvx_rdma::wire::{ErrorCode, PROTOCOL_VERSION, Reply, Request};
+use kvx_rdma::{RemoteDescriptor, TransportKind};
+
+use super::peer::{Consumer, Peer, pattern};
+
+const BLOCK: usize = 64 * 1024;
+const TOKEN: &str = "s3cret";
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn hello(version: u16, token: &str) -> Vec<u8> {
+    Request::Hello {
+        version,
+        reader: 0,
+        token: token.as_bytes().to_vec(),
+    }
+    .encode()
+}
+
+/// Read one server frame: `(type, body)`; `None` on EOF.
+fn frame(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body).ok()?;
+    Some((body[0], body))
+}
+
+fn expect_error(s: &mut TcpStream, code: ErrorCode, what: &str) -> String {
+    let (_, body) = frame(s).unwrap_or_else(|| panic!("{what}: no error frame"));
+    match Reply::decode(&body) {
+        Ok(Reply::Error {
+            code: c, message, ..
+        }) => {
+            assert_eq!(c, code, "{what}: {message}");
+            assert!(!message.is_empty(), "{what}: empty message");
+            message
+        }
+        other => panic!("{what}: expected an error frame, got {other:?}"),
+    }
+}
+
+fn expect_closed(s: &mut TcpStream, what: &str) {
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("{what}: connection should be closed, got {other:?}"),
+    }
+}
+
+fn logged_in(addr: SocketAddr) -> TcpStream {
+    let mut s = connect(addr);
+    s.write_all(&hello(PROTOCOL_VERSION, TOKEN)).unwrap();
+    let (_, body) = frame(&mut s).expect("welcome");
+    assert!(matches!(Reply::decode(&body), Ok(Reply::Welcome { .. })));
+    s
+}
+
+fn read_req(tag: u64, request: u64, block: u32, offset: u64, len: u64) -> Vec<u8> {
+    Request::Read {
+        tag,
+        request,
+        block,
+        offset,
+        len,
+    }
+    .encode()
+}
+
+pub fn bad_peer_input() {
+    let mut p = Peer::producer(&[
+        ("KVX_TOKEN", TOKEN.into()),
+        ("KVX_HANDSHAKE_MS", "1000".into()),
+    ]);
+    let desc = p.export(1, 0, 4, 60_000, 1);
+    p.ready(1);
+    let addr = desc.addr;
+
+    // Slow and stuck peers hold their own connections only.
+    let mut half_hello = connect(addr);
+    half_hello
+        .write_all(&hello(PROTOCOL_VERSION, TOKEN)[..7])
+        .unwrap();
+    let mut half_frame = logged_in(addr);
+    half_frame.write_all(&[0, 0]).unwrap();
+    let mut silent = logged_in(addr);
+
+    // Garbage instead of a hello (an HTTP request, say).
+    let mut s = connect(addr);
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let m = expect_error(&mut s, ErrorCode::BadHandshake, "garbage");
+    assert!(m.contains("not a kvx-rdma hello"), "{m}");
+    expect_closed(&mut s, "garbage");
+
+    // Wrong protocol version, wrong and missing token.
+    let mut s = connect(addr);
+    s.write_all(&hello(PROTOCOL_VERSION + 1, TOKEN)).unwrap();
+    let m = expect_error(&mut s, ErrorCode::VersionMismatch, "version");
+    assert!(m.contains("version 2") && m.contains("speaks 1"), "{m}");
+    expect_closed(&mut s, "version");
+    let mut s = connect(addr);
+    s.write_all(&hello(PROTOCOL_VERSION, "guess")).unwrap();
+    assert_eq!(
+        expect_error(&mut s, ErrorCode::BadToken, "wrong token"),
+        "wrong token"
+    );
+    expect_closed(&mut s, "wrong token");
+    let mut s = connect(addr);
+    s.write_all(&hello(PROTOCOL_VERSION, "")).unwrap();
+    assert!(expect_error(&mut s, ErrorCode::BadToken, "no token").contains("requires a token"));
+    expect_closed(&mut s, "no token");
+
+    // Oversize length prefix.
+    let mut s = logged_in(addr);
+    s.write_all(&0xFFFF_FFF0u32.to_be_bytes()).unwrap();
+    let m = expect_error(&mut s, ErrorCode::FrameTooLarge, "oversize");
+    assert!(m.contains("4294967280"), "{m}");
+    expect_closed(&mut s, "oversize");
+
+    // Malformed frames: unknown type, truncated read, zero length, a second hello.
+    for (what, bytes) in [
+        ("unknown type", vec![0, 0, 0, 1, 0x7f]),
+        ("truncated read", vec![0, 0, 0, 5, 2, 0, 0, 0, 1]),
+        ("zero length", vec![0, 0, 0, 0]),
+        ("second hello", hello(PROTOCOL_VERSION, TOKEN)),
+    ] {
+        let mut s = logged_in(addr);
+        s.write_all(&bytes).unwrap();
+        expect_error(&mut s, ErrorCode::MalformedFrame, what);
+        expect_closed(&mut s, what);
+    }
+
+    // Bad reads get an error frame each; the connection stays usable.
+    let mut s = logged_in(addr);
+    let bb = desc.block_bytes;
+    for (what, req, code) in [
+        (
+            "block index out of bounds",
+            read_req(1, 1, 99, 0, bb),
+            ErrorCode::OutOfBounds,
+        ),
+        (
+            "offset out of bounds",
+            read_req(2, 1, 0, bb - 10, 100),
+            ErrorCode::OutOfBounds,
+        ),
+        (
+            "offset overflow",
+            read_req(3, 1, 0, u64::MAX, 2),
+            ErrorCode::OutOfBounds,
+        ),
+        (
+            "huge read",
+            read_req(4, 1, 0, 0, u64::MAX),
+            ErrorCode::ReadTooLarge,
+        ),
+        (
+            "unknown request",
+            read_req(5, 999, 0, 0, bb),
+            ErrorCode::UnknownRequest,
+        ),
+    ] {
+        s.write_all(&req).unwrap();
+        let m = expect_error(&mut s, code, what);
+        if code == ErrorCode::UnknownRequest {
+            assert!(m.contains("req-999"), "{m}");
+        }
+    }
+    s.write_all(
+        &Request::Heartbeat {
+            tag: 6,
+            request: 999,
+        }
+        .encode(),
+    )
+    .unwrap();
+    expect_error(
+        &mut s,
+        ErrorCode::UnknownRequest,
+        "heartbeat of an unknown request",
+    );
+    s.write_all(&read_req(7, 1, 2, 100, 50)).unwrap();
+    let (ty, body) = frame(&mut s).expect("data after errors");
+    assert_eq!(ty, 0x82);
+    assert_eq!(u64::from_be_bytes(body[1..9].try_into().unwrap()), 7);
+    let expect: Vec<u8> = (100..150).map(|j| pattern(2, j)).collect();
+    assert_eq!(&body[9..], &expect[..]);
+
+    // Meanwhile a real consumer reads everything, in time, despite the stuck peers.
+    let mut c = Consumer::new(0, BLOCK, 4, Some(TOKEN.into()), true);
+    c.handle.register(desc.clone()).unwrap();
+    let t0 = Instant::now();
+    let report = c.load(&desc.blocks, t0 + Duration::from_secs(3));
+    assert!(
+        report.is_ok(),
+        "{:?}",
+        report.blocks.iter().map(|b| &b.result).collect::<Vec<_>>()
+    );
+    // The half hello is cut at the handshake timeout with a clear error.
+    let m = expect_error(&mut half_hello, ErrorCode::BadHandshake, "half hello");
+    assert!(m.contains("no hello within"), "{m}");
+    // A consumer with the wrong token gets invalid blocks, not a hang.
+    let mut wrong = Consumer::new(1, BLOCK, 4, Some("nope".into()), false);
+    wrong.handle.register(desc.clone()).unwrap();
+    let r = wrong.load(&desc.blocks, Instant::now() + Duration::from_secs(3));
+    assert!(
+        matches!(&r.blocks[0].result, Err(BlockError::Io(m)) if m.contains("BadToken")),
+        "{:?}",
+        r.blocks[0].result
+    );
+
+    c.handle.done(desc.request).unwrap();
+    assert_eq!(
+        p.wait_for("released", Duration::from_secs(2)),
+        "released 1 Read"
+    );
+    assert!(
+        p.child.try_wait().unwrap().is_none(),
+        "the producer is still running"
+    );
+    let s = p.status(1);
+    assert!(s.contains("pins=0"), "{s}");
+    drop((half_frame.write_all(&[0]), silent.write_all(&[])));
+    let err = p.stderr_text();
+    assert!(!err.contains("panicked"), "producer panicked: {err}");
+}
+
+/// The consumer side of bad input: a server that lies about lengths and tags.
+pub fn bad_peer_input_from_server() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().take(3).enumerate() {
+            let mut s = conn.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(
+                &Reply::Welcome {
+                    version: PROTOCOL_VERSION,
+                    max_read: 1 << 20,
+                }
+                .encode(),
+            );
+            let _ = s.read(&mut buf);
+            let evil: Vec<u8> = match i {
+                // A data frame announcing 4 GiB.
+                0 => {
+                    let mut f = 0xFFFF_FFF0u32.to_be_bytes().to_vec();
+                    f.push(0x82);
+                    f.extend_from_slice(&1u64.to_be_bytes());
+                    f
+                }
+                // A reply for a tag nobody asked for.
+                1 => Reply::Ack { tag: 12345 }.encode(),
+                // Garbage.
+                _ => vec![0, 0, 0, 3, 0x99, 1, 2],
+            };
+            let _ = s.write_all(&evil);
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    let desc = RemoteDescriptor {
+        request: RequestId(1),
+        addr,
+        transport: TransportKind::Tcp,
+        block_bytes: BLOCK as u64,
+        blocks: vec![BlockKey(1)],
+        heartbeat_interval_ms: 1000,
+        ttl_ms: 6000,
+        expected_readers: 1,
+    };
+    let mut c = Consumer::new(0, BLOCK, 1, None, false);
+    c.handle.register(desc.clone()).unwrap();
+    for what in ["announces", "broke the protocol", "unknown frame type"] {
+        let t0 = Instant::now();
+        let r = c.load(&desc.blocks, t0 + Duration::from_secs(3));
+        assert_eq!(r.state, TaskState::Failed(kvx_core::FailReason::Blocks));
+        match &r.blocks[0].result {
+            Err(BlockError::Io(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("expected an I/O error naming {what:?}, got {other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(2), "failed fast");
+    }
+    server.join().unwrap();
+}
