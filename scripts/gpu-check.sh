@@ -63,7 +63,10 @@ step() { # $1: name, $2: log, rest: command
   local rc=${PIPESTATUS[0]}
   local res
   res=$(grep -E '^test result:' "$log" | tail -n 1 | sed 's/; finished.*//')
-  if [ "$rc" -eq 0 ]; then summary+=("$(printf '%-14s ok     %s' "$name" "$res")")
+  [ -n "$res" ] || res=$(grep -v '^ *$' "$log" | tail -n 1)
+  if grep -q '^skip:' "$log"; then
+    summary+=("$(printf '%-14s SKIPPED %s' "$name" "$(grep -m1 '^skip:' "$log")")"); status=1
+  elif [ "$rc" -eq 0 ]; then summary+=("$(printf '%-14s ok     %s' "$name" "$res")")
   else summary+=("$(printf '%-14s FAILED (exit %s) %s' "$name" "$rc" "$res")"); status=1; fi
 }
 
@@ -86,7 +89,7 @@ run() {
   echo "================ gpu-check results ================"
   echo "device: $device"
   printf '%s\n' "${summary[@]}"
-  grep -E '^(skip|test .*FAILED|.*panicked)' "$out/gpu.log" || true
+  grep -E '^test [a-z0-9_]+ +\.\.\. FAILED|panicked' "$out/gpu.log" || true
   echo "--- kvx bench cuda (kvx vs plain cuMemcpy, same bytes, same run)"
   sed -n '/^kvx bench cuda:/,$p' "$out/bench.log" | grep -v '^kvx bench cuda: no' || true
   echo "--- criterion (time per 64 MiB op; kvx vs plain)"

@@ -4,8 +4,8 @@
 //! cudarc loads `libcuda` at run time and **panics** when the library, or a symbol, is missing.
 //! So nothing in this crate calls cudarc before [`Ctx::open`] succeeded, and `open` checks, in
 //! order: the library can be loaded ([`cuda_available`]), every symbol in [`REQUIRED_SYMBOLS`]
-//! resolves, `cuInit` works and the device exists. The optional batch-copy symbol is looked up
-//! the same way and only used when present ([`Ctx::batch_copy`]).
+//! resolves, `cuInit` works and the device exists. The optional batch copy is looked up by
+//! version with `cuGetProcAddress` and only used when present ([`Ctx::batch_fn`]).
 //!
 //! Unsafe rule of this module: a `cudarc::driver::sys` function is only called on a path that
 //! went through `Ctx::open` (the library is loaded and the symbol resolved, so cudarc's lazy
@@ -54,6 +54,22 @@ pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
 pub(crate) const BATCH_SYMBOL: &str = "cuMemcpyBatchAsync";
 /// First driver version (as `cuDriverGetVersion` reports it) with [`BATCH_SYMBOL`].
 pub(crate) const BATCH_MIN_DRIVER: i32 = 12080;
+/// How the batch entry point is found: `cuGetProcAddress_v2` (CUDA 12.0+).
+const PROC_ADDRESS_SYMBOL: &str = "cuGetProcAddress_v2";
+
+/// `cuMemcpyBatchAsync` with its CUDA 12.8 signature (CUDA 13 renamed the new signature `_v2`
+/// and keeps this one for programs built against 12.8).
+pub(crate) type BatchFn = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    sys::CUstream,
+) -> sys::CUresult;
 
 /// True when the CUDA driver library can be loaded on this machine (checked once, cached).
 ///
@@ -74,6 +90,37 @@ fn has_symbol(name: &str) -> bool {
             .get::<unsafe extern "C" fn()>(name.as_bytes())
             .is_ok()
     }
+}
+
+/// The 12.8 `cuMemcpyBatchAsync` entry point, asked for by version through `cuGetProcAddress`
+/// so a newer driver hands out the signature this crate calls. `None` when the driver is older
+/// or does not have it. Only called after the library and required symbols were checked.
+fn batch_entry_point(driver_version: i32) -> Option<BatchFn> {
+    if driver_version < BATCH_MIN_DRIVER || !has_symbol(PROC_ADDRESS_SYMBOL) {
+        return None;
+    }
+    let mut pfn: *mut std::ffi::c_void = std::ptr::null_mut();
+    let mut status = sys::CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    // SAFETY: the symbol was resolved just above (so cudarc's loader cannot panic); the name is
+    // a NUL-terminated literal and both out-pointers are live locals.
+    let r = unsafe {
+        sys::cuGetProcAddress_v2(
+            c"cuMemcpyBatchAsync".as_ptr(),
+            &mut pfn,
+            BATCH_MIN_DRIVER,
+            sys::CUdriverProcAddress_flags::CU_GET_PROC_ADDRESS_DEFAULT as u64,
+            &mut status,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS
+        || status != sys::CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SUCCESS
+        || pfn.is_null()
+    {
+        return None;
+    }
+    // SAFETY: the driver returned the entry point of cuMemcpyBatchAsync as of CUDA 12.8, the
+    // version asked for, whose C signature `BatchFn` spells out (cudarc's 12.8 binding).
+    Some(unsafe { std::mem::transmute::<*mut std::ffi::c_void, BatchFn>(pfn) })
 }
 
 /// Turn a CUresult into a `Result`, naming the call.
@@ -111,7 +158,7 @@ pub(crate) struct Ctx {
     ordinal: u32,
     name: String,
     driver_version: i32,
-    batch_copy: bool,
+    batch_copy: Option<BatchFn>,
 }
 
 // SAFETY: a CUcontext handle is a plain token that the (thread-safe) driver API accepts from any
@@ -177,7 +224,7 @@ impl Ctx {
         check("cuDevicePrimaryCtxRetain", unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut raw, dev)
         })?;
-        let batch_copy = driver_version >= BATCH_MIN_DRIVER && has_symbol(BATCH_SYMBOL);
+        let batch_copy = batch_entry_point(driver_version);
         let ctx = Arc::new(Ctx {
             raw,
             dev,
@@ -222,6 +269,11 @@ impl Ctx {
 
     /// Whether `cuMemcpyBatchAsync` may be called.
     pub(crate) fn batch_copy(&self) -> bool {
+        self.batch_copy.is_some()
+    }
+
+    /// The 12.8 `cuMemcpyBatchAsync`, when the driver has it.
+    pub(crate) fn batch_fn(&self) -> Option<BatchFn> {
         self.batch_copy
     }
 }

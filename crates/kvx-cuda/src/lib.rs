@@ -50,9 +50,10 @@
 //!   `cuMemcpyBatchAsync` (CUDA 12.8, r570 drivers), which turns the runs of an op into one
 //!   call. Everything else called here exists since CUDA 11 or earlier, and symbols are resolved
 //!   at run time, so older drivers work too: batching is used only when the driver reports
-//!   ≥ 12080 **and** the symbol resolves (looked up without calling cudarc's panicking loader);
-//!   otherwise each run is one `cuMemcpy*Async` call. A batch call that fails is redone run by
-//!   run and batching is switched off.
+//!   ≥ 12080 **and** `cuGetProcAddress` hands out the 12.8 entry point (asked for by version,
+//!   so a CUDA 13 driver gives the signature this crate calls, and a missing symbol is a `None`,
+//!   not cudarc's panic); otherwise each run is one `cuMemcpy*Async` call. A batch call that
+//!   fails is redone run by run and batching is switched off.
 //! - **Pinned memory.** [`PinnedPool`] is a kvx-core `BufferPool` whose buffers are registered
 //!   with `cuMemHostRegister`, so the op's own buffers are what the DMA reads or writes; see
 //!   `pinned.rs` for the ownership rule. Ops with buffers outside accepted pools fail per block.

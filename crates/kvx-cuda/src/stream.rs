@@ -210,19 +210,18 @@ unsafe fn enqueue_each(
 /// All runs in one `cuMemcpyBatchAsync` (CUDA 12.8 signature).
 ///
 /// # Safety
-/// As for [`enqueue`]; and `ctx.batch_copy()` must be true (the symbol exists: otherwise
-/// cudarc's lazy loader would panic).
+/// As for [`enqueue`].
 unsafe fn enqueue_batch(
     ctx: &Ctx,
     stream: &Stream,
     dir: CopyDir,
     runs: &[Run],
 ) -> Result<(), CudaError> {
-    if !ctx.batch_copy() {
+    let Some(batch_fn) = ctx.batch_fn() else {
         return Err(CudaError::MissingSymbol {
             symbol: crate::driver::BATCH_SYMBOL,
         });
-    }
+    };
     let n = runs.len();
     let mut dsts = Vec::with_capacity(n);
     let mut srcs = Vec::with_capacity(n);
@@ -262,12 +261,12 @@ unsafe fn enqueue_batch(
     }];
     let mut attr_idx = [0usize];
     let mut fail_idx = usize::MAX;
-    // SAFETY: the symbol exists (checked above). The five arrays are live locals of the lengths
-    // passed (n copies, 1 attribute applying from copy 0), read during the call only. The
-    // addresses follow the caller's ownership rule; the stream is a created (non-legacy) stream,
-    // as the API requires.
+    // SAFETY: `batch_fn` is the driver's 12.8 entry point (see `Ctx::batch_fn`). The five
+    // arrays are live locals of the lengths passed (n copies, 1 attribute applying from copy 0),
+    // read during the call only. The addresses follow the caller's ownership rule; the stream is
+    // a created (non-legacy) stream, as the API requires.
     let r = unsafe {
-        sys::cuMemcpyBatchAsync(
+        batch_fn(
             dsts.as_mut_ptr(),
             srcs.as_mut_ptr(),
             sizes.as_mut_ptr(),
