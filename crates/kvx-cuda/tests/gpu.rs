@@ -504,7 +504,16 @@ fn deadline_quarantine_on_long_copy(dev: &CudaDevice) -> Result<(), Failed> {
         deadline: Instant::now() + Duration::from_secs(120),
         deferred: false,
     })?;
-    let deadline = Instant::now() + Duration::from_millis(5);
+    // Let the blocker reach the stream first, so the late task queues behind it.
+    let queued_by = Instant::now() + Duration::from_secs(10);
+    while stats.snapshot().in_flight == 0 {
+        ensure!(
+            Instant::now() < queued_by,
+            "the blocker was never submitted to the backend"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let deadline = Instant::now() + Duration::from_millis(20);
     let late = driver.submit(TaskSpec {
         request: RequestId(2),
         dir: Direction::Load,
