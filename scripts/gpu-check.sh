@@ -9,6 +9,10 @@
 #   scripts/gpu-check.sh --run DIR    run binaries made by --build (a GPU machine without cargo
 #                                     or network: carry DIR there)
 #
+# A GPU machine with no cargo or network (e.g. one lent by a session's device tool): run
+# `--build target/gpu-check/bin` here (about 10 MB of stripped binaries), carry that folder
+# there and run `scripts/gpu-check.sh --run target/gpu-check/bin` with KVX_GPU_CHECK_OUT=$OUT.
+#
 # Logs and the bench JSON go to $KVX_GPU_CHECK_OUT (default target/gpu-check/out).
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail

@@ -326,7 +326,7 @@ fn invalid_blocks_fail_alone(dev: &CudaDevice) -> Result<(), Failed> {
     // SAFETY: as in `round_trip`.
     let mut backend =
         unsafe { CudaBackend::new(dev, engine.layout.clone(), CudaBackendConfig::default())? };
-    let pinned = backend.pinned_pool(3, bb)?;
+    let pinned = backend.pinned_pool(4, bb)?;
     let plain = BufferPool::new(1, bb, DEFAULT_ALIGN)?;
     let poison = poison_byte(&mut rng);
     engine.mem.fill(poison)?;
@@ -379,6 +379,7 @@ fn invalid_blocks_fail_alone(dev: &CudaDevice) -> Result<(), Failed> {
         "refused block was written"
     );
     // A store needs an owned destination.
+    drop(c);
     let shared = Arc::new(pinned.take().ok_or("pool")?);
     let store = op(
         2,
