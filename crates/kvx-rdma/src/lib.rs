@@ -63,6 +63,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod bench;
 mod descriptor;
 mod error;
 mod exporter;

@@ -1,6 +1,7 @@
 //! `kvx bench <target>`: one module per backend.
 
 mod cuda;
+mod remote;
 
 use clap::Subcommand;
 
@@ -9,11 +10,14 @@ use clap::Subcommand;
 pub enum BenchTarget {
     /// CUDA host<->device copies (contiguous and scattered blocks) next to a plain cuMemcpy.
     Cuda(cuda::CudaArgs),
+    /// kvx-rdma remote reads over loopback TCP next to a raw socket copy of the same bytes.
+    Remote(remote::RemoteArgs),
 }
 
 /// Run a benchmark; returns the process exit code.
 pub fn run(target: BenchTarget) -> i32 {
     match target {
         BenchTarget::Cuda(args) => cuda::run(args),
+        BenchTarget::Remote(args) => remote::run(args),
     }
 }

@@ -1,0 +1,224 @@
+//! A producer and a consumer over loopback TCP in one process, and the raw socket copy they
+//! are measured against. Shared by `kvx bench remote` and the criterion benchmark.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvx_core::{
+    AlignedBuf, BackendId, BlockKey, Buf, BufferPool, DEFAULT_ALIGN, Direction, Driver,
+    DriverBuilder, DriverConfig, EngineBlockId, KvLayout, MemoryKind, OpBlock, RequestId, TaskSpec,
+};
+use kvx_policy::LeaseConfig;
+
+use crate::descriptor::RemoteDescriptor;
+use crate::error::RdmaError;
+use crate::exporter::Exporter;
+use crate::importer::{Importer, ImporterConfig, ImporterHandle};
+use crate::tcp::{ServerConfig, TcpServer};
+
+/// Producer (engine arena, exporter, server) and consumer (importer in a driver) on loopback.
+pub struct LoopbackRig {
+    // Drop order: the consumer, then the server, then the memory it serves.
+    driver: Driver,
+    handle: ImporterHandle,
+    rdma: BackendId,
+    pool: BufferPool,
+    desc: RemoteDescriptor,
+    server: TcpServer,
+    exporter: Exporter,
+    arena: AlignedBuf,
+    block_bytes: usize,
+    task_blocks: usize,
+}
+
+impl LoopbackRig {
+    /// `blocks` blocks of `block_bytes` exported as one request; staging buffers for
+    /// `task_blocks` blocks at a time.
+    pub fn new(
+        block_bytes: usize,
+        blocks: u32,
+        task_blocks: usize,
+    ) -> Result<LoopbackRig, RdmaError> {
+        let bad = |e: kvx_core::CoreError| RdmaError::BadLayout(e.to_string());
+        let mut arena =
+            AlignedBuf::new(block_bytes * blocks as usize, DEFAULT_ALIGN).map_err(bad)?;
+        for (b, chunk) in arena.as_mut_slice().chunks_mut(block_bytes).enumerate() {
+            chunk.fill((b % 251) as u8);
+        }
+        let layout = KvLayout::contiguous(
+            arena.as_ptr() as usize,
+            MemoryKind::Host,
+            block_bytes,
+            blocks,
+        )
+        .map_err(bad)?;
+        // SAFETY: the arena is a field of the rig, dropped after the server and the exporter
+        // (field order); nothing writes it after the fill above.
+        let exporter = unsafe { Exporter::new(layout)? };
+        let server = TcpServer::start(exporter.clone(), ServerConfig::default())?;
+        let lease = LeaseConfig::with_ttl_ms(600_000);
+        let blocks_list: Vec<_> = (0..blocks)
+            .map(|b| (BlockKey::chain(None, &b.to_le_bytes()), EngineBlockId(b)))
+            .collect();
+        exporter.export(RequestId(1), &blocks_list, &lease)?;
+        exporter.ready(RequestId(1))?;
+        let desc = server.descriptor(&exporter, RequestId(1), &lease)?;
+        let importer = Importer::new(ImporterConfig::default())?;
+        let handle = importer.handle();
+        handle.register(desc.clone())?;
+        let mut b = DriverBuilder::new(DriverConfig::default());
+        let rdma = b.backend(Box::new(importer));
+        let driver = b.spawn().map_err(|e| RdmaError::Runtime(e.to_string()))?;
+        let pool = BufferPool::new(task_blocks, block_bytes, DEFAULT_ALIGN).map_err(bad)?;
+        Ok(LoopbackRig {
+            driver,
+            handle,
+            rdma,
+            pool,
+            desc,
+            server,
+            exporter,
+            arena,
+            block_bytes,
+            task_blocks,
+        })
+    }
+
+    /// Blocks exported.
+    pub fn blocks(&self) -> usize {
+        self.desc.blocks.len()
+    }
+
+    /// Read blocks `first..first+n` (wrapping) as one task; returns its latency.
+    pub fn read_task(&self, first: usize, n: usize) -> Result<Duration, String> {
+        let keys = &self.desc.blocks;
+        let blocks = (0..n)
+            .map(|i| {
+                let buf = self.pool.take().ok_or("staging pool exhausted")?;
+                Ok(OpBlock {
+                    key: keys[(first + i) % keys.len()],
+                    engine: None,
+                    buf: Buf::Owned(buf),
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs(30);
+        let task = self
+            .driver
+            .submit(TaskSpec {
+                request: RequestId(2),
+                dir: Direction::Load,
+                route: vec![self.rdma],
+                blocks,
+                deadline,
+                deferred: false,
+            })
+            .map_err(|e| e.to_string())?;
+        let report = self
+            .driver
+            .wait_report(task, deadline + Duration::from_secs(1))
+            .ok_or("no report")?;
+        let took = t0.elapsed();
+        if !report.is_ok() {
+            let err = report.blocks.iter().find_map(|b| b.result.clone().err());
+            return Err(format!("task failed: {:?} {err:?}", report.state));
+        }
+        let want = ((first % keys.len()) % 251) as u8;
+        let got = report.blocks[0].buf.as_ref().map(|b| b.as_slice()[0]);
+        if got != Some(want) {
+            return Err(format!("wrong bytes: {got:?}, expected {want}"));
+        }
+        Ok(took)
+    }
+
+    /// The exporter (for stats).
+    pub fn exporter(&self) -> &Exporter {
+        &self.exporter
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.server.local_addr()
+    }
+}
+
+impl LoopbackRig {
+    /// The physical path for the same bytes: one plain loopback TCP connection, the sender
+    /// writing each exported block straight from the engine memory, the receiver reading each
+    /// into one of `task_blocks` destination buffers in turn (like the staging pool). Returns
+    /// the time from connect to the last byte.
+    pub fn raw_tcp_copy(&self) -> std::io::Result<Duration> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let bs = self.block_bytes;
+        // Touched before the clock starts, like the staging pool, which is allocated up front.
+        let mut dest: Vec<Vec<u8>> = (0..self.task_blocks).map(|_| vec![1u8; bs]).collect();
+        let blocks = self.blocks();
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| -> std::io::Result<()> {
+                let (mut s, _) = listener.accept()?;
+                s.set_nodelay(true)?;
+                for block in self.arena.as_slice().chunks(bs) {
+                    s.write_all(block)?;
+                }
+                Ok(())
+            });
+            let t0 = Instant::now();
+            let mut s = TcpStream::connect(addr)?;
+            s.set_nodelay(true)?;
+            for i in 0..blocks {
+                let n = dest.len();
+                s.read_exact(&mut dest[i % n])?;
+            }
+            let took = t0.elapsed();
+            sender
+                .join()
+                .map_err(|_| std::io::Error::other("sender thread panicked"))??;
+            Ok(took)
+        })
+    }
+}
+
+/// A reference point, not the baseline: `total` bytes over one loopback connection from one
+/// cache-hot `chunk`-byte buffer into another (the loopback's best case for this chunk size).
+pub fn raw_tcp_hot_copy(total: u64, chunk: usize) -> std::io::Result<Duration> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let mut buf = vec![1u8; chunk];
+    std::thread::scope(|scope| {
+        let sender = scope.spawn(|| -> std::io::Result<()> {
+            let (mut s, _) = listener.accept()?;
+            s.set_nodelay(true)?;
+            let src = vec![7u8; chunk];
+            let mut left = total;
+            while left > 0 {
+                let n = left.min(chunk as u64) as usize;
+                s.write_all(&src[..n])?;
+                left -= n as u64;
+            }
+            Ok(())
+        });
+        let t0 = Instant::now();
+        let mut s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        let mut left = total;
+        while left > 0 {
+            let n = left.min(chunk as u64) as usize;
+            s.read_exact(&mut buf[..n])?;
+            left -= n as u64;
+        }
+        let took = t0.elapsed();
+        sender
+            .join()
+            .map_err(|_| std::io::Error::other("sender thread panicked"))??;
+        Ok(took)
+    })
+}
+
+impl Drop for LoopbackRig {
+    fn drop(&mut self) {
+        let _ = self.handle.done(self.desc.request);
+    }
+}
