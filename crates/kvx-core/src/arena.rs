@@ -11,7 +11,8 @@ use crate::layout::{KvLayout, MemoryKind, Region};
 
 /// Engine memory in host RAM: `num_blocks` blocks laid out per layer or cross-layer.
 pub struct HostArena {
-    mem: AlignedBuf,
+    /// Owns the memory the layout's regions point into (accessed through raw segment pointers).
+    _mem: AlignedBuf,
     layout: KvLayout,
 }
 
@@ -42,7 +43,7 @@ impl HostArena {
             })
             .collect();
         let layout = KvLayout::new(regions, num_blocks)?;
-        Ok(HostArena { mem, layout })
+        Ok(HostArena { _mem: mem, layout })
     }
 
     /// The layout to register with a backend.

@@ -106,32 +106,56 @@ impl OffloadManager {
         Lookup::Hit(tiers)
     }
 
-    /// Pin `keys` (loaded from `tiers`, as `lookup` said) until `complete_load`.
-    pub fn prepare_load(&mut self, keys: &[BlockKey], tiers: &[Tier]) {
+    /// Pin `keys` (loaded from `tiers`, as `lookup` said) until `complete_load`. A block read
+    /// from a file also reserves its place in the host tier (it is promoted there when the load
+    /// succeeds); the returned flags say which blocks got a place, and the host keys evicted
+    /// to make that room are returned too (drop their buffers).
+    pub fn prepare_load(
+        &mut self,
+        keys: &[BlockKey],
+        tiers: &[Tier],
+    ) -> (Vec<bool>, Vec<BlockKey>) {
+        let mut promote = Vec::with_capacity(keys.len());
+        let mut evicted = Vec::new();
         for (k, t) in keys.iter().zip(tiers) {
             match t {
-                Tier::Host => self.host.pin(&[*k]),
+                Tier::Host => {
+                    self.host.pin(&[*k]);
+                    promote.push(false);
+                }
                 Tier::File => {
                     if let Some(f) = self.file.as_mut() {
                         f.pin(&[*k]);
                     }
                     *self.promoting.entry(*k).or_default() += 1;
+                    match self.host.prepare_store(&[*k]) {
+                        Ok(plan) if plan.new == [*k] => {
+                            evicted.extend(plan.evicted);
+                            promote.push(true);
+                        }
+                        Ok(plan) => {
+                            evicted.extend(plan.evicted);
+                            promote.push(false);
+                        }
+                        Err(_) => promote.push(false),
+                    }
                 }
             }
         }
+        (promote, evicted)
     }
 
-    /// A load ended: unpin; blocks that failed verification leave their tier; blocks read from
-    /// files and handed over in `promoted` enter the host tier if it can make room. Returns the
-    /// host keys evicted for them and the promoted keys that did not fit (drop both buffers).
+    /// A load ended: unpin; blocks that failed verification leave their tier; reserved host
+    /// places become stored for the blocks in `promoted` and are released for the others.
     pub fn complete_load(
         &mut self,
         keys: &[BlockKey],
         tiers: &[Tier],
+        promote: &[bool],
         corrupt: &[BlockKey],
         promoted: &[BlockKey],
-    ) -> (Vec<BlockKey>, Vec<BlockKey>) {
-        for (k, t) in keys.iter().zip(tiers) {
+    ) {
+        for ((k, t), p) in keys.iter().zip(tiers).zip(promote) {
             match t {
                 Tier::Host => self.host.unpin(&[*k]),
                 Tier::File => {
@@ -144,6 +168,9 @@ impl OffloadManager {
                             self.promoting.remove(k);
                         }
                     }
+                    if *p {
+                        self.host.complete_store(&[*k], promoted.contains(k));
+                    }
                 }
             }
         }
@@ -151,28 +178,6 @@ impl OffloadManager {
             self.host.remove(*k);
             if let Some(f) = self.file.as_mut() {
                 f.remove(*k);
-            }
-        }
-        let fresh: Vec<BlockKey> = promoted
-            .iter()
-            .copied()
-            .filter(|k| !self.host.is_stored(*k))
-            .collect();
-        let mut dropped: Vec<BlockKey> = promoted
-            .iter()
-            .copied()
-            .filter(|k| self.host.is_stored(*k))
-            .collect();
-        match self.host.prepare_store(&fresh) {
-            Ok(plan) => {
-                self.host.complete_store(&plan.new, true);
-                // Keys already being stored by someone else keep that store's buffer.
-                dropped.extend(fresh.iter().copied().filter(|k| !plan.new.contains(k)));
-                (plan.evicted, dropped)
-            }
-            Err(_) => {
-                dropped.extend(fresh);
-                (Vec::new(), dropped)
             }
         }
     }
@@ -275,10 +280,11 @@ mod tests {
         let Lookup::Hit(tiers) = m.lookup(&[k(1), k(2)]) else {
             panic!()
         };
-        m.prepare_load(&[k(1), k(2)], &tiers);
+        let (promote, evicted) = m.prepare_load(&[k(1), k(2)], &tiers);
+        assert_eq!(promote, vec![true, true], "host places reserved");
+        assert!(evicted.is_empty());
         assert_eq!(m.lookup(&[k(1)]), Lookup::Retry);
-        let (evicted, dropped) = m.complete_load(&[k(1), k(2)], &tiers, &[], &[k(1), k(2)]);
-        assert!(evicted.is_empty() && dropped.is_empty());
+        m.complete_load(&[k(1), k(2)], &tiers, &promote, &[], &[k(1), k(2)]);
         assert_eq!(
             m.lookup(&[k(1), k(2)]),
             Lookup::Hit(vec![Tier::Host, Tier::Host])
@@ -291,8 +297,8 @@ mod tests {
         let mut m = OffloadManager::new(4, Some(8), EvictionKind::Lru);
         m.adopt_file_blocks([k(1), k(2)]);
         let tiers = vec![Tier::File, Tier::File];
-        m.prepare_load(&[k(1), k(2)], &tiers);
-        m.complete_load(&[k(1), k(2)], &tiers, &[k(2)], &[k(1)]);
+        let (promote, _) = m.prepare_load(&[k(1), k(2)], &tiers);
+        m.complete_load(&[k(1), k(2)], &tiers, &promote, &[k(2)], &[k(1)]);
         assert_eq!(m.lookup(&[k(1), k(2)]), Lookup::Hit(vec![Tier::Host]));
     }
 }

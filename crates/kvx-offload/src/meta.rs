@@ -18,6 +18,8 @@ pub struct LoadBlock {
     pub engine: EngineBlockId,
     /// Tier to read it from.
     pub tier: Tier,
+    /// File blocks only: a host-tier place is reserved; keep the block there after loading.
+    pub promote: bool,
 }
 
 /// Load a request's leading blocks from the tiers into engine blocks.

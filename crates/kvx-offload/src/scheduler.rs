@@ -28,6 +28,7 @@ enum JobInfo {
     Load {
         keys: Vec<BlockKey>,
         tiers: Vec<Tier>,
+        promote: Vec<bool>,
     },
     Store {
         file_pending: bool,
@@ -127,16 +128,19 @@ impl SchedulerSide {
                 blocks: engine_blocks.len(),
             });
         }
-        self.mgr.prepare_load(&keys, &tiers);
+        let (promote, evicted) = self.mgr.prepare_load(&keys, &tiers);
+        self.meta.evict_host.extend(evicted);
         let job = self.job_id();
         let blocks = keys
             .iter()
             .zip(&tiers)
             .zip(engine_blocks)
-            .map(|((k, t), e)| LoadBlock {
+            .zip(&promote)
+            .map(|(((k, t), e), p)| LoadBlock {
                 key: *k,
                 engine: *e,
                 tier: *t,
+                promote: *p,
             })
             .collect();
         self.meta.loads.push(LoadJob {
@@ -144,7 +148,17 @@ impl SchedulerSide {
             request: req,
             blocks,
         });
-        self.jobs.insert(job, (req, JobInfo::Load { keys, tiers }));
+        self.jobs.insert(
+            job,
+            (
+                req,
+                JobInfo::Load {
+                    keys,
+                    tiers,
+                    promote,
+                },
+            ),
+        );
         self.reqs.entry(req).or_default().active += 1;
         Ok(Some(job))
     }
@@ -239,17 +253,22 @@ impl SchedulerSide {
             let mut engine_part_done = false;
             let mut job_done = false;
             match (info, r.kind) {
-                (JobInfo::Load { keys, tiers }, JobKind::Load) => {
+                (
+                    JobInfo::Load {
+                        keys,
+                        tiers,
+                        promote,
+                    },
+                    JobKind::Load,
+                ) => {
                     let corrupt: Vec<BlockKey> = r
                         .failed
                         .iter()
                         .filter(|(_, e)| matches!(e, BlockError::Corrupt(_) | BlockError::NotFound))
                         .map(|f| f.0)
                         .collect();
-                    let (evicted, dropped) =
-                        self.mgr.complete_load(keys, tiers, &corrupt, &r.promoted);
-                    self.meta.evict_host.extend(evicted);
-                    self.meta.evict_host.extend(dropped);
+                    self.mgr
+                        .complete_load(keys, tiers, promote, &corrupt, &r.promoted);
                     engine_part_done = true;
                     job_done = true;
                 }

@@ -10,7 +10,7 @@ use kvx_core::{
 };
 use kvx_policy::{BlockOutcome, LoadDecision, LoadFailurePolicy, TimeoutConfig};
 use rustc_hash::{FxHashMap, FxHashSet};
-use tracing::{debug, warn};
+use tracing::warn;
 
 use crate::error::OffloadError;
 use crate::meta::{JobId, JobKind, JobResult, LoadJob, StepMeta, StoreJob, WorkerOutput};
@@ -53,6 +53,7 @@ struct LoadState {
     request: RequestId,
     blocks: Vec<(BlockKey, EngineBlockId)>,
     ok: Vec<Option<Result<(), BlockError>>>,
+    promote: Vec<bool>,
     promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
     tasks_left: u32,
     dirty: bool,
@@ -62,6 +63,10 @@ struct LoadState {
 struct StoreState {
     request: RequestId,
     write_file: FxHashSet<BlockKey>,
+    /// Blocks that failed before their task ran (no buffer), reported with the task's result.
+    host_failed: Vec<(BlockKey, BlockError)>,
+    /// Write-through blocks that failed before the file task ran.
+    file_failed: Vec<(BlockKey, BlockError)>,
 }
 
 /// The worker half.
@@ -138,17 +143,19 @@ impl WorkerSide {
                 h.remove(*k);
             }
         }
-        if !meta.preempted.is_empty() {
-            let until = Instant::now() + self.cfg.timeouts.timeout(Direction::Store);
-            if !self.handle_preemptions(&meta.preempted, until) {
-                warn!("a preemption fence did not hold before the store deadline");
-            }
-        }
+        // Loads and stores of this step first, so that a preemption below cancels or flushes
+        // them too before the engine reuses any block.
         for job in meta.loads {
             self.start_load(job)?;
         }
         for job in meta.stores {
             self.queue_store(job)?;
+        }
+        if !meta.preempted.is_empty() {
+            let until = Instant::now() + self.cfg.timeouts.timeout(Direction::Store);
+            if !self.handle_preemptions(&meta.preempted, until) {
+                warn!("a preemption fence did not hold before the store deadline");
+            }
         }
         for req in meta.finished {
             if self.driver.finish(req)? {
@@ -173,6 +180,7 @@ impl WorkerSide {
             request: job.request,
             blocks: job.blocks.iter().map(|b| (b.key, b.engine)).collect(),
             ok: vec![None; n],
+            promote: job.blocks.iter().map(|b| b.promote).collect(),
             promoted: Vec::new(),
             tasks_left: 0,
             dirty: false,
@@ -253,26 +261,24 @@ impl WorkerSide {
             }
         }
         let write_file: FxHashSet<BlockKey> = job.write_file.iter().copied().collect();
+        let file_failed: Vec<(BlockKey, BlockError)> = failed
+            .iter()
+            .filter(|(k, _)| write_file.contains(k))
+            .cloned()
+            .collect();
         if blocks.is_empty() {
-            self.report_store(
-                job.job,
-                job.request,
-                JobKind::StoreHost,
-                Vec::new(),
-                failed.clone(),
-            );
+            // One result per part, as the scheduler expects.
+            self.report_store(job.job, job.request, JobKind::StoreHost, Vec::new(), failed);
             if !write_file.is_empty() {
-                self.report_store(job.job, job.request, JobKind::StoreFile, Vec::new(), failed);
+                self.report_store(
+                    job.job,
+                    job.request,
+                    JobKind::StoreFile,
+                    Vec::new(),
+                    file_failed,
+                );
             }
             return Ok(());
-        }
-        if !failed.is_empty() {
-            // Report pool exhaustion with the task's result; remember it in the state.
-            debug!(
-                job = job.job.0,
-                n = failed.len(),
-                "store blocks without a buffer"
-            );
         }
         let task = self.driver.submit(TaskSpec {
             request: job.request,
@@ -289,27 +295,11 @@ impl WorkerSide {
             StoreState {
                 request: job.request,
                 write_file,
+                host_failed: failed,
+                file_failed,
             },
         );
-        for (k, e) in failed {
-            self.pending_failed(job.job, k, e);
-        }
         Ok(())
-    }
-
-    fn pending_failed(&mut self, job: JobId, key: BlockKey, err: BlockError) {
-        if let Some(s) = self.stores.get_mut(&job) {
-            s.write_file.remove(&key);
-        }
-        let req = self.stores.get(&job).map_or(RequestId(0), |s| s.request);
-        self.out.jobs.push(JobResult {
-            job,
-            request: req,
-            kind: JobKind::StoreHost,
-            ok: Vec::new(),
-            failed: vec![(key, err)],
-            promoted: Vec::new(),
-        });
     }
 
     fn report_store(
@@ -366,6 +356,7 @@ impl WorkerSide {
                 }
                 for (pos, b) in positions.into_iter().zip(r.blocks) {
                     if matches!(role, Role::LoadFile)
+                        && st.promote[pos]
                         && b.result.is_ok()
                         && let Some(buf) = b.buf
                     {
@@ -375,12 +366,12 @@ impl WorkerSide {
                 }
             }
             Role::StoreHost => {
-                let Some(st) = self.stores.get(&job) else {
+                let Some(st) = self.stores.get_mut(&job) else {
                     return;
                 };
                 let request = st.request;
                 let mut ok = Vec::new();
-                let mut failed = Vec::new();
+                let mut failed = std::mem::take(&mut st.host_failed);
                 let mut to_file = Vec::new();
                 for b in r.blocks {
                     match (b.result, b.buf) {
@@ -392,61 +383,70 @@ impl WorkerSide {
                             self.host_data.insert(b.key, arc);
                             ok.push(b.key);
                         }
-                        (Ok(()), None) => {
-                            failed.push((b.key, BlockError::Invalid("no buffer".into())))
+                        (res, _) => {
+                            let e = res.err().unwrap_or(BlockError::Invalid("no buffer".into()));
+                            if st.write_file.contains(&b.key) {
+                                st.file_failed.push((b.key, e.clone()));
+                            }
+                            failed.push((b.key, e));
                         }
-                        (Err(e), _) => failed.push((b.key, e)),
                     }
                 }
-                let file_failed: Vec<(BlockKey, BlockError)> = failed
-                    .iter()
-                    .filter(|(k, _)| st.write_file.contains(k))
-                    .cloned()
-                    .collect();
                 let expect_file = !st.write_file.is_empty();
                 self.report_store(job, request, JobKind::StoreHost, ok, failed);
                 if expect_file {
-                    self.write_through(job, request, to_file, file_failed);
+                    self.write_through(job, request, to_file);
                 } else {
                     self.stores.remove(&job);
                 }
             }
             Role::StoreFile => {
-                let request = self.stores.remove(&job).map_or(RequestId(0), |s| s.request);
+                let Some(st) = self.stores.remove(&job) else {
+                    return;
+                };
                 let mut ok = Vec::new();
-                let mut failed = Vec::new();
+                let mut failed = st.file_failed;
                 for b in r.blocks {
                     match b.result {
                         Ok(()) => ok.push(b.key),
                         Err(e) => failed.push((b.key, e)),
                     }
                 }
-                self.report_store(job, request, JobKind::StoreFile, ok, failed);
+                self.report_store(job, st.request, JobKind::StoreFile, ok, failed);
             }
         }
     }
 
     /// Write stored host blocks through to the file tier, as a task of an internal request
-    /// that never touches engine memory.
+    /// that never touches engine memory. Blocks that failed earlier are reported with it.
     fn write_through(
         &mut self,
         job: JobId,
         request: RequestId,
         blocks: Vec<(BlockKey, Arc<PoolBuf>)>,
-        mut failed: Vec<(BlockKey, BlockError)>,
     ) {
-        let (Some(file), false) = (self.routes.file, blocks.is_empty()) else {
-            failed.extend(
-                blocks
-                    .into_iter()
-                    .map(|(k, _)| (k, BlockError::Unavailable("no file tier".into()))),
-            );
-            self.stores.remove(&job);
-            self.report_store(job, request, JobKind::StoreFile, Vec::new(), failed);
-            return;
+        let file = match (self.routes.file, blocks.is_empty()) {
+            (Some(f), false) => f,
+            (route, _) => {
+                let mut failed = self
+                    .stores
+                    .remove(&job)
+                    .map(|s| s.file_failed)
+                    .unwrap_or_default();
+                if route.is_none() {
+                    failed.extend(
+                        blocks
+                            .into_iter()
+                            .map(|(k, _)| (k, BlockError::Unavailable("no file tier".into()))),
+                    );
+                }
+                self.report_store(job, request, JobKind::StoreFile, Vec::new(), failed);
+                return;
+            }
         };
         let internal = RequestId(self.next_internal);
         self.next_internal += 1;
+        let keys: Vec<BlockKey> = blocks.iter().map(|b| b.0).collect();
         let spec = TaskSpec {
             request: internal,
             dir: Direction::Store,
@@ -465,16 +465,22 @@ impl WorkerSide {
         match self.driver.submit(spec) {
             Ok(task) => {
                 self.tasks.insert(task, (job, Role::StoreFile, Vec::new()));
-                if !failed.is_empty() {
-                    self.report_store(job, request, JobKind::StoreFile, Vec::new(), failed);
-                }
                 if let Ok(true) = self.driver.finish(internal) {
                     self.internal.insert(internal);
                 }
             }
             Err(e) => {
                 warn!(error = %e, "write-through not submitted");
-                self.stores.remove(&job);
+                let mut failed = self
+                    .stores
+                    .remove(&job)
+                    .map(|s| s.file_failed)
+                    .unwrap_or_default();
+                failed.extend(
+                    keys.into_iter()
+                        .map(|k| (k, BlockError::Unavailable(e.to_string()))),
+                );
+                self.report_store(job, request, JobKind::StoreFile, Vec::new(), failed);
             }
         }
     }
@@ -532,7 +538,8 @@ impl WorkerSide {
         }
         let mut promoted = Vec::new();
         for (k, buf) in st.promoted {
-            self.host_data.entry(k).or_insert(buf);
+            // The scheduler reserved this host place for the load: nobody else fills it.
+            self.host_data.insert(k, buf);
             promoted.push(k);
         }
         if decision != LoadDecision::AllLoaded {
@@ -568,6 +575,11 @@ impl WorkerSide {
     /// Blocks held in the host tier.
     pub fn host_blocks(&self) -> usize {
         self.host_data.len()
+    }
+
+    /// Keys held in the host tier.
+    pub fn host_keys(&self) -> Vec<BlockKey> {
+        self.host_data.keys().copied().collect()
     }
 
     /// Jobs and requests in flight here (0 when idle).

@@ -1,0 +1,264 @@
+//! A small engine for the connector tests: host "engine memory", a real host backend, a real
+//! kvx-posix file tier, and both connector halves, stepped by hand.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::*;
+use kvx_offload::*;
+use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
+use kvx_posix::{PosixConfig, PosixHandle, PosixStore};
+
+pub const BLOCK: usize = 8192;
+pub const BT: u32 = 16;
+pub const ENGINE_BLOCKS: u32 = 64;
+
+pub struct Hook(pub PosixHandle);
+
+impl FileTierHook for Hook {
+    fn remove(&self, key: BlockKey) {
+        self.0.remove(key);
+    }
+}
+
+pub struct Opts {
+    pub host_blocks: usize,
+    pub file_blocks: usize,
+    pub host_delay: Duration,
+    pub load_ms: u64,
+    pub store_ms: u64,
+    pub policy: LoadFailurePolicy,
+    pub posix: Option<PosixConfig>,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            host_blocks: 32,
+            file_blocks: 256,
+            host_delay: Duration::ZERO,
+            load_ms: 2000,
+            store_ms: 2000,
+            policy: LoadFailurePolicy::Recompute,
+            posix: None,
+        }
+    }
+}
+
+pub struct Rig {
+    pub sched: SchedulerSide,
+    pub worker: Option<WorkerSide>,
+    pub driver: Option<Driver>,
+    pub files: PosixHandle,
+    pub arena: HostArena,
+    pub out: WorkerOutput,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.worker.take();
+        self.driver.take();
+    }
+}
+
+/// Deterministic content of the block keyed `key`.
+pub fn content(key: BlockKey) -> Vec<u8> {
+    let mut x = key.0 as u64 ^ (key.0 >> 64) as u64 ^ 0x9E37_79B9_7F4A_7C15;
+    (0..BLOCK)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Prefix-chained keys of a sequence: `shared` leading blocks common to every sequence with
+/// the same `prefix_seed`, then `own` blocks unique to `seq`.
+pub fn keys(prefix_seed: u64, shared: usize, seq: u64, own: usize) -> Vec<BlockKey> {
+    let mut out = Vec::new();
+    let mut parent = None;
+    for i in 0..shared {
+        let k = BlockKey::chain(parent, format!("p{prefix_seed}-{i}").as_bytes());
+        out.push(k);
+        parent = Some(k);
+    }
+    for i in 0..own {
+        let k = BlockKey::chain(parent, format!("s{seq}-{i}").as_bytes());
+        out.push(k);
+        parent = Some(k);
+    }
+    out
+}
+
+pub fn rig(dir: &Path, o: Opts) -> Rig {
+    let mut arena = HostArena::per_layer(2, BLOCK / 2, ENGINE_BLOCKS).unwrap();
+    for b in 0..ENGINE_BLOCKS {
+        arena
+            .write_block(EngineBlockId(b), &vec![0xAB; BLOCK])
+            .unwrap();
+    }
+    let store = PosixStore::open(o.posix.unwrap_or_else(|| PosixConfig::new(dir))).unwrap();
+    let files = store.handle();
+    let mut b = DriverBuilder::new(DriverConfig::default());
+    // SAFETY: the arena outlives the driver (Rig drops the driver first); tests touch engine
+    // blocks only when no load or store on them is in flight.
+    let engine = b.backend(Box::new(unsafe {
+        HostBackend::new(
+            arena.layout().clone(),
+            HostBackendConfig {
+                threads: 2,
+                delay: o.host_delay,
+            },
+        )
+        .unwrap()
+    }));
+    let file = b.backend(Box::new(store));
+    let driver = b.spawn().unwrap();
+    let mut sched = SchedulerSide::new(SchedulerConfig {
+        block_tokens: BT,
+        host_blocks: o.host_blocks,
+        file_blocks: Some(o.file_blocks),
+        eviction: EvictionKind::Lru,
+    })
+    .unwrap();
+    sched.manager_mut().adopt_file_blocks(files.keys());
+    let worker = WorkerSide::new(
+        driver.handle(),
+        TierRoutes {
+            engine,
+            file: Some(file),
+        },
+        BufferPool::new(o.host_blocks + 64, BLOCK, DEFAULT_ALIGN).unwrap(),
+        Some(Arc::new(Hook(files.clone()))),
+        WorkerConfig {
+            block_tokens: BT,
+            timeouts: TimeoutConfig {
+                load_ms: o.load_ms,
+                store_ms: o.store_ms,
+            },
+            policy: o.policy,
+        },
+    );
+    Rig {
+        sched,
+        worker: Some(worker),
+        driver: Some(driver),
+        files,
+        arena,
+        out: WorkerOutput::default(),
+    }
+}
+
+impl Rig {
+    pub fn w(&mut self) -> &mut WorkerSide {
+        self.worker.as_mut().unwrap()
+    }
+
+    /// The engine computed `keys` into `blocks`.
+    pub fn compute(&mut self, keys: &[BlockKey], blocks: &[u32]) {
+        for (k, b) in keys.iter().zip(blocks) {
+            self.arena
+                .write_block(EngineBlockId(*b), &content(*k))
+                .unwrap();
+        }
+    }
+
+    pub fn scribble(&mut self, blocks: &[u32]) {
+        for b in blocks {
+            self.arena
+                .write_block(EngineBlockId(*b), &vec![0x5A; BLOCK])
+                .unwrap();
+        }
+    }
+
+    /// True when each engine block holds the content of its key.
+    pub fn holds(&self, keys: &[BlockKey], blocks: &[u32]) -> bool {
+        keys.iter()
+            .zip(blocks)
+            .all(|(k, b)| self.arena.read_block(EngineBlockId(*b)).unwrap() == content(*k))
+    }
+
+    pub fn save(&mut self, req: u64, keys: &[BlockKey], blocks: &[u32]) -> Option<JobId> {
+        let pairs: Vec<_> = keys
+            .iter()
+            .copied()
+            .zip(blocks.iter().map(|b| EngineBlockId(*b)))
+            .collect();
+        self.sched.save_blocks(RequestId(req), &pairs)
+    }
+
+    /// One engine step: metadata to the worker, its output back to the scheduler.
+    pub fn step(&mut self) -> WorkerOutput {
+        let meta = self.sched.build_meta();
+        self.w().start_step(meta).unwrap();
+        let out = self.w().get_finished();
+        self.sched.update_from_worker(&out);
+        self.out.merge(out.clone());
+        out
+    }
+
+    /// Step until `done(self)` or the timeout; true if done.
+    pub fn step_until(&mut self, timeout: Duration, mut done: impl FnMut(&Rig) -> bool) -> bool {
+        let end = Instant::now() + timeout;
+        loop {
+            self.step();
+            if done(self) {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Load `keys` for `req` into `blocks` if all are offloaded; returns the tokens matched.
+    pub fn load(&mut self, req: u64, keys: &[BlockKey], blocks: &[u32]) -> Option<u64> {
+        let n = self
+            .sched
+            .get_num_new_matched_tokens(RequestId(req), keys, 0)?;
+        let nb = (n / BT as u64) as usize;
+        let alloc: Vec<EngineBlockId> = blocks[..nb].iter().map(|b| EngineBlockId(*b)).collect();
+        self.sched
+            .update_state_after_alloc(RequestId(req), &alloc)
+            .unwrap();
+        Some(n)
+    }
+
+    pub fn finish(&mut self, req: u64) -> bool {
+        self.sched.request_finished(RequestId(req))
+    }
+
+    /// Step until the connector and tracker are idle; true if they got there.
+    pub fn settle(&mut self, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        loop {
+            self.step();
+            let (_, empty) = self.driver.as_ref().unwrap().stats().unwrap();
+            if empty
+                && self.w().in_flight() == 0
+                && self.sched.request_count() == 0
+                && self.sched.job_count() == 0
+                && self.sched.manager().is_quiet()
+            {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Every pool buffer is either in the host tier or back in the pool.
+    pub fn pool_whole(&mut self) -> bool {
+        let held = self.w().host_blocks();
+        let pool = self.w().pool().clone();
+        pool.lent() == held
+    }
+}

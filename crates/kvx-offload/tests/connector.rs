@@ -1,0 +1,355 @@
+//! Connector acceptance tests: real host backend, real kvx-posix file tier, both halves.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvx_core::*;
+use kvx_offload::*;
+use kvx_policy::{LoadDecision, LoadFailurePolicy};
+
+const T: Duration = Duration::from_secs(10);
+
+fn seq(n: u32, from: u32) -> Vec<u32> {
+    (from..from + n).collect()
+}
+
+#[test]
+fn preempt_flush_then_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_delay: Duration::from_millis(40),
+            ..Opts::default()
+        },
+    );
+    let ks = keys(1, 0, 1, 4);
+    let blocks = seq(4, 0);
+    r.compute(&ks, &blocks);
+    r.save(1, &ks, &blocks).expect("a store job");
+    r.step(); // the store is queued (deferred to the next step)
+    r.sched.request_preempted(RequestId(1));
+    let t0 = Instant::now();
+    r.step(); // submits the queued store, then flushes and fences it before returning
+    assert!(
+        t0.elapsed() >= Duration::from_millis(40),
+        "start_step returned before the store ran"
+    );
+    let host_done: usize = r
+        .out
+        .jobs
+        .iter()
+        .filter(|j| j.kind == JobKind::StoreHost)
+        .map(|j| j.ok.len())
+        .sum();
+    assert_eq!(
+        host_done, 4,
+        "the fence held only after the stores completed"
+    );
+    // The engine now reuses the preempted request's blocks.
+    r.scribble(&blocks);
+    // Rescheduled: everything loads from the tiers, nothing is recomputed.
+    let again = seq(4, 20);
+    assert_eq!(r.load(1, &ks, &again), Some(4 * BT as u64));
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(1))));
+    assert!(r.out.invalid_blocks.is_empty());
+    assert!(r.holds(&ks, &again), "reloaded blocks are byte-exact");
+    r.finish(1);
+    assert!(r.settle(T));
+}
+
+#[test]
+fn same_prefix_concurrent() {
+    let dir = tempfile::tempdir().unwrap();
+    let ks = keys(7, 6, 0, 0);
+    {
+        // A first engine put the prefix on disk.
+        let mut r = rig(dir.path(), Opts::default());
+        r.compute(&ks, &seq(6, 0));
+        r.save(1, &ks, &seq(6, 0));
+        r.finish(1);
+        assert!(r.settle(T));
+        assert_eq!(r.files.lookup(&ks), 6);
+    }
+    // A new engine: the prefix is only in the file tier.
+    let mut r = rig(dir.path(), Opts::default());
+    assert_eq!(r.load(1, &ks, &seq(6, 0)), Some(6 * BT as u64));
+    r.step(); // request 1's load is in flight
+    assert_eq!(
+        r.sched.get_num_new_matched_tokens(RequestId(2), &ks, 0),
+        None,
+        "request 2 is told to ask again while the shared blocks are loading"
+    );
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(1))));
+    let reads = r.files.stats().loaded;
+    assert_eq!(reads, 6, "the shared blocks were read from disk once");
+    assert_eq!(r.load(2, &ks, &seq(6, 10)), Some(6 * BT as u64));
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
+    assert_eq!(
+        r.files.stats().loaded,
+        reads,
+        "request 2 was served from host memory"
+    );
+    assert!(r.holds(&ks, &seq(6, 0)) && r.holds(&ks, &seq(6, 10)));
+    r.finish(1);
+    r.finish(2);
+    assert!(r.settle(T));
+}
+
+#[test]
+fn abort_during_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_delay: Duration::from_millis(80),
+            ..Opts::default()
+        },
+    );
+    let ks = keys(2, 0, 2, 3);
+    r.compute(&ks, &seq(3, 0));
+    r.save(1, &ks, &seq(3, 0));
+    r.finish(1);
+    assert!(r.settle(T));
+    r.out = WorkerOutput::default();
+    assert!(r.load(2, &ks, &seq(3, 30)).is_some());
+    r.step(); // the load (a slow engine copy) is in flight
+    assert!(r.finish(2), "freeing must wait for the load");
+    r.step();
+    assert!(
+        !r.out.finished_sending.contains(&RequestId(2)),
+        "blocks kept while the copy runs"
+    );
+    assert!(r.step_until(T, |r| r.out.finished_sending.contains(&RequestId(2))));
+    assert!(r.settle(T));
+    assert!(r.pool_whole(), "nothing leaked");
+}
+
+#[test]
+fn reuse_fence() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_delay: Duration::from_millis(60),
+            ..Opts::default()
+        },
+    );
+    // Request 2's blocks are offloaded first (its content is what block 7 must end up with).
+    let b_keys = keys(3, 0, 3, 1);
+    r.compute(&b_keys, &[40]);
+    r.save(2, &b_keys, &[40]);
+    assert!(r.settle(Duration::from_secs(10)) || r.sched.request_count() > 0);
+    // Request 1 computed block 7 and saves it; it finishes while the store is queued.
+    let a_keys = keys(4, 0, 4, 1);
+    r.compute(&a_keys, &[7]);
+    r.save(1, &a_keys, &[7]);
+    r.step();
+    assert!(r.finish(1), "store in flight: freeing must wait");
+    // The engine hands block 7 to request 2 as a load target right away.
+    assert_eq!(r.load(2, &b_keys, &[7]), Some(BT as u64));
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
+    assert!(
+        r.holds(&b_keys, &[7]),
+        "the load landed after the store read block 7"
+    );
+    // Request 1's stored bytes are its own, not request 2's.
+    r.scribble(&[50]);
+    assert_eq!(r.load(3, &a_keys, &[50]), Some(BT as u64));
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(3))));
+    assert!(r.holds(&a_keys, &[50]));
+    r.finish(2);
+    r.finish(3);
+    assert!(r.settle(T));
+}
+
+#[test]
+fn complete_store_per_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(dir.path(), Opts::default());
+    let ks = keys(5, 0, 5, 4);
+    r.compute(&ks, &seq(4, 0));
+    let j1 = r.save(1, &ks[..2], &[0, 1]).unwrap();
+    let j2 = r.save(1, &ks[2..], &[2, 3]).unwrap();
+    // Run both stores for real, but hold their results back from the scheduler.
+    let meta = r.sched.build_meta();
+    r.w().start_step(meta).unwrap();
+    let mut outs = r.w().drain(T);
+    assert_eq!(
+        outs.jobs
+            .iter()
+            .filter(|j| j.kind == JobKind::StoreHost)
+            .count(),
+        2
+    );
+    // Deliver job 2's results first: only its keys become loadable.
+    let (first, rest): (Vec<_>, Vec<_>) = outs.jobs.drain(..).partition(|j| j.job == j2);
+    r.sched.update_from_worker(&WorkerOutput {
+        jobs: first,
+        ..Default::default()
+    });
+    let m = r.sched.manager();
+    assert!(m.host().is_stored(ks[2]) && m.host().is_stored(ks[3]));
+    assert!(m.host().is_storing(ks[0]) && m.host().is_storing(ks[1]));
+    assert_eq!(
+        m.lookup(&ks),
+        Lookup::Retry,
+        "job 1's keys are still in flight"
+    );
+    r.sched.update_from_worker(&WorkerOutput {
+        jobs: rest,
+        ..Default::default()
+    });
+    assert!(rest_is_j1(j1));
+    assert_eq!(r.sched.manager().lookup(&ks).blocks(), 4);
+    r.finish(1);
+    assert!(r.settle(T));
+}
+
+fn rest_is_j1(j: JobId) -> bool {
+    j.0 > 0
+}
+
+fn corrupt_third_block(policy: LoadFailurePolicy) -> (Rig, tempfile::TempDir, Vec<BlockKey>) {
+    let dir = tempfile::tempdir().unwrap();
+    let ks = keys(8, 8, 0, 0);
+    {
+        let mut r = rig(dir.path(), Opts::default());
+        r.compute(&ks, &seq(8, 0));
+        r.save(1, &ks, &seq(8, 0));
+        r.finish(1);
+        assert!(r.settle(T));
+    }
+    // Flip one payload byte of block 3's file.
+    let path = {
+        let r = rig(dir.path(), Opts::default());
+        r.files.block_path(ks[3])
+    };
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xFF;
+    std::fs::write(&path, bytes).unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            policy,
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.load(9, &ks, &seq(8, 10)), Some(8 * BT as u64));
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(9))));
+    (r, dir, ks)
+}
+
+fn engine_ids(v: std::ops::Range<u32>) -> Vec<EngineBlockId> {
+    v.map(EngineBlockId).collect()
+}
+
+#[test]
+fn load_failure_recompute() {
+    let (mut r, _d, ks) = corrupt_third_block(LoadFailurePolicy::Recompute);
+    let (req, d) = r.out.decisions[0].clone();
+    assert_eq!(req, RequestId(9));
+    assert_eq!(
+        d,
+        LoadDecision::Recompute {
+            first_invalid_index: 3,
+            valid_tokens: 3 * BT as u64,
+            invalid: engine_ids(13..18)
+        }
+    );
+    assert_eq!(r.out.invalid_blocks, engine_ids(13..18));
+    assert!(
+        r.holds(&ks[..3], &seq(3, 10)),
+        "blocks before the bad one are valid"
+    );
+    assert!(
+        !r.sched.manager().file().unwrap().is_stored(ks[3]),
+        "the corrupt block left the index"
+    );
+    r.finish(9);
+    assert!(r.settle(T));
+}
+
+#[test]
+fn load_failure_fail() {
+    let (mut r, _d, _ks) = corrupt_third_block(LoadFailurePolicy::Fail);
+    assert_eq!(
+        r.out.decisions,
+        vec![(
+            RequestId(9),
+            LoadDecision::Fail {
+                failed: vec![EngineBlockId(13)]
+            }
+        )]
+    );
+    r.finish(9);
+    assert!(r.settle(T));
+}
+
+#[test]
+fn load_failure_auto() {
+    // 5 blocks (80 tokens) to redo: under a 100-token limit it recomputes, over a 64 one it fails.
+    let (mut r, _d, _ks) = corrupt_third_block(LoadFailurePolicy::Auto {
+        max_recompute_tokens: 100,
+    });
+    assert!(matches!(
+        r.out.decisions[0].1,
+        LoadDecision::Recompute {
+            first_invalid_index: 3,
+            ..
+        }
+    ));
+    r.finish(9);
+    assert!(r.settle(T));
+    drop(r);
+    let (mut r, _d, _ks) = corrupt_third_block(LoadFailurePolicy::Auto {
+        max_recompute_tokens: 64,
+    });
+    assert!(matches!(r.out.decisions[0].1, LoadDecision::Fail { .. }));
+    r.finish(9);
+    assert!(r.settle(T));
+}
+
+#[test]
+fn reset_drops_stale() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_delay: Duration::from_millis(50),
+            ..Opts::default()
+        },
+    );
+    let ks = keys(10, 0, 10, 4);
+    r.compute(&ks, &seq(4, 0));
+    r.save(1, &ks, &seq(4, 0));
+    r.step();
+    r.step(); // stores in flight (slow engine copies)
+    r.w().reset().unwrap();
+    r.sched.reset();
+    r.out = WorkerOutput::default();
+    std::thread::sleep(Duration::from_millis(150));
+    r.step();
+    r.step();
+    assert!(
+        r.out.jobs.is_empty(),
+        "late completions of old jobs change nothing"
+    );
+    assert_eq!(
+        r.sched.manager().lookup(&ks).blocks(),
+        0,
+        "nothing became visible"
+    );
+    assert_eq!(r.w().host_blocks(), 0);
+    // New work runs normally.
+    let ks2 = keys(11, 0, 11, 2);
+    r.compute(&ks2, &[8, 9]);
+    r.save(2, &ks2, &[8, 9]);
+    r.finish(2);
+    assert!(r.settle(T));
+    assert_eq!(r.sched.manager().lookup(&ks2).blocks(), 2);
+    assert!(r.pool_whole());
+}
