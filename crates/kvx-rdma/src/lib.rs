@@ -72,6 +72,8 @@ mod importer;
 mod memory;
 pub mod tcp;
 mod transport;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 pub mod wire;
 
 pub use descriptor::{RemoteDescriptor, TransportKind};
@@ -81,3 +83,5 @@ pub use exports::{ExportStats, ExportTable, Released};
 pub use importer::{Importer, ImporterConfig, ImporterHandle};
 pub use tcp::{ServerConfig, TcpClientConfig, TcpServer, TcpTransport};
 pub use transport::{BoxFuture, CancelSource, CancelToken, ReadSlot, Transport};
+#[cfg(feature = "verbs")]
+pub use verbs::{VerbsConfig, VerbsServer, VerbsTransport};

@@ -428,6 +428,15 @@ pub async fn read_reply_head<R: AsyncRead + Unpin>(
     r: &mut R,
     max_data: u64,
 ) -> Result<ReplyHead, String> {
+    read_reply_head_limit(r, max_data, MAX_REPLY_FRAME).await
+}
+
+/// [`read_reply_head`] with a custom bound on control frames (verbs grants can be large).
+pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_data: u64,
+    max_control: u32,
+) -> Result<ReplyHead, String> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)
         .await
@@ -459,10 +468,8 @@ pub async fn read_reply_head<R: AsyncRead + Unpin>(
             len: payload,
         });
     }
-    if len > MAX_REPLY_FRAME {
-        return Err(format!(
-            "control frame of {len} bytes (max {MAX_REPLY_FRAME})"
-        ));
+    if len > max_control {
+        return Err(format!("control frame of {len} bytes (max {max_control})"));
     }
     let mut body = vec![0u8; len as usize];
     body[0] = ty[0];

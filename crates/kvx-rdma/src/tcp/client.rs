@@ -113,7 +113,7 @@ impl TcpTransport {
             })?
     }
 
-    async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
+    pub(crate) async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
         let pooled = self
             .idle
             .lock()
@@ -126,11 +126,44 @@ impl TcpTransport {
         }
     }
 
-    fn checkin(&self, addr: SocketAddr, s: TcpStream) {
+    pub(crate) fn checkin(&self, addr: SocketAddr, s: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let v = idle.entry(addr).or_default();
         if v.len() < self.cfg.max_idle {
             v.push(s);
+        }
+    }
+
+    /// One side-channel round trip (a `Verbs` frame and its answer) on `s`.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) async fn side_call(
+        &self,
+        s: &mut TcpStream,
+        addr: SocketAddr,
+        body: Vec<u8>,
+    ) -> Result<Vec<u8>, RdmaError> {
+        let tag = self.tags(1);
+        s.write_all(&Request::Verbs { tag, body }.encode())
+            .await
+            .map_err(|source| RdmaError::Io {
+                what: "sending to",
+                addr,
+                source,
+            })?;
+        match wire::read_reply_head_limit(s, 0, 16 << 20)
+            .await
+            .map_err(|what| RdmaError::Protocol { addr, what })?
+        {
+            ReplyHead::Control(Reply::Verbs { tag: t, body }) if t == tag => Ok(body),
+            ReplyHead::Control(Reply::Error { code, message, .. }) => Err(RdmaError::Remote {
+                addr,
+                code,
+                message,
+            }),
+            other => Err(RdmaError::Protocol {
+                addr,
+                what: format!("unexpected side-channel reply {other:?}"),
+            }),
         }
     }
 
