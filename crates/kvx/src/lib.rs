@@ -8,6 +8,7 @@
 //! | (always) | [`core`] = `kvx-core` |
 //! | `policy` (default) | [`policy`] = `kvx-policy` |
 //! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA) |
+//! | `rdma` | `rdma` = `kvx-rdma` (remote reads under leases; TCP; `rdma-verbs` adds ibverbs) |
 //!
 //! ```
 //! let key = kvx::core::BlockKey::chain(None, b"tokens of the first block");
@@ -19,3 +20,5 @@ pub use kvx_core as core;
 pub use kvx_cuda as cuda;
 #[cfg(feature = "policy")]
 pub use kvx_policy as policy;
+#[cfg(feature = "rdma")]
+pub use kvx_rdma as rdma;
