@@ -735,32 +735,6 @@ impl Tracker {
         self.holders.clear_up_to(&fence.blocks, fence.seq)
     }
 
-    /// The ops (with their backends) a fence is still waiting for.
-    pub fn fence_ops(&self, fence: &Fence) -> Vec<(BackendId, OpId)> {
-        let mut out = Vec::new();
-        for (op, e) in &self.ops {
-            if !e.engine_blocks.is_empty()
-                && e.engine_blocks
-                    .iter()
-                    .any(|b| fence.blocks.binary_search(b).is_ok())
-            {
-                out.push((e.backend, *op));
-            }
-        }
-        for t in self.tasks.values() {
-            if let Phase::InFlight(op) = t.phase
-                && t.engine_blocks
-                    .iter()
-                    .any(|b| fence.blocks.binary_search(b).is_ok())
-                && let Some(e) = self.ops.get(&op)
-                && e.engine_blocks.is_empty()
-            {
-                out.push((e.backend, op));
-            }
-        }
-        out
-    }
-
     /// The engine is done with a request. Its loads are cancelled. Returns true when the engine
     /// must delay freeing its blocks (stores, or engine copies of cancelled loads, still out);
     /// the request then comes back once as [`Event::RequestReleased`].
