@@ -7,6 +7,7 @@
 //! |---|---|
 //! | (always) | [`core`] = `kvx-core` |
 //! | `policy` (default) | [`policy`] = `kvx-policy` |
+//! | `offload` | `offload` = `kvx-offload` (tiered manager + engine connector) |
 //! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA) |
 //! | `rdma` | `rdma` = `kvx-rdma` (remote reads under leases; TCP; `rdma-verbs` adds ibverbs) |
 //!
@@ -18,6 +19,8 @@
 pub use kvx_core as core;
 #[cfg(feature = "cuda")]
 pub use kvx_cuda as cuda;
+#[cfg(feature = "offload")]
+pub use kvx_offload as offload;
 #[cfg(feature = "policy")]
 pub use kvx_policy as policy;
 #[cfg(feature = "rdma")]
