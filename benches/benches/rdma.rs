@@ -17,7 +17,7 @@ fn remote(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3));
     for (bs, task_blocks) in CASES {
         let blocks = (task_blocks * 4) as u32;
-        let rig = LoopbackRig::new(bs, blocks, task_blocks).expect("loopback rig");
+        let rig = LoopbackRig::new(bs, blocks, task_blocks, 1).expect("loopback rig");
         let label = format!("{}KiB", bs >> 10);
         g.throughput(Throughput::Bytes((bs * task_blocks) as u64));
         let mut next = 0usize;

@@ -29,16 +29,17 @@ pub struct LoopbackRig {
     exporter: Exporter,
     arena: AlignedBuf,
     block_bytes: usize,
-    task_blocks: usize,
+    staging: usize,
 }
 
 impl LoopbackRig {
-    /// `blocks` blocks of `block_bytes` exported as one request; staging buffers for
-    /// `task_blocks` blocks at a time.
+    /// `blocks` blocks of `block_bytes` exported as one request; staging buffers for `depth`
+    /// tasks of `task_blocks` blocks in flight at once.
     pub fn new(
         block_bytes: usize,
         blocks: u32,
         task_blocks: usize,
+        depth: usize,
     ) -> Result<LoopbackRig, RdmaError> {
         let bad = |e: kvx_core::CoreError| RdmaError::BadLayout(e.to_string());
         let mut arena =
@@ -70,7 +71,8 @@ impl LoopbackRig {
         let mut b = DriverBuilder::new(DriverConfig::default());
         let rdma = b.backend(Box::new(importer));
         let driver = b.spawn().map_err(|e| RdmaError::Runtime(e.to_string()))?;
-        let pool = BufferPool::new(task_blocks, block_bytes, DEFAULT_ALIGN).map_err(bad)?;
+        let staging = task_blocks * depth.max(1);
+        let pool = BufferPool::new(staging, block_bytes, DEFAULT_ALIGN).map_err(bad)?;
         Ok(LoopbackRig {
             driver,
             handle,
@@ -81,7 +83,7 @@ impl LoopbackRig {
             exporter,
             arena,
             block_bytes,
-            task_blocks,
+            staging,
         })
     }
 
@@ -92,6 +94,12 @@ impl LoopbackRig {
 
     /// Read blocks `first..first+n` (wrapping) as one task; returns its latency.
     pub fn read_task(&self, first: usize, n: usize) -> Result<Duration, String> {
+        let t = self.submit_task(first, n)?;
+        self.wait_task(t)
+    }
+
+    /// Submit a task reading blocks `first..first+n` (wrapping); finish it with `wait_task`.
+    pub fn submit_task(&self, first: usize, n: usize) -> Result<PendingTask, String> {
         let keys = &self.desc.blocks;
         let blocks = (0..n)
             .map(|i| {
@@ -103,8 +111,8 @@ impl LoopbackRig {
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let t0 = Instant::now();
-        let deadline = t0 + Duration::from_secs(30);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(30);
         let task = self
             .driver
             .submit(TaskSpec {
@@ -116,16 +124,27 @@ impl LoopbackRig {
                 deferred: false,
             })
             .map_err(|e| e.to_string())?;
+        Ok(PendingTask {
+            task,
+            start,
+            deadline,
+            first,
+        })
+    }
+
+    /// Wait for a submitted task, check its bytes, and return its latency.
+    pub fn wait_task(&self, t: PendingTask) -> Result<Duration, String> {
+        let keys = &self.desc.blocks;
         let report = self
             .driver
-            .wait_report(task, deadline + Duration::from_secs(1))
+            .wait_report(t.task, t.deadline + Duration::from_secs(1))
             .ok_or("no report")?;
-        let took = t0.elapsed();
+        let took = t.start.elapsed();
         if !report.is_ok() {
             let err = report.blocks.iter().find_map(|b| b.result.clone().err());
             return Err(format!("task failed: {:?} {err:?}", report.state));
         }
-        let want = ((first % keys.len()) % 251) as u8;
+        let want = ((t.first % keys.len()) % 251) as u8;
         let got = report.blocks[0].buf.as_ref().map(|b| b.as_slice()[0]);
         if got != Some(want) {
             return Err(format!("wrong bytes: {got:?}, expected {want}"));
@@ -147,14 +166,14 @@ impl LoopbackRig {
 impl LoopbackRig {
     /// The physical path for the same bytes: one plain loopback TCP connection, the sender
     /// writing each exported block straight from the engine memory, the receiver reading each
-    /// into one of `task_blocks` destination buffers in turn (like the staging pool). Returns
+    /// into one of as many destination buffers as the staging pool has, in turn. Returns
     /// the time from connect to the last byte.
     pub fn raw_tcp_copy(&self) -> std::io::Result<Duration> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         let bs = self.block_bytes;
         // Touched before the clock starts, like the staging pool, which is allocated up front.
-        let mut dest: Vec<Vec<u8>> = (0..self.task_blocks).map(|_| vec![1u8; bs]).collect();
+        let mut dest: Vec<Vec<u8>> = (0..self.staging).map(|_| vec![1u8; bs]).collect();
         let blocks = self.blocks();
         std::thread::scope(|scope| {
             let sender = scope.spawn(|| -> std::io::Result<()> {
@@ -215,6 +234,15 @@ pub fn raw_tcp_hot_copy(total: u64, chunk: usize) -> std::io::Result<Duration> {
             .map_err(|_| std::io::Error::other("sender thread panicked"))??;
         Ok(took)
     })
+}
+
+/// A task submitted by [`LoopbackRig::submit_task`].
+#[derive(Debug)]
+pub struct PendingTask {
+    task: kvx_core::TaskId,
+    start: Instant,
+    deadline: Instant,
+    first: usize,
 }
 
 impl Drop for LoopbackRig {

@@ -249,6 +249,12 @@ impl ExportTable {
         Ok(engine)
     }
 
+    /// Check that `request` is readable at `now` (lease active) without admitting a read.
+    pub fn check_readable(&mut self, request: RequestId, now: Instant) -> Result<(), Refusal> {
+        self.tick(now);
+        self.usable(request)
+    }
+
     /// A read that `begin_read` admitted finished copying.
     pub fn end_read(&mut self, request: RequestId) {
         if let Some(e) = self.entries.get_mut(&request) {

@@ -19,6 +19,9 @@ pub struct RemoteArgs {
     /// Blocks per task (one load task = one deadline).
     #[arg(long, default_value_t = 16)]
     task_blocks: usize,
+    /// Load tasks in flight at once (each on its own connection).
+    #[arg(long, default_value_t = 1)]
+    depth: usize,
     /// Rounds over all blocks (after one warm-up round).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
@@ -68,22 +71,29 @@ pub fn run(args: RemoteArgs) -> i32 {
 }
 
 fn measure(args: &RemoteArgs) -> Result<(), String> {
-    if args.blocks == 0 || args.task_blocks == 0 || args.rounds == 0 {
-        return Err("--blocks, --task-blocks and --rounds must be positive".into());
+    if args.blocks == 0 || args.task_blocks == 0 || args.rounds == 0 || args.depth == 0 {
+        return Err("--blocks, --task-blocks, --depth and --rounds must be positive".into());
     }
     let bs = args.block_size as usize;
-    let rig = LoopbackRig::new(bs, args.blocks, args.task_blocks).map_err(|e| e.to_string())?;
+    let rig = LoopbackRig::new(bs, args.blocks, args.task_blocks, args.depth)
+        .map_err(|e| e.to_string())?;
     let n = rig.blocks();
     let tasks_per_round = n.div_ceil(args.task_blocks);
-    let round = |lat: &mut Vec<Duration>| -> Result<u64, String> {
-        let mut bytes = 0;
+    // Keep `depth` tasks in flight: submit the next before waiting for the oldest.
+    let round = |lat: &mut Vec<Duration>| -> Result<(), String> {
+        let mut pending = std::collections::VecDeque::new();
         for t in 0..tasks_per_round {
             let first = t * args.task_blocks;
             let k = args.task_blocks.min(n - first);
-            lat.push(rig.read_task(first, k)?);
-            bytes += (k * bs) as u64;
+            if pending.len() == args.depth {
+                lat.push(rig.wait_task(pending.pop_front().ok_or("no task")?)?);
+            }
+            pending.push_back(rig.submit_task(first, k)?);
         }
-        Ok(bytes)
+        while let Some(t) = pending.pop_front() {
+            lat.push(rig.wait_task(t)?);
+        }
+        Ok(())
     };
     round(&mut Vec::new())?; // warm-up: connections, page faults
     let total = (n * bs) as u64 * args.rounds as u64;
@@ -113,6 +123,7 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
             "block_size": args.block_size,
             "blocks": n,
             "task_blocks": args.task_blocks,
+            "depth": args.depth,
             "rounds": args.rounds,
             "bytes": total,
             "read_gib_s": read,
@@ -127,10 +138,12 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
         println!("{v}");
     } else {
         println!(
-            "kvx bench remote: tcp loopback {}, {n} blocks of {} B, {} blocks/task, {} rounds ({} MiB)",
+            "kvx bench remote: tcp loopback {}, {n} blocks of {} B, {} blocks/task, {} tasks in \
+             flight, {} rounds ({} MiB)",
             rig.addr(),
             args.block_size,
             args.task_blocks,
+            args.depth,
             args.rounds,
             total >> 20
         );
@@ -138,7 +151,7 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
         println!(
             "  raw tcp copy    {raw:8.2} GiB/s   (same bytes from engine memory into {} \
              rotating buffers, same loopback, same run)",
-            args.task_blocks
+            args.task_blocks * args.depth
         );
         println!("  ratio           {:8.2}x", read / raw);
         println!(

@@ -95,9 +95,11 @@ impl TcpServer {
 
     pub(crate) fn start_with(
         exporter: Exporter,
-        cfg: ServerConfig,
+        mut cfg: ServerConfig,
         side: Option<Arc<dyn SideChannel>>,
     ) -> Result<TcpServer, RdmaError> {
+        // A data frame's length prefix is a u32 covering the type byte and the tag too.
+        cfg.max_read = cfg.max_read.min(u64::from(u32::MAX) - 9);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cfg.threads.max(1))
             .thread_name("kvx-rdma-server")
