@@ -29,6 +29,9 @@ pub enum PosixError {
         /// What failed.
         msg: String,
     },
+    /// A benchmark run failed.
+    #[error("benchmark: {0}")]
+    Bench(String),
     /// The file is shorter than a header.
     #[error("{path}: short file: {len} bytes, a header needs {need}")]
     ShortHeader {
@@ -118,7 +121,8 @@ impl PosixError {
             PosixError::NoRoots
             | PosixError::BadConfig(_)
             | PosixError::Root { .. }
-            | PosixError::Engine { .. } => BlockError::Io(self.to_string()),
+            | PosixError::Engine { .. }
+            | PosixError::Bench(_) => BlockError::Io(self.to_string()),
         }
     }
 }

@@ -12,7 +12,7 @@
 //! the deadline (or a cancel) is undone by unlinking the block again, so a block whose task
 //! ended without success is never left visible.
 //!
-//! Load: `open(block)` → `readv(header, payload)` → `close`, then the header and checksum are
+//! Load: `open(block)` → `statx` (its length) → `readv(header, payload)` → `close`, then the header and checksum are
 //! verified; any mismatch fails this block only.
 
 use std::ffi::CStr;
@@ -74,6 +74,13 @@ pub enum Syscall {
         /// Number of iovecs.
         n: u32,
     },
+    /// `statx(fd, "", AT_EMPTY_PATH, STATX_SIZE, buf)`: the open file's size.
+    Statx {
+        /// Open file.
+        fd: i32,
+        /// The job's statx buffer.
+        buf: *mut libc::statx,
+    },
     /// `fdatasync(fd)`.
     Fdatasync {
         /// Open file.
@@ -120,6 +127,7 @@ enum Step {
     UndoRename,
     UnlinkTemp,
     OpenBlock,
+    Stat,
     Read,
     CloseBlock,
     Unlink,
@@ -172,6 +180,8 @@ pub struct BlockJob {
     fd: Option<i32>,
     iov: [libc::iovec; 2],
     iov_n: u32,
+    stx: Box<libc::statx>,
+    file_len: usize,
     expect: usize,
     direct_now: bool,
     retried_dirs: bool,
@@ -225,6 +235,9 @@ impl BlockJob {
                 iov_len: 0,
             }; 2],
             iov_n: 0,
+            // SAFETY: statx is a plain C struct of integers; all-zero is a valid value.
+            stx: Box::new(unsafe { std::mem::zeroed() }),
+            file_len: 0,
             expect: 0,
             direct_now: false,
             retried_dirs: false,
@@ -428,10 +441,13 @@ impl BlockJob {
             )));
         };
         let cap = b.capacity();
+        // Never ask for more than the file holds: an async O_DIRECT read past the end of a
+        // FUSE file can come back zero-filled to the full length.
+        let in_file = self.file_len.saturating_sub(HEADER_LEN);
         let rlen = if direct {
-            cap / HEADER_LEN * HEADER_LEN
+            (cap / HEADER_LEN * HEADER_LEN).min(round_up(in_file))
         } else {
-            cap
+            cap.min(in_file)
         };
         self.iov[0] = libc::iovec {
             iov_base: self.header.as_mut_ptr().cast(),
@@ -470,6 +486,7 @@ impl BlockJob {
             return Err(BlockError::Invalid("load without an owned buffer".into()));
         };
         let cap = b.capacity();
+        let n = n.min(self.file_len);
         let header_bytes = n.min(HEADER_LEN);
         let file_payload = n.saturating_sub(HEADER_LEN);
         let len = format::check_header(
@@ -631,6 +648,19 @@ impl BlockJob {
                     return self.done(Err(BlockError::Io(msg)));
                 }
                 self.fd = Some(res as i32);
+                if let Some(e) = self.over(Duration::ZERO) {
+                    return self.finish_load(Err(e));
+                }
+                let fd = res as i32;
+                let buf: *mut libc::statx = &mut *self.stx;
+                self.call(Step::Stat, Syscall::Statx { fd, buf })
+            }
+            Step::Stat => {
+                if res < 0 {
+                    let msg = format!("statx {:?}: {}", self.block_path(), errno_name(res));
+                    return self.finish_load(Err(BlockError::Io(msg)));
+                }
+                self.file_len = usize::try_from(self.stx.stx_size).unwrap_or(usize::MAX);
                 if let Some(e) = self.over(Duration::ZERO) {
                     return self.finish_load(Err(e));
                 }

@@ -56,6 +56,7 @@
 // Jobs stay boxed everywhere: the kernel holds pointers into them, so they must never move.
 #![allow(clippy::vec_box)]
 
+pub mod bench;
 mod config;
 mod error;
 pub mod format;

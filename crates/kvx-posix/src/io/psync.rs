@@ -155,6 +155,8 @@ impl IoEngine for PsyncEngine {
     }
 
     fn submit(&self, job: Box<BlockJob>) -> Result<(), Refused> {
+        // Notice threads whose job went overdue, so a stuck pool grows replacements.
+        self.kick();
         self.shared
             .counters
             .in_flight

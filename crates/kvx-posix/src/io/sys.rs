@@ -28,6 +28,12 @@ pub unsafe fn run(call: &Syscall) -> i64 {
             }
             Syscall::Readv { fd, iov, n } => ret(libc::preadv(fd, iov, n as i32, 0)),
             Syscall::Writev { fd, iov, n } => ret(libc::pwritev(fd, iov, n as i32, 0)),
+            Syscall::Statx { fd, buf } => {
+                ret(
+                    libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_SIZE, buf)
+                        as isize,
+                )
+            }
             Syscall::Fdatasync { fd } => ret(libc::fdatasync(fd) as isize),
             Syscall::Close { fd } => ret(libc::close(fd) as isize),
             Syscall::Rename { from, to } => ret(libc::rename(from, to) as isize),

@@ -2,7 +2,7 @@
 //! reaps completions with `submit_and_wait`. A read of an eventfd is always posted on the ring,
 //! so a submitter wakes the thread by writing the eventfd.
 //!
-//! Every file syscall (open, readv, writev, fdatasync, close, rename, unlink, mkdir) is a ring op
+//! Every file syscall (open, statx, readv, writev, fdatasync, close, rename, unlink, mkdir) is a ring op
 //! with `IOSQE_ASYNC`: the kernel hands it to an io-wq worker at once instead of trying it inline
 //! inside `io_uring_enter`, where an op on a stuck FUSE or NFS mount would block the ring thread.
 //! No syscall that can touch a mount runs on the caller's thread or on the ring thread.
@@ -183,6 +183,12 @@ fn entry(call: &Syscall) -> squeue::Entry {
             .build(),
         Syscall::Readv { fd, iov, n } => opcode::Readv::new(types::Fd(fd), iov, n).build(),
         Syscall::Writev { fd, iov, n } => opcode::Writev::new(types::Fd(fd), iov, n).build(),
+        Syscall::Statx { fd, buf } => {
+            opcode::Statx::new(types::Fd(fd), c"".as_ptr(), buf.cast::<types::statx>())
+                .flags(libc::AT_EMPTY_PATH)
+                .mask(libc::STATX_SIZE)
+                .build()
+        }
         Syscall::Fdatasync { fd } => opcode::Fsync::new(types::Fd(fd))
             .flags(types::FsyncFlags::DATASYNC)
             .build(),
