@@ -7,6 +7,7 @@
 //! |---|---|
 //! | (always) | [`core`] = `kvx-core` |
 //! | `policy` (default) | [`policy`] = `kvx-policy` |
+//! | `posix` | `posix` = `kvx-posix` (file block store: io_uring / psync, O_DIRECT, deadlines) |
 //! | `offload` | `offload` = `kvx-offload` (tiered manager + engine connector) |
 //! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA) |
 //! | `rdma` | `rdma` = `kvx-rdma` (remote reads under leases; TCP; `rdma-verbs` adds ibverbs) |
@@ -23,5 +24,7 @@ pub use kvx_cuda as cuda;
 pub use kvx_offload as offload;
 #[cfg(feature = "policy")]
 pub use kvx_policy as policy;
+#[cfg(feature = "posix")]
+pub use kvx_posix as posix;
 #[cfg(feature = "rdma")]
 pub use kvx_rdma as rdma;
