@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::RequestId;
 use kvx_policy::LeaseConfig;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::io::IoSlice;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
@@ -204,15 +206,32 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
     }
 }
 
-async fn send(stream: &mut TcpStream, cfg: &ServerConfig, bytes: &[u8]) -> Result<(), ()> {
-    match timeout(cfg.write_timeout, stream.write_all(bytes)).await {
-        Ok(Ok(())) => Ok(()),
-        _ => Err(()),
-    }
+async fn send<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    cfg: &ServerConfig,
+    bytes: &[u8],
+) -> Result<(), ()> {
+    send_vectored(stream, cfg, &mut [IoSlice::new(bytes)]).await
 }
 
-async fn send_error(
-    stream: &mut TcpStream,
+/// Write every slice; each write call must make progress within the write timeout, so a slow
+/// but live peer is served and a stuck one is dropped.
+async fn send_vectored<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    cfg: &ServerConfig,
+    mut bufs: &mut [IoSlice<'_>],
+) -> Result<(), ()> {
+    while !bufs.is_empty() {
+        match timeout(cfg.write_timeout, stream.write_vectored(bufs)).await {
+            Ok(Ok(n)) if n > 0 => IoSlice::advance_slices(&mut bufs, n),
+            _ => return Err(()),
+        }
+    }
+    Ok(())
+}
+
+async fn send_error<W: AsyncWrite + Unpin>(
+    stream: &mut W,
     cfg: &ServerConfig,
     tag: u64,
     code: ErrorCode,
@@ -234,7 +253,10 @@ fn token_matches(expected: &Option<String>, got: &[u8]) -> bool {
 }
 
 /// Read and check the `Hello`; returns the reader id.
-async fn handshake(stream: &mut TcpStream, cfg: &ServerConfig) -> Result<u32, Refusal> {
+async fn handshake<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    cfg: &ServerConfig,
+) -> Result<u32, Refusal> {
     let body = match wire::read_body(stream, MAX_HELLO).await {
         Ok(b) => b,
         Err(FrameError::TooLarge(n)) => {
@@ -300,7 +322,11 @@ async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: &Ctx) {
 
 async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &Ctx) {
     let cfg = &ctx.cfg;
-    let reader = match timeout(cfg.handshake_timeout, handshake(stream, cfg)).await {
+    let (rd, mut wr) = stream.split();
+    // Requests are small and pipelined: read them through a buffer, one syscall for many.
+    let mut rd = BufReader::with_capacity(8192, rd);
+    let stream = &mut wr;
+    let reader = match timeout(cfg.handshake_timeout, handshake(&mut rd, cfg)).await {
         Ok(Ok(r)) => r,
         Ok(Err((code, msg))) => {
             debug!(%peer, ?code, %msg, "kvx-rdma server: handshake refused");
@@ -322,7 +348,7 @@ async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &C
         return;
     }
     loop {
-        let len = match timeout(cfg.idle_timeout, wire::read_len(stream, cfg.max_frame)).await {
+        let len = match timeout(cfg.idle_timeout, wire::read_len(&mut rd, cfg.max_frame)).await {
             Err(_) => return,
             Ok(Err(FrameError::Eof)) | Ok(Err(FrameError::Io(_))) => return,
             Ok(Err(FrameError::TooLarge(n))) => {
@@ -341,7 +367,7 @@ async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &C
             Ok(Ok(len)) => len,
         };
         let mut body = vec![0u8; len as usize];
-        match timeout(cfg.frame_timeout, stream.read_exact(&mut body)).await {
+        match timeout(cfg.frame_timeout, rd.read_exact(&mut body)).await {
             Ok(Ok(_)) => {}
             Ok(Err(_)) => return,
             Err(_) => {
@@ -398,8 +424,8 @@ async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &C
     }
 }
 
-async fn answer(
-    stream: &mut TcpStream,
+async fn answer<W: AsyncWrite + Unpin>(
+    stream: &mut W,
     cfg: &ServerConfig,
     tag: u64,
     r: Result<(), Refusal>,
@@ -410,8 +436,8 @@ async fn answer(
     }
 }
 
-async fn serve_read(
-    stream: &mut TcpStream,
+async fn serve_read<W: AsyncWrite + Unpin>(
+    stream: &mut W,
     ctx: &Ctx,
     tag: u64,
     request: RequestId,
@@ -440,13 +466,14 @@ async fn serve_read(
     }
     .encode();
     // The pin is held only while the bytes are written, each write bounded by the timeout:
-    // the engine hears of a release only after it drops.
-    send(stream, cfg, &head).await?;
-    for s in pin.slices() {
-        send(stream, cfg, s).await?;
-    }
+    // the engine hears of a release only after it drops. Head and segments go out together.
+    let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&head))
+        .chain(pin.slices().map(IoSlice::new))
+        .collect();
+    let r = send_vectored(stream, cfg, &mut bufs).await;
+    drop(bufs);
     drop(pin);
-    Ok(())
+    r
 }
 
 #[cfg(test)]
