@@ -30,7 +30,7 @@ pub fn producer_killed_mid_read() {
     let killer = {
         let pid = p.child.id() as i32;
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
+            std::thread::sleep(Duration::from_millis(400));
             // SAFETY: kill(2) on the producer child's pid.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         })

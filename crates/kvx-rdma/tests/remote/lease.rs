@@ -40,14 +40,15 @@ pub fn lease_expires_without_reader_real_time() {
 /// The reader waits three TTLs before reading, heartbeating: the lease holds, the read works.
 pub fn heartbeat_keeps_lease() {
     let mut p = Peer::producer(&[]);
-    let desc = p.export(1, 0, 8, 400, 1);
+    let desc = p.export(1, 0, 8, 600, 1);
     p.ready(1);
     // A control request, same TTL, whose reader never registers: it does expire meanwhile.
-    p.export(2, 8, 1, 400, 1);
+    p.export(2, 8, 1, 600, 1);
     p.ready(2);
     let mut c = Consumer::new(0, BLOCK, 8, None, true);
     c.handle.register(desc.clone()).unwrap();
-    std::thread::sleep(Duration::from_millis(1300));
+    // More than three TTLs in the queue; heartbeats every TTL/6 keep the lease.
+    std::thread::sleep(Duration::from_millis(2000));
     assert_eq!(
         p.wait_for("released", Duration::from_secs(2)),
         "released 2 Expired"
