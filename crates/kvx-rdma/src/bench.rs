@@ -64,7 +64,7 @@ impl LoopbackRig {
             .collect();
         exporter.export(RequestId(1), &blocks_list, &lease)?;
         exporter.ready(RequestId(1))?;
-        let desc = server.descriptor(&exporter, RequestId(1), &lease)?;
+        let desc = server.descriptor(&exporter, RequestId(1))?;
         let importer = Importer::new(ImporterConfig::default())?;
         let handle = importer.handle();
         handle.register(desc.clone())?;

@@ -132,11 +132,13 @@ impl Exporter {
         request: RequestId,
         addr: SocketAddr,
         transport: TransportKind,
-        lease: &LeaseConfig,
     ) -> Result<RemoteDescriptor, RdmaError> {
         let t = self.table();
         let blocks = t
             .blocks(request)
+            .ok_or(RdmaError::UnknownRequest(request))?;
+        let lease = t
+            .lease_config(request)
             .ok_or(RdmaError::UnknownRequest(request))?;
         Ok(RemoteDescriptor {
             request,

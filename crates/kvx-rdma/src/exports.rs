@@ -54,6 +54,7 @@ pub type Refusal = (ErrorCode, String);
 
 struct Entry {
     blocks: Vec<(BlockKey, EngineBlockId)>,
+    lease: LeaseConfig,
     pins: u64,
     ended: Option<ReleaseReason>,
 }
@@ -120,6 +121,7 @@ impl ExportTable {
             request,
             Entry {
                 blocks: blocks.to_vec(),
+                lease: *cfg,
                 pins: 0,
                 ended: None,
             },
@@ -194,6 +196,11 @@ impl ExportTable {
     /// The blocks of an exported request.
     pub fn blocks(&self, request: RequestId) -> Option<&[(BlockKey, EngineBlockId)]> {
         self.entries.get(&request).map(|e| e.blocks.as_slice())
+    }
+
+    /// The lease settings `request` was exported with.
+    pub fn lease_config(&self, request: RequestId) -> Option<LeaseConfig> {
+        self.entries.get(&request).map(|e| e.lease)
     }
 
     /// Counters.

@@ -35,7 +35,7 @@
 //! let lease = LeaseConfig::with_ttl_ms(30_000);
 //! exporter.export(RequestId(1), &[(key, EngineBlockId(2))], &lease).unwrap();
 //! exporter.ready(RequestId(1)).unwrap();
-//! let desc = server.descriptor(&exporter, RequestId(1), &lease).unwrap();
+//! let desc = server.descriptor(&exporter, RequestId(1)).unwrap();
 //!
 //! // Consumer: register the descriptor, then load the block by key.
 //! let importer = Importer::new(ImporterConfig::default()).unwrap();

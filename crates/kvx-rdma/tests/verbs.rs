@@ -74,7 +74,7 @@ fn rig(block: usize, blocks: u32, ttl_ms: u64) -> Rig {
         .collect();
     exporter.export(RequestId(1), &list, &lease).unwrap();
     exporter.ready(RequestId(1)).unwrap();
-    let desc = server.descriptor(&exporter, RequestId(1), &lease).unwrap();
+    let desc = server.descriptor(&exporter, RequestId(1)).unwrap();
     let cfg = ImporterConfig::default();
     let transport = Arc::new(VerbsTransport::new(cfg.tcp(), VerbsConfig::default()).unwrap());
     let importer = Importer::with_transports(cfg, vec![transport]).unwrap();

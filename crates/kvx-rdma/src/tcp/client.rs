@@ -234,7 +234,23 @@ impl TcpTransport {
         results: &mut [Option<Result<(), BlockError>>],
     ) -> Option<TcpStream> {
         let addr = desc.addr;
-        let n = slots.len();
+        let bytes = desc.block_bytes;
+        // Slots whose buffer cannot hold a block are refused here, never requested.
+        let mut wanted = Vec::with_capacity(slots.len());
+        for (i, s) in slots.iter().enumerate() {
+            if (s.buf.capacity() as u64) < bytes {
+                results[i] = Some(Err(BlockError::Invalid(format!(
+                    "buffer of {} bytes cannot hold a {bytes}-byte block",
+                    s.buf.capacity()
+                ))));
+            } else {
+                wanted.push(i);
+            }
+        }
+        let n = wanted.len();
+        if n == 0 {
+            return None;
+        }
         let mut s = match self.checkout(addr).await {
             Ok(s) => s,
             Err(e) => {
@@ -243,20 +259,20 @@ impl TcpTransport {
             }
         };
         let base = self.tags(n);
-        let read = |i: usize, index: u32| {
+        let read = |k: usize, index: u32| {
             Request::Read {
-                tag: base + i as u64,
+                tag: base + k as u64,
                 request: desc.request.0,
                 block: index,
                 offset: 0,
-                len: desc.block_bytes,
+                len: bytes,
             }
             .encode()
         };
         let mut sent = 0;
         let mut batch = Vec::new();
         while sent < n.min(self.cfg.window.max(1)) {
-            batch.extend(read(sent, slots[sent].index));
+            batch.extend(read(sent, slots[wanted[sent]].index));
             sent += 1;
         }
         if let Err(e) = s.write_all(&batch).await {
@@ -267,17 +283,17 @@ impl TcpTransport {
             );
             return None;
         }
-        for i in 0..n {
-            let tag = base + i as u64;
-            let head = match wire::read_reply_head(&mut s, desc.block_bytes).await {
+        for (k, &i) in wanted.iter().enumerate() {
+            let tag = base + k as u64;
+            let head = match wire::read_reply_head(&mut s, bytes).await {
                 Ok(h) => h,
                 Err(e) => {
-                    fail_rest(results, i, BlockError::Io(format!("{addr}: {e}")));
+                    fail_rest(results, 0, BlockError::Io(format!("{addr}: {e}")));
                     return None;
                 }
             };
             match head {
-                ReplyHead::Data { tag: t, len } if t == tag && len == desc.block_bytes => {
+                ReplyHead::Data { tag: t, len } if t == tag && len == bytes => {
                     let buf = &mut *slots[i].buf;
                     let len = len as usize;
                     buf.set_len(len);
@@ -285,7 +301,7 @@ impl TcpTransport {
                         buf.set_len(0);
                         fail_rest(
                             results,
-                            i,
+                            0,
                             BlockError::Io(format!("reading from {addr}: {e}")),
                         );
                         return None;
@@ -299,7 +315,7 @@ impl TcpTransport {
                 }) if t == tag || t == 0 => {
                     let err = BlockError::Remote(format!("{}: {code:?}: {message}", desc.request));
                     if t == 0 || code.is_fatal() {
-                        fail_rest(results, i, err);
+                        fail_rest(results, 0, err);
                         return None;
                     }
                     results[i] = Some(Err(err));
@@ -308,15 +324,15 @@ impl TcpTransport {
                     let what = format!(
                         "{addr} broke the protocol: expected the reply to tag {tag}, got {other:?}"
                     );
-                    fail_rest(results, i, BlockError::Io(what));
+                    fail_rest(results, 0, BlockError::Io(what));
                     return None;
                 }
             }
             if sent < n {
-                if let Err(e) = s.write_all(&read(sent, slots[sent].index)).await {
+                if let Err(e) = s.write_all(&read(sent, slots[wanted[sent]].index)).await {
                     fail_rest(
                         results,
-                        i + 1,
+                        0,
                         BlockError::Io(format!("sending reads to {addr}: {e}")),
                     );
                     return None;

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::RequestId;
-use kvx_policy::LeaseConfig;
 use std::io::IoSlice;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -146,9 +145,8 @@ impl TcpServer {
         &self,
         exporter: &Exporter,
         request: RequestId,
-        lease: &LeaseConfig,
     ) -> Result<RemoteDescriptor, RdmaError> {
-        exporter.descriptor(request, self.addr, TransportKind::Tcp, lease)
+        exporter.descriptor(request, self.addr, TransportKind::Tcp)
     }
 }
 

@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, Weak};
 
 use kvx_core::RequestId;
-use kvx_policy::LeaseConfig;
 
 use super::VerbsConfig;
 use super::msg::{Seg, VerbsMsg};
@@ -177,8 +176,7 @@ impl VerbsServer {
         &self,
         exporter: &Exporter,
         request: RequestId,
-        lease: &LeaseConfig,
     ) -> Result<RemoteDescriptor, RdmaError> {
-        exporter.descriptor(request, self.tcp.local_addr(), TransportKind::Verbs, lease)
+        exporter.descriptor(request, self.tcp.local_addr(), TransportKind::Verbs)
     }
 }

@@ -87,7 +87,6 @@ pub fn producer() -> i32 {
             }
         })
     };
-    let mut leases = std::collections::HashMap::new();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let w: Vec<&str> = line.split_whitespace().collect();
@@ -105,10 +104,7 @@ pub fn producer() -> i32 {
                     .collect();
                 match exporter.export(req, &blocks, &lease) {
                     Ok(()) => {
-                        leases.insert(req, lease);
-                        let d = server
-                            .descriptor(&exporter, req, &lease)
-                            .expect("descriptor");
+                        let d = server.descriptor(&exporter, req).expect("descriptor");
                         format!("desc {}", d.to_json())
                     }
                     Err(e) => format!("error {e}"),
