@@ -75,6 +75,28 @@ pub fn producer_killed_mid_read() {
             Err(e) => panic!("{engine}: unexpected error {e}"),
         }
     }
+    // The verdict kvx-policy turns into "recompute from the first block that did not arrive".
+    let outcomes: Vec<kvx_policy::BlockOutcome> = report
+        .blocks
+        .iter()
+        .map(|b| match b.result {
+            Ok(()) => kvx_policy::BlockOutcome::loaded(b.engine.unwrap()),
+            Err(_) => kvx_policy::BlockOutcome::failed(b.engine.unwrap()),
+        })
+        .collect();
+    let decision =
+        kvx_policy::LoadFailurePolicy::Recompute.decide(&outcomes, 16, 16 * u64::from(BLOCKS));
+    let first_bad = report
+        .blocks
+        .iter()
+        .position(|b| b.result.is_err())
+        .unwrap();
+    match decision {
+        kvx_policy::LoadDecision::Recompute { valid_tokens, .. } => {
+            assert_eq!(valid_tokens, 16 * first_bad as u64)
+        }
+        other => panic!("expected a recompute decision, got {other:?}"),
+    }
     assert!(c.handle.done(desc.request).is_err(), "the producer is gone");
 }
 
