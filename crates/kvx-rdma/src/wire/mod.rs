@@ -7,8 +7,6 @@
 //! between sockets and block memory. Decoding never panics: every length is checked against
 //! the bytes present and against configured maxima.
 
-use tokio::io::{AsyncRead, AsyncReadExt};
-
 /// First bytes of a `Hello`: not a kvx-rdma peer without them.
 pub const MAGIC: [u8; 4] = *b"KVXR";
 /// The protocol version this build speaks.
@@ -22,13 +20,19 @@ pub const DATA_HEAD: usize = 4 + 1 + 8;
 /// Largest non-data frame a client accepts from a server.
 pub const MAX_REPLY_FRAME: u32 = 64 * 1024;
 
+mod read;
+
+pub use read::{
+    FrameError, ReplyHead, read_body, read_len, read_reply_head, read_reply_head_limit,
+};
+
 const T_HELLO: u8 = 1;
 const T_READ: u8 = 2;
 const T_HEARTBEAT: u8 = 3;
 const T_DONE: u8 = 4;
 const T_VERBS: u8 = 5;
 const T_WELCOME: u8 = 0x81;
-const T_DATA: u8 = 0x82;
+pub(crate) const T_DATA: u8 = 0x82;
 const T_ACK: u8 = 0x83;
 const T_ERROR: u8 = 0x84;
 const T_VERBS_REPLY: u8 = 0x85;
@@ -369,116 +373,6 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// Why a frame could not be read.
-#[derive(Debug)]
-pub enum FrameError {
-    /// The peer closed the connection cleanly between frames.
-    Eof,
-    /// The length prefix is above the maximum.
-    TooLarge(u32),
-    /// A zero length prefix.
-    Empty,
-    /// The connection failed (or closed mid-frame).
-    Io(std::io::Error),
-}
-
-/// Read one frame's length prefix; `Eof` if the peer closed before sending any byte of it.
-pub async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, FrameError> {
-    let mut len = [0u8; 4];
-    let first = r.read(&mut len[..1]).await.map_err(FrameError::Io)?;
-    if first == 0 {
-        return Err(FrameError::Eof);
-    }
-    r.read_exact(&mut len[1..]).await.map_err(FrameError::Io)?;
-    let len = u32::from_be_bytes(len);
-    if len == 0 {
-        return Err(FrameError::Empty);
-    }
-    if len > max {
-        return Err(FrameError::TooLarge(len));
-    }
-    Ok(len)
-}
-
-/// Read one whole frame body of at most `max` bytes (partial reads are resumed).
-pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<Vec<u8>, FrameError> {
-    let len = read_len(r, max).await?;
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).await.map_err(FrameError::Io)?;
-    Ok(body)
-}
-
-/// What a client finds at the head of a server frame.
-#[derive(Debug)]
-pub enum ReplyHead {
-    /// A data frame: `len` payload bytes for `tag` follow on the stream.
-    Data {
-        /// The read's tag.
-        tag: u64,
-        /// Payload bytes still to read.
-        len: u64,
-    },
-    /// Any other frame, fully read.
-    Control(Reply),
-}
-
-/// Read the next server frame: a data head (payload left on the stream) or a control frame.
-/// `max_data` bounds the payload a data frame may announce.
-pub async fn read_reply_head<R: AsyncRead + Unpin>(
-    r: &mut R,
-    max_data: u64,
-) -> Result<ReplyHead, String> {
-    read_reply_head_limit(r, max_data, MAX_REPLY_FRAME).await
-}
-
-/// [`read_reply_head`] with a custom bound on control frames (verbs grants can be large).
-pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
-    r: &mut R,
-    max_data: u64,
-    max_control: u32,
-) -> Result<ReplyHead, String> {
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len)
-        .await
-        .map_err(|e| format!("reading a reply: {e}"))?;
-    let len = u32::from_be_bytes(len);
-    if len == 0 {
-        return Err("empty frame".into());
-    }
-    let mut ty = [0u8; 1];
-    r.read_exact(&mut ty)
-        .await
-        .map_err(|e| format!("reading a reply: {e}"))?;
-    if ty[0] == T_DATA {
-        if len < 9 {
-            return Err(format!("data frame of {len} bytes has no tag"));
-        }
-        let payload = u64::from(len) - 9;
-        if payload > max_data {
-            return Err(format!(
-                "data frame announces {payload} bytes, more than the {max_data} asked for"
-            ));
-        }
-        let mut tag = [0u8; 8];
-        r.read_exact(&mut tag)
-            .await
-            .map_err(|e| format!("reading a data head: {e}"))?;
-        return Ok(ReplyHead::Data {
-            tag: u64::from_be_bytes(tag),
-            len: payload,
-        });
-    }
-    if len > max_control {
-        return Err(format!("control frame of {len} bytes (max {max_control})"));
-    }
-    let mut body = vec![0u8; len as usize];
-    body[0] = ty[0];
-    r.read_exact(&mut body[1..])
-        .await
-        .map_err(|e| format!("reading a reply: {e}"))?;
-    Reply::decode(&body).map(ReplyHead::Control)
-}
-
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -644,56 +538,5 @@ mod tests {
         f.extend_from_slice(&MAGIC);
         f.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0xff, 0xff]);
         assert!(Request::decode(&f).is_err());
-    }
-
-    #[tokio::test]
-    async fn frame_reader_resumes_partial_reads_and_checks_lengths() {
-        let bytes = Request::Heartbeat { tag: 3, request: 4 }.encode();
-        // A reader that hands out one byte per read call.
-        let mut slow = tokio_test_reader(bytes.clone());
-        let body = read_body(&mut slow, 64).await.unwrap();
-        assert_eq!(
-            Request::decode(&body).unwrap(),
-            Request::Heartbeat { tag: 3, request: 4 }
-        );
-        let mut r = &bytes[..];
-        assert!(matches!(
-            read_body(&mut r, 4).await,
-            Err(FrameError::TooLarge(17))
-        ));
-        let mut empty: &[u8] = &[];
-        assert!(matches!(
-            read_body(&mut empty, 4).await,
-            Err(FrameError::Eof)
-        ));
-        let mut zero: &[u8] = &[0, 0, 0, 0];
-        assert!(matches!(
-            read_body(&mut zero, 4).await,
-            Err(FrameError::Empty)
-        ));
-        let mut cut: &[u8] = &bytes[..7];
-        assert!(matches!(
-            read_body(&mut cut, 64).await,
-            Err(FrameError::Io(_))
-        ));
-    }
-
-    fn tokio_test_reader(bytes: Vec<u8>) -> impl AsyncRead + Unpin {
-        struct OneByte(Vec<u8>, usize);
-        impl AsyncRead for OneByte {
-            fn poll_read(
-                mut self: std::pin::Pin<&mut Self>,
-                _: &mut std::task::Context<'_>,
-                buf: &mut tokio::io::ReadBuf<'_>,
-            ) -> std::task::Poll<std::io::Result<()>> {
-                if self.1 < self.0.len() && buf.remaining() > 0 {
-                    let b = self.0[self.1];
-                    buf.put_slice(&[b]);
-                    self.1 += 1;
-                }
-                std::task::Poll::Ready(Ok(()))
-            }
-        }
-        OneByte(bytes, 0)
     }
 }
