@@ -250,6 +250,12 @@ impl BlockJob {
         self.p.deadline
     }
 
+    /// True when the pending syscall is the close that ends a load: nothing depends on its
+    /// result, so an engine may issue it and finish the job without waiting for it.
+    pub fn is_final_close(&self) -> bool {
+        self.step == Step::CloseBlock
+    }
+
     /// The op's cancel flag.
     pub fn cancel_flag(&self) -> Arc<AtomicBool> {
         self.p.cancel.clone()
