@@ -1,6 +1,7 @@
 //! `kvx bench <target>`: one module per backend.
 
 mod cuda;
+mod posix;
 mod remote;
 
 use clap::Subcommand;
@@ -10,6 +11,8 @@ use clap::Subcommand;
 pub enum BenchTarget {
     /// CUDA host<->device copies (contiguous and scattered blocks) next to a plain cuMemcpy.
     Cuda(cuda::CudaArgs),
+    /// File block store: store then load blocks (kvx-posix), optionally next to fio.
+    Posix(posix::PosixArgs),
     /// kvx-rdma remote reads over loopback TCP next to a raw socket copy of the same bytes.
     Remote(remote::RemoteArgs),
 }
@@ -18,6 +21,7 @@ pub enum BenchTarget {
 pub fn run(target: BenchTarget) -> i32 {
     match target {
         BenchTarget::Cuda(args) => cuda::run(args),
+        BenchTarget::Posix(args) => posix::run(args),
         BenchTarget::Remote(args) => remote::run(args),
     }
 }

@@ -1,0 +1,277 @@
+//! `kvx bench posix`: store then load blocks through the file block store, and (with `--fio`)
+//! run fio's sequential read and write at the same block size and queue depth on a file of the
+//! same size in the same directory, alternating with kvx, to report kvx/fio ratios.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Args;
+use kvx_core::Direction;
+use kvx_posix::bench::{BenchRig, Phase, bench_keys};
+use kvx_posix::{EngineKind, PosixConfig};
+
+/// Options of `kvx bench posix`.
+#[derive(Args)]
+pub struct PosixArgs {
+    /// Directory to benchmark in (a `kvx-bench-<pid>` folder is made and removed inside it).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Block size, e.g. 256KiB, 1MiB, 4MiB.
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    block_size: usize,
+    /// Blocks stored then loaded per round.
+    #[arg(long, default_value_t = 1024)]
+    blocks: usize,
+    /// Block I/Os in flight.
+    #[arg(long, default_value_t = 32)]
+    queue_depth: usize,
+    /// I/O engine: uring or psync.
+    #[arg(long, default_value = "uring")]
+    engine: String,
+    /// Rounds; medians are reported (with --fio, kvx and fio alternate each round).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Also run fio (io_uring, O_DIRECT, same block size and queue depth) for kvx/fio ratios.
+    #[arg(long)]
+    fio: bool,
+    /// fdatasync each block before its rename.
+    #[arg(long)]
+    fdatasync: bool,
+    /// Print the results as one JSON object on the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parse `1MiB`, `256KiB`, `4M`, `4096`.
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mul = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("bad size unit in {s:?}")),
+    };
+    n.checked_mul(mul)
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("bad size {s:?}"))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Run fio once; returns GiB/s.
+fn fio(dir: &Path, rw: &str, bs: usize, qd: usize, size: u64) -> Result<f64, String> {
+    let file = dir.join("fio.dat");
+    let out = Command::new("fio")
+        .arg(format!("--name=kvx-{rw}"))
+        .arg(format!("--filename={}", file.display()))
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--bs={bs}"))
+        .arg(format!("--iodepth={qd}"))
+        .arg(format!("--size={size}"))
+        .args(["--direct=1", "--ioengine=io_uring", "--output-format=json"])
+        .output()
+        .map_err(|e| format!("cannot run fio: {e} (apt-get install fio)"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fio --rw={rw} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find('{').ok_or("fio printed no JSON")?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text[start..]).map_err(|e| format!("fio JSON: {e}"))?;
+    let side = if rw == "read" { "read" } else { "write" };
+    let bw = v["jobs"][0][side]["bw_bytes"]
+        .as_f64()
+        .ok_or("fio JSON has no bw_bytes")?;
+    Ok(bw / (1u64 << 30) as f64)
+}
+
+struct Round {
+    store: Phase,
+    load: Phase,
+    fio_write: Option<f64>,
+    fio_read: Option<f64>,
+}
+
+fn one_round(
+    args: &PosixArgs,
+    engine: EngineKind,
+    work: &Path,
+    round: usize,
+) -> Result<(Round, bool), String> {
+    let root = work.join("kv");
+    let mut cfg = PosixConfig::new(&root);
+    cfg.engine = engine;
+    cfg.queue_depth = args.queue_depth;
+    cfg.fdatasync = args.fdatasync;
+    let mut rig = BenchRig::new(cfg, args.block_size).map_err(|e| e.to_string())?;
+    let direct = rig.handle().capabilities().direct;
+    let keys = bench_keys(round as u64, args.blocks);
+    let store = rig
+        .run(Direction::Store, &keys)
+        .map_err(|e| e.to_string())?;
+    let load = rig.run(Direction::Load, &keys).map_err(|e| e.to_string())?;
+    drop(rig);
+    std::fs::remove_dir_all(&root).map_err(|e| format!("cleanup {}: {e}", root.display()))?;
+    let size = (args.blocks * args.block_size) as u64;
+    let (fio_write, fio_read) = if args.fio {
+        let w = fio(work, "write", args.block_size, args.queue_depth, size)?;
+        let r = fio(work, "read", args.block_size, args.queue_depth, size)?;
+        let _ = std::fs::remove_file(work.join("fio.dat"));
+        (Some(w), Some(r))
+    } else {
+        (None, None)
+    };
+    Ok((
+        Round {
+            store,
+            load,
+            fio_write,
+            fio_read,
+        },
+        direct,
+    ))
+}
+
+/// Run the benchmark; returns the exit code.
+pub fn run(args: PosixArgs) -> i32 {
+    let engine: EngineKind = match args.engine.parse() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvx bench posix: {e}");
+            return 2;
+        }
+    };
+    let work = args.dir.join(format!("kvx-bench-{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir_all(&work) {
+        eprintln!("kvx bench posix: cannot create {}: {e}", work.display());
+        return 2;
+    }
+    let mut rounds = Vec::new();
+    let mut direct = false;
+    for i in 0..args.rounds.max(1) {
+        match one_round(&args, engine, &work, i) {
+            Ok((r, d)) => {
+                direct = d;
+                if !args.json {
+                    eprintln!(
+                        "round {}: store {:.2} GiB/s, load {:.2} GiB/s{}",
+                        i + 1,
+                        r.store.gib_s(),
+                        r.load.gib_s(),
+                        match (r.fio_write, r.fio_read) {
+                            (Some(w), Some(rd)) => format!("; fio write {w:.2}, read {rd:.2}"),
+                            _ => String::new(),
+                        }
+                    );
+                }
+                rounds.push(r);
+            }
+            Err(e) => {
+                eprintln!("kvx bench posix: {e}");
+                let _ = std::fs::remove_dir_all(&work);
+                return 1;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    let store = median(rounds.iter().map(|r| r.store.gib_s()).collect());
+    let load = median(rounds.iter().map(|r| r.load.gib_s()).collect());
+    let p50 = median(rounds.iter().map(|r| r.load.percentile_us(50.0)).collect());
+    let p99 = median(rounds.iter().map(|r| r.load.percentile_us(99.0)).collect());
+    let sp50 = median(rounds.iter().map(|r| r.store.percentile_us(50.0)).collect());
+    let sp99 = median(rounds.iter().map(|r| r.store.percentile_us(99.0)).collect());
+    let fio_w: Vec<f64> = rounds.iter().filter_map(|r| r.fio_write).collect();
+    let fio_r: Vec<f64> = rounds.iter().filter_map(|r| r.fio_read).collect();
+    let (fw, fr) = (median(fio_w), median(fio_r));
+    println!(
+        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {}, {} round(s), medians",
+        args.block_size >> 10,
+        args.blocks,
+        args.queue_depth,
+        rounds.len()
+    );
+    println!(
+        "{:<8} {:>9} {:>10} {:>10} {:>12}",
+        "phase", "GiB/s", "p50 us", "p99 us", "kvx/fio"
+    );
+    let ratio = |k: f64, f: f64| {
+        if args.fio && f > 0.0 {
+            format!("{:.2}", k / f)
+        } else {
+            "-".into()
+        }
+    };
+    println!(
+        "{:<8} {store:>9.3} {sp50:>10.0} {sp99:>10.0} {:>12}",
+        "store",
+        ratio(store, fw)
+    );
+    println!(
+        "{:<8} {load:>9.3} {p50:>10.0} {p99:>10.0} {:>12}",
+        "load",
+        ratio(load, fr)
+    );
+    if args.fio {
+        println!(
+            "{:<8} {fw:>9.3} {:>10} {:>10} {:>12}",
+            "fio wr", "-", "-", "-"
+        );
+        println!(
+            "{:<8} {fr:>9.3} {:>10} {:>10} {:>12}",
+            "fio rd", "-", "-", "-"
+        );
+    }
+    if args.json {
+        let mut v = serde_json::json!({
+            "engine": engine.as_str(),
+            "direct": direct,
+            "block_size": args.block_size,
+            "blocks": args.blocks,
+            "queue_depth": args.queue_depth,
+            "rounds": rounds.len(),
+            "store_gib_s": store,
+            "load_gib_s": load,
+            "store_p50_us": sp50,
+            "store_p99_us": sp99,
+            "load_p50_us": p50,
+            "load_p99_us": p99,
+        });
+        if args.fio {
+            v["fio_write_gib_s"] = fw.into();
+            v["fio_read_gib_s"] = fr.into();
+            v["store_vs_fio"] = (store / fw.max(1e-9)).into();
+            v["load_vs_fio"] = (load / fr.max(1e-9)).into();
+        }
+        println!("{v}");
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("256KiB"), Ok(256 << 10));
+        assert_eq!(parse_size("4M"), Ok(4 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("1XB").is_err());
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+    }
+}
