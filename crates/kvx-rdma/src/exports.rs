@@ -68,6 +68,8 @@ pub struct ExportTable {
     recent: VecDeque<(RequestId, ReleaseReason)>,
     num_blocks: u32,
     block_bytes: u64,
+    /// Entries whose lease ended but which are not yet released (reads drain).
+    ending: usize,
     stats: ExportStats,
 }
 
@@ -82,6 +84,7 @@ impl ExportTable {
             recent: VecDeque::new(),
             num_blocks,
             block_bytes,
+            ending: 0,
             stats: ExportStats::default(),
         }
     }
@@ -355,8 +358,14 @@ impl ExportTable {
     fn settle(&mut self) {
         while let Some((request, reason)) = self.leases.poll_released() {
             if let Some(e) = self.entries.get_mut(&request) {
-                e.ended.get_or_insert(reason);
+                if e.ended.is_none() {
+                    e.ended = Some(reason);
+                    self.ending += 1;
+                }
             }
+        }
+        if self.ending == 0 {
+            return;
         }
         let done: Vec<RequestId> = self
             .entries
@@ -368,6 +377,7 @@ impl ExportTable {
             let Some(e) = self.entries.remove(&request) else {
                 continue;
             };
+            self.ending -= 1;
             let reason = e.ended.unwrap_or(ReleaseReason::Aborted);
             match reason {
                 ReleaseReason::Read => self.stats.released_read += 1,

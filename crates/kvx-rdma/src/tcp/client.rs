@@ -28,8 +28,11 @@ pub struct TcpClientConfig {
     pub connect_timeout: Duration,
     /// Heartbeats and done notifications must finish within this (default 2 s).
     pub control_timeout: Duration,
-    /// Reads in flight on one connection (default 8).
+    /// Reads in flight on one connection: at least this many (default 8), and at least
+    /// `window_bytes` worth.
     pub window: usize,
+    /// Bytes of reads in flight on one connection, at least (default 8 MiB).
+    pub window_bytes: u64,
     /// Idle connections kept per producer (default 4).
     pub max_idle: usize,
 }
@@ -42,6 +45,7 @@ impl Default for TcpClientConfig {
             connect_timeout: Duration::from_secs(2),
             control_timeout: Duration::from_secs(2),
             window: 8,
+            window_bytes: 8 << 20,
             max_idle: 4,
         }
     }
@@ -269,9 +273,14 @@ impl TcpTransport {
             }
             .encode()
         };
+        let window = self
+            .cfg
+            .window
+            .max((self.cfg.window_bytes / bytes.max(1)) as usize)
+            .clamp(1, 1024);
         let mut sent = 0;
         let mut batch = Vec::new();
-        while sent < n.min(self.cfg.window.max(1)) {
+        while sent < n.min(window) {
             batch.extend(read(sent, slots[wanted[sent]].index));
             sent += 1;
         }
@@ -328,8 +337,15 @@ impl TcpTransport {
                     return None;
                 }
             }
-            if sent < n {
-                if let Err(e) = s.write_all(&read(sent, slots[wanted[sent]].index)).await {
+            // Refill the window in batches, once half of it has been answered.
+            let outstanding = sent - (k + 1);
+            if sent < n && outstanding <= window / 2 {
+                let mut batch = Vec::new();
+                while sent < n && sent - (k + 1) < window {
+                    batch.extend(read(sent, slots[wanted[sent]].index));
+                    sent += 1;
+                }
+                if let Err(e) = s.write_all(&batch).await {
                     fail_rest(
                         results,
                         0,
@@ -337,7 +353,6 @@ impl TcpTransport {
                     );
                     return None;
                 }
-                sent += 1;
             }
         }
         Some(s)
