@@ -353,3 +353,21 @@ fn reset_drops_stale() {
     assert_eq!(r.sched.manager().lookup(&ks2).blocks(), 2);
     assert!(r.pool_whole());
 }
+
+#[test]
+fn idle_flush_submits_queued_stores_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(dir.path(), Opts::default());
+    let ks = keys(12, 0, 12, 2);
+    r.compute(&ks, &[0, 1]);
+    r.save(1, &ks, &[0, 1]);
+    assert!(r.finish(1), "the store is still queued");
+    // No request remains: this single step submits the queued store without waiting for
+    // another step.
+    let meta = r.sched.build_meta();
+    assert!(meta.flush);
+    r.w().start_step(meta).unwrap();
+    let out = r.w().drain(T);
+    assert!(out.jobs.iter().any(|j| j.kind == JobKind::StoreHost && j.ok.len() == 2));
+    assert!(out.finished_sending.contains(&RequestId(1)));
+}
