@@ -2,6 +2,7 @@
 
 mod bench;
 mod info;
+mod replay;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,9 @@ enum Command {
         #[command(subcommand)]
         target: bench::BenchTarget,
     },
+    /// Replay a request trace (Mooncake format; an embedded default without one) through the
+    /// real tiers, and compare the hit rate with an ideal LRU cache of the same capacity.
+    Replay(Box<replay::ReplayArgs>),
 }
 
 fn main() {
@@ -29,6 +33,7 @@ fn main() {
     let code = match cli.cmd {
         Command::Info => info::run(),
         Command::Bench { target } => bench::run(target),
+        Command::Replay(args) => replay::run(*args),
     };
     std::process::exit(code);
 }

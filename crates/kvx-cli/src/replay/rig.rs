@@ -1,0 +1,239 @@
+//! The tiers a replay runs on: engine memory (a host arena), the host tier (kvx-owned buffers),
+//! the file tier (kvx-posix in a fresh directory, optionally behind a FUSE stall mount), the
+//! driver with both backends, and both halves of the connector. Torn down in a safe order:
+//! connector, driver (no op left on the arena), mount, then the directories.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_core::{
+    BlockKey, BufferPool, DEFAULT_ALIGN, Driver, DriverBuilder, DriverConfig, HostArena,
+    HostBackend, HostBackendConfig,
+};
+use kvx_fusefs::{Backing, StallFs, StallMount, fuse_available};
+use kvx_offload::{
+    FileTierHook, SchedulerConfig, SchedulerSide, TierRoutes, WorkerConfig, WorkerSide,
+};
+use kvx_policy::{BreakerConfig, TimeoutConfig};
+use kvx_posix::{PosixConfig, PosixHandle, PosixStore};
+use tempfile::TempDir;
+
+use super::args::Settings;
+use super::error::ReplayError;
+use super::trace::TRACE_BLOCK_TOKENS;
+
+/// Removes evicted blocks from the file tier (never blocks: kvx-posix unlinks through its
+/// engine).
+struct PosixHook(PosixHandle);
+
+impl FileTierHook for PosixHook {
+    fn remove(&self, key: BlockKey) {
+        self.0.remove(key);
+    }
+}
+
+/// Where the file tier's blocks live.
+pub enum FileDir {
+    /// A fresh directory, removed at exit unless kept.
+    Fresh(TempDir),
+    /// A directory the user named (never removed).
+    User(PathBuf),
+}
+
+impl FileDir {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        match self {
+            FileDir::Fresh(t) => t.path(),
+            FileDir::User(p) => p,
+        }
+    }
+}
+
+/// Engine memory, tiers, driver and connector of one replay.
+pub struct Rig {
+    /// Scheduler half of the connector.
+    pub sched: SchedulerSide,
+    /// Worker half (taken on teardown).
+    pub worker: Option<WorkerSide>,
+    /// The driver (taken on teardown, after the worker).
+    pub driver: Option<Driver>,
+    /// The file tier's handle.
+    pub files: Option<PosixHandle>,
+    /// Engine memory: must outlive the driver.
+    pub arena: HostArena,
+    /// The FUSE mount under the file tier, with `--fault stall-disk`.
+    pub mount: Option<StallMount>,
+    mount_dir: Option<TempDir>,
+    /// The file tier's directory.
+    pub file_dir: Option<FileDir>,
+    /// Blocks found in the file tier at start and adopted into the index.
+    pub adopted: usize,
+    /// Engine blocks.
+    pub engine_blocks: u32,
+    /// Whether the file tier uses O_DIRECT.
+    pub direct: bool,
+}
+
+/// Buffers beyond the host tier: staging for file loads (at most one per engine block) and
+/// write-through buffers still held by file stores after their host block was evicted.
+pub fn pool_buffers(s: &Settings, engine_blocks: u32) -> usize {
+    s.host_blocks + engine_blocks as usize + (s.host_blocks / 2).max(256)
+}
+
+fn setup(e: impl std::fmt::Display) -> ReplayError {
+    ReplayError::Setup(e.to_string())
+}
+
+impl Rig {
+    /// Build the tiers for `s` with an engine pool of `engine_blocks`.
+    pub fn new(s: &Settings, engine_blocks: u32) -> Result<Rig, ReplayError> {
+        let block = s.blocks.block_bytes as usize;
+        // K and V regions, as an engine lays out one layer.
+        let arena = HostArena::per_layer(2, block / 2, engine_blocks).map_err(setup)?;
+        let mut b = DriverBuilder::new(DriverConfig::default());
+        // SAFETY: the arena outlives the driver (`Rig` drops the worker and the driver first,
+        // and `arena` is declared after them); the engine model reads or writes an engine block
+        // only when no op on it is outstanding (free blocks, finished loads, fenced requests).
+        let engine = b.backend(Box::new(unsafe {
+            HostBackend::new(
+                arena.layout().clone(),
+                HostBackendConfig {
+                    threads: 2,
+                    delay: Duration::ZERO,
+                },
+            )
+            .map_err(setup)?
+        }));
+        let (mut file, mut files, mut mount, mut mount_dir, mut file_dir) =
+            (None, None, None, None, None);
+        let mut direct = false;
+        if s.file_blocks > 0 {
+            let dir = match &s.dir {
+                Some(d) => {
+                    std::fs::create_dir_all(d)
+                        .map_err(|e| setup(format!("cannot create {}: {e}", d.display())))?;
+                    FileDir::User(d.clone())
+                }
+                None => FileDir::Fresh(
+                    tempfile::Builder::new()
+                        .prefix("kvx-replay-")
+                        .tempdir()
+                        .map_err(|e| setup(format!("cannot create a temp dir: {e}")))?,
+                ),
+            };
+            let root = if s.stalls.is_empty() {
+                dir.path().to_owned()
+            } else {
+                fuse_available().map_err(ReplayError::NoFuse)?;
+                let at = tempfile::Builder::new()
+                    .prefix("kvx-replay-mnt-")
+                    .tempdir()
+                    .map_err(|e| setup(format!("cannot create a mount point: {e}")))?;
+                let m = StallFs::mount(at.path(), Backing::Passthrough(dir.path().to_owned()))
+                    .map_err(|e| ReplayError::NoFuse(e.to_string()))?;
+                let root = m.path().to_owned();
+                mount = Some(m);
+                mount_dir = Some(at);
+                root
+            };
+            let mut cfg = PosixConfig::new(root);
+            cfg.engine = s.io_engine;
+            cfg.breaker = BreakerConfig {
+                failure_threshold: 3,
+                window_ms: 10_000,
+                cool_down_ms: 1_000,
+                probe_deadline_ms: s.load_deadline_ms,
+            };
+            let store = PosixStore::open(cfg).map_err(setup)?;
+            direct = store.capabilities().direct;
+            files = Some(store.handle());
+            file = Some(b.backend(Box::new(store)));
+            file_dir = Some(dir);
+        }
+        let driver = b.spawn().map_err(setup)?;
+        let mut sched = SchedulerSide::new(SchedulerConfig {
+            block_tokens: TRACE_BLOCK_TOKENS as u32,
+            host_blocks: s.host_blocks,
+            file_blocks: (s.file_blocks > 0).then_some(s.file_blocks),
+            eviction: s.eviction,
+        })?;
+        let adopted = files
+            .as_ref()
+            .map_or(0, |f| sched.manager_mut().adopt_file_blocks(f.keys()));
+        let buffers = pool_buffers(s, engine_blocks);
+        let pool = BufferPool::new(buffers, block, DEFAULT_ALIGN).map_err(setup)?;
+        let worker = WorkerSide::new(
+            driver.handle(),
+            TierRoutes { engine, file },
+            pool,
+            files
+                .clone()
+                .map(|f| Arc::new(PosixHook(f)) as Arc<dyn FileTierHook>),
+            WorkerConfig {
+                block_tokens: TRACE_BLOCK_TOKENS as u32,
+                timeouts: TimeoutConfig {
+                    load_ms: s.load_deadline_ms,
+                    store_ms: s.store_deadline_ms,
+                },
+                policy: s.policy,
+            },
+        );
+        Ok(Rig {
+            sched,
+            worker: Some(worker),
+            driver: Some(driver),
+            files,
+            arena,
+            mount,
+            mount_dir,
+            file_dir,
+            adopted,
+            engine_blocks,
+            direct,
+        })
+    }
+
+    /// The worker half.
+    pub fn worker(&mut self) -> Result<&mut WorkerSide, ReplayError> {
+        self.worker
+            .as_mut()
+            .ok_or_else(|| ReplayError::Accounting("the worker is gone".into()))
+    }
+
+    /// Tear down: connector, driver, mount; then remove the fresh directory unless `keep`.
+    /// Returns the file tier's directory if it is left on disk.
+    pub fn teardown(mut self, keep: bool) -> Option<PathBuf> {
+        self.worker.take();
+        self.driver.take();
+        self.files.take();
+        if let Some(m) = self.mount.take() {
+            m.thaw();
+            drop(m);
+        }
+        self.mount_dir.take();
+        match self.file_dir.take() {
+            Some(FileDir::Fresh(t)) if keep => Some(t.keep()),
+            Some(FileDir::Fresh(t)) => {
+                let path = t.keep();
+                if let Err(e) = super::cleanup::remove_tree(&path) {
+                    eprintln!("kvx replay: could not remove {}: {e}", path.display());
+                }
+                None
+            }
+            Some(FileDir::User(p)) => Some(p),
+            None => None,
+        }
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.worker.take();
+        self.driver.take();
+        if let Some(m) = self.mount.take() {
+            m.thaw();
+        }
+    }
+}

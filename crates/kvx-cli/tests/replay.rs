@@ -1,0 +1,297 @@
+//! `kvx replay` through the built binary: bad input gives one clear line and exit code 2; a
+//! short replay prints the summary and a JSON line whose counters add up; the Mooncake trace
+//! (when `../shared/traces` is present) and a FUSE disk stall (when FUSE is usable) run too.
+//! A test that cannot run here prints one `skip:` line and is counted as ignored.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::Value;
+
+fn kvx(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .arg("replay")
+        .args(args)
+        .output()
+        .expect("run kvx")
+}
+
+fn check(cond: bool, what: &str) -> Result<(), Failed> {
+    if cond { Ok(()) } else { Err(what.into()) }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The run failed with exit code 2 and one stderr line containing every one of `needles`.
+fn bad_input(args: &[&str], needles: &[&str]) -> Result<(), Failed> {
+    let out = kvx(args);
+    let err = text(&out.stderr);
+    check(
+        out.status.code() == Some(2),
+        &format!("exit code {:?}, stderr {err:?}", out.status.code()),
+    )?;
+    check(
+        err.trim_end().lines().count() == 1,
+        &format!("one line: {err:?}"),
+    )?;
+    for n in needles {
+        check(err.contains(n), &format!("{err:?} should mention {n:?}"))?;
+    }
+    check(out.stdout.is_empty(), "nothing on stdout")
+}
+
+fn write_trace(dir: &Path, lines: &[&str]) -> PathBuf {
+    let p = dir.join("trace.jsonl");
+    std::fs::write(&p, lines.join("\n")).expect("write trace");
+    p
+}
+
+const GOOD: &str =
+    r#"{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}"#;
+
+fn missing_file() -> Result<(), Failed> {
+    bad_input(
+        &["/nonexistent/kvx/trace.jsonl"],
+        &["cannot read trace", "/nonexistent/kvx/trace.jsonl"],
+    )
+}
+
+fn empty_file() -> Result<(), Failed> {
+    let d = tempfile::tempdir()?;
+    let p = write_trace(d.path(), &[]);
+    bad_input(&[p.to_str().unwrap_or_default()], &["has no requests"])
+}
+
+fn negative_length() -> Result<(), Failed> {
+    let d = tempfile::tempdir()?;
+    let p = write_trace(
+        d.path(),
+        &[
+            GOOD,
+            r#"{"timestamp": 5, "input_length": -1024, "output_length": 5, "hash_ids": [1, 2]}"#,
+        ],
+    );
+    bad_input(
+        &[p.to_str().unwrap_or_default()],
+        &["trace.jsonl:2:", "input_length", "negative"],
+    )
+}
+
+fn hash_ids_not_a_list() -> Result<(), Failed> {
+    let d = tempfile::tempdir()?;
+    let p = write_trace(
+        d.path(),
+        &[
+            r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": 17}"#,
+            GOOD,
+        ],
+    );
+    bad_input(
+        &[p.to_str().unwrap_or_default()],
+        &["trace.jsonl:1:", "hash_ids", "must be a list"],
+    )
+}
+
+fn malformed_line_number_and_skip() -> Result<(), Failed> {
+    let d = tempfile::tempdir()?;
+    let p = write_trace(d.path(), &[GOOD, GOOD, "{not json", GOOD]);
+    let path = p.to_str().unwrap_or_default();
+    bad_input(&[path], &["trace.jsonl:3:", "not valid JSON"])?;
+    let out = kvx(&[path, "--skip-bad-lines", "--block-bytes", "4K", "--json"]);
+    check(
+        out.status.success(),
+        &format!("skip-bad-lines runs: {}", text(&out.stderr)),
+    )?;
+    check(
+        text(&out.stderr).contains("skipped 1 malformed lines (first: line 3"),
+        "says what it skipped",
+    )?;
+    let j = last_json(&out)?;
+    check(j["requests"] == 3, "the three good lines ran")
+}
+
+fn last_json(out: &Output) -> Result<Value, Failed> {
+    let stdout = text(&out.stdout);
+    let last = stdout.lines().last().ok_or("no output")?;
+    Ok(serde_json::from_str(last).map_err(|e| format!("last line is not JSON: {e}: {last}"))?)
+}
+
+fn num(j: &Value, k: &str) -> Result<f64, Failed> {
+    Ok(j.get(k)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| format!("JSON lacks {k}"))?)
+}
+
+/// The counters of a JSON result add up.
+fn adds_up(j: &Value, requests: f64) -> Result<(), Failed> {
+    check(num(j, "requests")? == requests, "request count")?;
+    let blocks = num(j, "blocks")?;
+    let hits = num(j, "hit_rate")? * blocks;
+    let sum = hits.round()
+        + num(j, "missed_blocks")?
+        + num(j, "recomputed_blocks")?
+        + num(j, "failed_request_blocks")?;
+    check(
+        sum == blocks,
+        &format!("hits + missed + recomputed + failed = {sum}, blocks {blocks}"),
+    )?;
+    check(
+        num(j, "verified_bytes")? == num(j, "verified_blocks")? * num(j, "block_bytes")?,
+        "verified bytes",
+    )?;
+    check(
+        num(j, "verified_blocks")? >= hits.round(),
+        "every used block verified",
+    )?;
+    check(
+        num(j, "bytes_loaded_moved")? == hits.round() * num(j, "block_bytes")?,
+        "loaded bytes",
+    )?;
+    for k in [
+        "ideal_hit_rate",
+        "load_p99_ms",
+        "deadline_misses",
+        "failed_requests",
+    ] {
+        num(j, k)?;
+    }
+    Ok(())
+}
+
+fn short_replay_summary_and_json() -> Result<(), Failed> {
+    let out = kvx(&[
+        "--limit",
+        "300",
+        "--speedup",
+        "20",
+        "--host-blocks",
+        "96",
+        "--block-bytes",
+        "4K",
+        "--json",
+    ]);
+    check(
+        out.status.success(),
+        &format!("exit {:?}: {}", out.status.code(), text(&out.stderr)),
+    )?;
+    let stdout = text(&out.stdout);
+    for row in [
+        "block hit rate",
+        "ideal LRU hit rate",
+        "load latency p50 / p99",
+        "deadline misses",
+        "blocks recomputed",
+        "requests failed",
+        "TTFT with cache",
+        "load throughput",
+    ] {
+        check(stdout.contains(row), &format!("summary has {row:?}"))?;
+    }
+    let j = last_json(&out)?;
+    adds_up(&j, 300.0)?;
+    check(num(&j, "file_hit_rate")? > 0.0, "the file tier served hits")?;
+    check(num(&j, "host_hit_rate")? > 0.0, "the host tier served hits")?;
+    check(
+        !text(&out.stderr).contains('\u{1b}'),
+        "no progress bar when stderr is not a terminal",
+    )
+}
+
+fn mooncake_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/synthetic_trace.jsonl")
+}
+
+fn mooncake_trace() -> Result<(), Failed> {
+    let p = mooncake_path();
+    let out = kvx(&[
+        p.to_str().unwrap_or_default(),
+        "--limit",
+        "150",
+        "--speedup",
+        "200",
+        "--block-bytes",
+        "4K",
+        "--json",
+    ]);
+    check(
+        out.status.success(),
+        &format!("exit {:?}: {}", out.status.code(), text(&out.stderr)),
+    )?;
+    let j = last_json(&out)?;
+    adds_up(&j, 150.0)
+}
+
+fn disk_stall() -> Result<(), Failed> {
+    let deadline = 200.0;
+    let out = kvx(&[
+        "--limit",
+        "350",
+        "--host-blocks",
+        "64",
+        "--block-bytes",
+        "4K",
+        "--deadline-ms",
+        "200",
+        "--fault",
+        "stall-disk@1+2",
+        "--json",
+    ]);
+    check(
+        out.status.success(),
+        &format!("exit {:?}: {}", out.status.code(), text(&out.stderr)),
+    )?;
+    let j = last_json(&out)?;
+    adds_up(&j, 350.0)?;
+    let max = num(&j, "load_max_ms")?;
+    check(
+        max <= deadline + 500.0,
+        &format!("a load waited {max} ms, deadline {deadline} ms"),
+    )?;
+    check(
+        num(&j, "deadline_misses")? + num(&j, "load_rejected_blocks")? > 0.0,
+        "the stall cut loads short",
+    )?;
+    check(
+        num(&j, "file_hits_after_stall")? > 0.0,
+        "the file tier serves hits after the stall",
+    )?;
+    check(
+        text(&out.stdout).contains("disk stall"),
+        "the summary shows the stall",
+    )
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let fuse = kvx_fusefs::fuse_available();
+    if let Err(why) = &fuse {
+        println!("skip: disk stall test ({why})");
+    }
+    let trace = mooncake_path().exists();
+    if !trace {
+        println!(
+            "skip: Mooncake trace test ({} is absent)",
+            mooncake_path().display()
+        );
+    }
+    let trials = vec![
+        Trial::test("missing_file", missing_file),
+        Trial::test("empty_file", empty_file),
+        Trial::test("negative_length", negative_length),
+        Trial::test("hash_ids_not_a_list", hash_ids_not_a_list),
+        Trial::test(
+            "malformed_line_number_and_skip",
+            malformed_line_number_and_skip,
+        ),
+        Trial::test(
+            "short_replay_summary_and_json",
+            short_replay_summary_and_json,
+        ),
+        Trial::test("mooncake_trace", mooncake_trace).with_ignored_flag(!trace),
+        Trial::test("disk_stall", disk_stall).with_ignored_flag(fuse.is_err()),
+    ];
+    libtest_mimic::run(&args, trials).exit();
+}
