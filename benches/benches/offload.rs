@@ -58,7 +58,9 @@ fn step(c: &mut Criterion) {
             for r in 0..1000u64 {
                 let req = RequestId(round * 10_000 + r);
                 // 16 shared prefix blocks (hits after the first round) + 1 new block.
-                let mut keys: Vec<BlockKey> = (0..16).map(|i| BlockKey((r % 50) as u128 * 100 + i)).collect();
+                let mut keys: Vec<BlockKey> = (0..16)
+                    .map(|i| BlockKey((r % 50) as u128 * 100 + i))
+                    .collect();
                 keys.push(BlockKey(((round * 10_000 + r) as u128) << 32));
                 let hit = s.get_num_new_matched_tokens(req, &keys, 0);
                 if let Some(t) = hit {
@@ -66,7 +68,11 @@ fn step(c: &mut Criterion) {
                     let blocks: Vec<EngineBlockId> = (0..n as u32).map(EngineBlockId).collect();
                     s.update_state_after_alloc(req, &blocks).unwrap();
                 }
-                let pairs: Vec<_> = keys.iter().copied().map(|k| (k, EngineBlockId(0))).collect();
+                let pairs: Vec<_> = keys
+                    .iter()
+                    .copied()
+                    .map(|k| (k, EngineBlockId(0)))
+                    .collect();
                 s.save_blocks(req, &pairs);
                 s.request_finished(req);
             }

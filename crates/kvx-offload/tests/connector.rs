@@ -374,6 +374,10 @@ fn idle_flush_submits_queued_stores_at_once() {
         out.merge(r.w().get_finished());
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(out.jobs.iter().any(|j| j.kind == JobKind::StoreHost && j.ok.len() == 2));
+    assert!(
+        out.jobs
+            .iter()
+            .any(|j| j.kind == JobKind::StoreHost && j.ok.len() == 2)
+    );
     assert!(out.finished_sending.contains(&RequestId(1)));
 }
