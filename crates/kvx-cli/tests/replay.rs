@@ -3,6 +3,7 @@
 //! (when `../shared/traces` is present) and a FUSE disk stall (when FUSE is usable) run too.
 //! A test that cannot run here prints one `skip:` line and is counted as ignored.
 
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -264,6 +265,45 @@ fn disk_stall() -> Result<(), Failed> {
     )
 }
 
+/// `--fault stall-disk` where FUSE cannot be used: one line saying why, non-zero exit. Runs as
+/// an unprivileged user: directly when not root, through `setpriv` as `nobody` when root.
+fn fault_without_fuse() -> Result<(), Failed> {
+    let d = tempfile::tempdir()?;
+    let uid = std::fs::metadata(d.path())?.uid();
+    let args = ["replay", "--fault", "stall-disk@1+1", "--limit", "10"];
+    let out = if uid == 0 {
+        // A copy nobody can run, in a directory nobody can enter.
+        let bin = d.path().join("kvx");
+        std::fs::copy(env!("CARGO_BIN_EXE_kvx"), &bin)?;
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755))?;
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&bin)
+            .args(args)
+            .output()?
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args(args)
+            .output()?
+    };
+    let err = text(&out.stderr);
+    check(
+        out.status.code() == Some(1),
+        &format!("exit code {:?}: {err:?}", out.status.code()),
+    )?;
+    check(
+        err.trim_end().lines().count() == 1 && err.contains("needs a FUSE mount"),
+        &format!("one line saying why: {err:?}"),
+    )
+}
+
+fn setpriv_available() -> bool {
+    Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let fuse = kvx_fusefs::fuse_available();
@@ -276,6 +316,13 @@ fn main() {
             "skip: Mooncake trace test ({} is absent)",
             mooncake_path().display()
         );
+    }
+    let root = tempfile::tempdir()
+        .and_then(|d| std::fs::metadata(d.path()))
+        .is_ok_and(|m| m.uid() == 0);
+    let unprivileged = !root || setpriv_available();
+    if !unprivileged {
+        println!("skip: FUSE-unavailable test (running as root without setpriv to drop it)");
     }
     let trials = vec![
         Trial::test("missing_file", missing_file),
@@ -292,6 +339,7 @@ fn main() {
         ),
         Trial::test("mooncake_trace", mooncake_trace).with_ignored_flag(!trace),
         Trial::test("disk_stall", disk_stall).with_ignored_flag(fuse.is_err()),
+        Trial::test("fault_without_fuse", fault_without_fuse).with_ignored_flag(!unprivileged),
     ];
     libtest_mimic::run(&args, trials).exit();
 }

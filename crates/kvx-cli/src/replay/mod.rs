@@ -138,13 +138,14 @@ fn progress(s: &Settings, n: usize) -> ProgressBar {
     pb
 }
 
-/// Run a replay of `requests` and return its counters and context (no printing).
+/// Run a replay of `requests` and return its counters, its context and the rig (to be torn
+/// down by the caller, after printing: removing thousands of block files takes a while).
 fn execute(
     s: &Settings,
     requests: &[TraceRequest],
     source: String,
     skipped: usize,
-) -> Result<(RunStats, Context), ReplayError> {
+) -> Result<(RunStats, Context, Rig), ReplayError> {
     let keys: Vec<Vec<BlockKey>> = requests.iter().map(TraceRequest::keys).collect();
     let n_engine = engine_blocks(s, &keys)?;
     let ideal_hits = ideal::ideal_lru_hits(
@@ -165,8 +166,14 @@ fn execute(
     let pb = progress(s, requests.len());
     let result = engine::replay(s, requests, &keys, &mut rig, &pb);
     pb.finish_and_clear();
-    let kept = rig.teardown(s.keep).is_some();
-    let stats = result?;
+    let stats = match result {
+        Ok(stats) => stats,
+        Err(e) => {
+            rig.teardown(s.keep);
+            return Err(e);
+        }
+    };
+    let kept = s.keep || matches!(rig.file_dir, Some(rig::FileDir::User(_)));
     Ok((
         stats,
         Context {
@@ -179,6 +186,7 @@ fn execute(
             ideal_inclusive_hits,
             skipped_lines: skipped,
         },
+        rig,
     ))
 }
 
@@ -200,11 +208,15 @@ fn run_inner(args: &ReplayArgs) -> Result<(), ReplayError> {
         );
         return Ok(());
     }
-    let (stats, ctx) = execute(&s, &loaded.requests, loaded.source, loaded.skipped)?;
-    let mut out = std::io::stdout().lock();
-    let _ = write!(out, "{}", report::summary(&s, &stats, &ctx));
-    if args.json {
-        let _ = writeln!(out, "{}", report::to_json(&s, &stats, &ctx));
+    let (stats, ctx, rig) = execute(&s, &loaded.requests, loaded.source, loaded.skipped)?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = write!(out, "{}", report::summary(&s, &stats, &ctx));
+        if args.json {
+            let _ = writeln!(out, "{}", report::to_json(&s, &stats, &ctx));
+        }
+        let _ = out.flush();
     }
+    rig.teardown(s.keep);
     Ok(())
 }

@@ -22,7 +22,13 @@ fn replay(flags: &[&str], requests: usize) -> (RunStats, report::Context, serde_
         requests,
         ..SynthConfig::default()
     });
-    let (stats, ctx) = execute(&s, &trace, "test".into(), 0).expect("replay");
+    let (stats, ctx, rig) = execute(&s, &trace, "test".into(), 0).expect("replay");
+    let dir = rig.file_dir.as_ref().map(|d| d.path().to_owned());
+    assert!(
+        rig.teardown(false).is_none(),
+        "the fresh file tier is removed"
+    );
+    assert!(dir.is_none_or(|d| !d.exists()));
     let json = report::to_json(&s, &stats, &ctx);
     (stats, ctx, json)
 }
