@@ -109,6 +109,9 @@ impl Engine<'_> {
         let mut waiting: VecDeque<usize> = VecDeque::new();
         let mut next = 0usize;
         let mut last = start;
+        // Arrival times count from the first request (a trace may carry absolute times).
+        let t0 = self.trace.first().map_or(0.0, |r| r.timestamp_ms);
+        let arrival = |r: &TraceRequest| (r.timestamp_ms - t0).max(0.0);
         while self.stats.ended < self.stats.requests {
             let now = Instant::now();
             if !self.loads.is_empty() {
@@ -117,7 +120,7 @@ impl Engine<'_> {
             last = now;
             self.schedule.apply(now, self.rig.mount.as_ref());
             let trace_ms = (now - start).as_secs_f64() * 1000.0 * self.s.speedup;
-            while next < self.trace.len() && self.trace[next].timestamp_ms <= trace_ms {
+            while next < self.trace.len() && arrival(&self.trace[next]) <= trace_ms {
                 waiting.push_back(next);
                 next += 1;
             }
@@ -129,9 +132,7 @@ impl Engine<'_> {
                 let idle = self.loads.is_empty() && self.rig.worker()?.in_flight() == 0;
                 let pause = match self.trace.get(next) {
                     Some(r) if idle && waiting.is_empty() => {
-                        let due = Duration::from_secs_f64(
-                            (r.timestamp_ms / self.s.speedup / 1000.0).max(0.0),
-                        );
+                        let due = Duration::from_secs_f64(arrival(r) / self.s.speedup / 1000.0);
                         (start + due)
                             .saturating_duration_since(Instant::now())
                             .min(Duration::from_millis(1))

@@ -210,7 +210,7 @@ pub fn summary(s: &Settings, r: &RunStats, c: &Context) -> String {
     if c.adopted > 0 {
         let _ = writeln!(
             o,
-            "  the file tier started with {} blocks from an earlier run",
+            "  the file tier started with {} blocks from an earlier run (the ideal LRU starts empty)",
             c.adopted
         );
     }
@@ -243,7 +243,8 @@ pub fn summary(s: &Settings, r: &RunStats, c: &Context) -> String {
         &mut o,
         "ideal LRU hit rate",
         format!(
-            "{}  (one LRU of {} blocks = host + file; {} with {} blocks)",
+            "{}  (one LRU of host + file = {} blocks; {} with {}, the larger tier: \
+             kvx's tiers are inclusive)",
             pct(c.ideal_hits, r.blocks),
             s.host_blocks + s.file_blocks,
             pct(c.ideal_inclusive_hits, r.blocks),
