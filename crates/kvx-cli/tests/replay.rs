@@ -265,6 +265,41 @@ fn disk_stall() -> Result<(), Failed> {
     )
 }
 
+/// With `--on-load-failure fail`, the loads the stall cuts short fail their requests instead:
+/// each still ends exactly once and the counters still add up.
+fn disk_stall_fail_policy() -> Result<(), Failed> {
+    let out = kvx(&[
+        "--limit",
+        "250",
+        "--host-blocks",
+        "64",
+        "--block-bytes",
+        "4K",
+        "--deadline-ms",
+        "200",
+        "--fault",
+        "stall-disk@1+1.5",
+        "--on-load-failure",
+        "fail",
+        "--json",
+    ]);
+    check(
+        out.status.success(),
+        &format!("exit {:?}: {}", out.status.code(), text(&out.stderr)),
+    )?;
+    let j = last_json(&out)?;
+    adds_up(&j, 250.0)?;
+    check(num(&j, "failed_requests")? > 0.0, "some requests failed")?;
+    check(
+        num(&j, "failed_request_blocks")? > 0.0,
+        "their blocks are counted",
+    )?;
+    check(
+        num(&j, "recomputed_blocks")? == 0.0,
+        "the fail policy recomputes nothing",
+    )
+}
+
 /// `--fault stall-disk` where FUSE cannot be used: one line saying why, non-zero exit. Runs as
 /// an unprivileged user: directly when not root, through `setpriv` as `nobody` when root.
 fn fault_without_fuse() -> Result<(), Failed> {
@@ -339,6 +374,8 @@ fn main() {
         ),
         Trial::test("mooncake_trace", mooncake_trace).with_ignored_flag(!trace),
         Trial::test("disk_stall", disk_stall).with_ignored_flag(fuse.is_err()),
+        Trial::test("disk_stall_fail_policy", disk_stall_fail_policy)
+            .with_ignored_flag(fuse.is_err()),
         Trial::test("fault_without_fuse", fault_without_fuse).with_ignored_flag(!unprivileged),
     ];
     libtest_mimic::run(&args, trials).exit();

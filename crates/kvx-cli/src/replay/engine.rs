@@ -112,6 +112,11 @@ impl Engine<'_> {
         // Arrival times count from the first request (a trace may carry absolute times).
         let t0 = self.trace.first().map_or(0.0, |r| r.timestamp_ms);
         let arrival = |r: &TraceRequest| (r.timestamp_ms - t0).max(0.0);
+        // Nothing may hang: with work pending, some request must move within this long.
+        let patience =
+            Duration::from_millis(10 * (self.s.load_deadline_ms + self.s.store_deadline_ms))
+                .max(Duration::from_secs(60));
+        let mut moved = start;
         while self.stats.ended < self.stats.requests {
             let now = Instant::now();
             if !self.loads.is_empty() {
@@ -127,6 +132,16 @@ impl Engine<'_> {
             let admitted = self.admit(&mut waiting, now)?;
             let out = self.step()?;
             let busy = admitted || !out.is_empty();
+            if admitted || !out.jobs.is_empty() || (waiting.is_empty() && self.loads.is_empty()) {
+                moved = now;
+            } else if now - moved > patience {
+                return Err(ReplayError::Accounting(format!(
+                    "no request moved for {patience:?}: {} waiting (first: req-{}), {} loading",
+                    waiting.len(),
+                    waiting.front().map_or(0, |i| *i),
+                    self.loads.len()
+                )));
+            }
             self.absorb(out)?;
             if !busy {
                 let idle = self.loads.is_empty() && self.rig.worker()?.in_flight() == 0;
