@@ -115,32 +115,31 @@ impl OffloadManager {
         keys: &[BlockKey],
         tiers: &[Tier],
     ) -> (Vec<bool>, Vec<BlockKey>) {
-        let mut promote = Vec::with_capacity(keys.len());
-        let mut evicted = Vec::new();
+        // Pin every block of the load first, so that making room for the promotions below
+        // can never evict a host block this same load is about to read.
         for (k, t) in keys.iter().zip(tiers) {
             match t {
-                Tier::Host => {
-                    self.host.pin(&[*k]);
-                    promote.push(false);
-                }
+                Tier::Host => self.host.pin(&[*k]),
                 Tier::File => {
                     if let Some(f) = self.file.as_mut() {
                         f.pin(&[*k]);
                     }
                     *self.promoting.entry(*k).or_default() += 1;
-                    match self.host.prepare_store(&[*k]) {
-                        Ok(plan) if plan.new == [*k] => {
-                            evicted.extend(plan.evicted);
-                            promote.push(true);
-                        }
-                        Ok(plan) => {
-                            evicted.extend(plan.evicted);
-                            promote.push(false);
-                        }
-                        Err(_) => promote.push(false),
-                    }
                 }
             }
+        }
+        let mut promote = Vec::with_capacity(keys.len());
+        let mut evicted = Vec::new();
+        for (k, t) in keys.iter().zip(tiers) {
+            let reserved = *t == Tier::File
+                && match self.host.prepare_store(&[*k]) {
+                    Ok(plan) => {
+                        evicted.extend(plan.evicted);
+                        plan.new == [*k]
+                    }
+                    Err(_) => false,
+                };
+            promote.push(reserved);
         }
         (promote, evicted)
     }
@@ -290,6 +289,22 @@ mod tests {
             Lookup::Hit(vec![Tier::Host, Tier::Host])
         );
         assert!(m.is_quiet());
+    }
+
+    #[test]
+    fn promotions_never_evict_host_blocks_of_the_same_load() {
+        let mut m = OffloadManager::new(2, Some(8), EvictionKind::Lru);
+        m.adopt_file_blocks([k(2)]);
+        m.prepare_store(&[k(1), k(3)]).unwrap();
+        m.complete_store(Tier::Host, &[k(1), k(3)], true);
+        let Lookup::Hit(tiers) = m.lookup(&[k(1), k(2), k(3)]) else {
+            panic!()
+        };
+        assert_eq!(tiers, vec![Tier::Host, Tier::File, Tier::Host]);
+        let (promote, evicted) = m.prepare_load(&[k(1), k(2), k(3)], &tiers);
+        assert!(evicted.is_empty(), "evicted {evicted:?} of the load itself");
+        assert_eq!(promote, vec![false, false, false], "no room: no promotion");
+        assert!(m.host().is_stored(k(1)) && m.host().is_stored(k(3)));
     }
 
     #[test]
