@@ -48,6 +48,7 @@
 pub mod arena;
 pub mod backend;
 pub mod buffer;
+pub mod completions;
 pub mod driver;
 pub mod error;
 pub mod host;
@@ -60,6 +61,7 @@ pub mod tracker;
 pub use arena::HostArena;
 pub use backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
 pub use buffer::{AlignedBuf, Buf, BufferPool, DEFAULT_ALIGN, PoolBuf};
+pub use completions::CompletionBoard;
 #[cfg(feature = "tokio")]
 pub use driver::TaskFuture;
 pub use driver::{Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished};

@@ -5,14 +5,13 @@
 mod copy;
 
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rustc_hash::FxHashSet;
-
 use crate::backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
 use crate::buffer::Buf;
+use crate::completions::CompletionBoard;
 use crate::error::CoreError;
 use crate::ids::{Direction, OpId};
 use crate::layout::KvLayout;
@@ -36,25 +35,11 @@ impl Default for HostBackendConfig {
     }
 }
 
-#[derive(Default)]
-struct State {
-    done: Vec<OpCompletion>,
-    pending: FxHashSet<OpId>,
-    cancelled: FxHashSet<OpId>,
-}
-
+/// What the backend shares with its workers. A pending op's state is its cancel flag.
 struct Shared {
-    state: Mutex<State>,
-    cv: Condvar,
-    notifier: Mutex<Notifier>,
+    board: CompletionBoard<bool>,
     layout: KvLayout,
     delay: Duration,
-}
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 /// Copies blocks between registered engine host memory and op buffers.
@@ -80,9 +65,7 @@ impl HostBackend {
             });
         }
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-            cv: Condvar::new(),
-            notifier: Mutex::new(Notifier::noop()),
+            board: CompletionBoard::default(),
             layout,
             delay: cfg.delay,
         });
@@ -124,24 +107,13 @@ fn worker(shared: Arc<Shared>, rx: Arc<Mutex<Receiver<Op>>>) {
         if !shared.delay.is_zero() {
             std::thread::sleep(shared.delay);
         }
-        let cancelled = shared.lock().cancelled.remove(&op.id);
+        let cancelled = shared.board.with_pending(op.id, |c| *c).unwrap_or(false);
         let completion = if cancelled {
             OpCompletion::all(op, Err(BlockError::Cancelled))
         } else {
             run(&shared.layout, op)
         };
-        let id = completion.op.id;
-        {
-            let mut st = shared.lock();
-            st.pending.remove(&id);
-            st.done.push(completion);
-        }
-        shared.cv.notify_all();
-        shared
-            .notifier
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .notify();
+        shared.board.complete(completion);
     }
 }
 
@@ -184,11 +156,7 @@ impl Backend for HostBackend {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        *self
-            .shared
-            .notifier
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = notifier;
+        self.shared.board.set_notifier(notifier);
     }
 
     fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
@@ -199,9 +167,9 @@ impl Backend for HostBackend {
                 kind: SubmitErrorKind::Unavailable("host backend is shutting down".into()),
             });
         };
-        self.shared.lock().pending.insert(id);
+        self.shared.board.begin(id, false);
         tx.send(op).map_err(|std::sync::mpsc::SendError(op)| {
-            self.shared.lock().pending.remove(&id);
+            self.shared.board.abandon(id);
             SubmitError {
                 op,
                 kind: SubmitErrorKind::Unavailable("host workers stopped".into()),
@@ -210,33 +178,15 @@ impl Backend for HostBackend {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        out.append(&mut self.shared.lock().done);
+        self.shared.board.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
-        let mut st = self.shared.lock();
-        if st.pending.contains(&op) {
-            st.cancelled.insert(op);
-        }
+        self.shared.board.with_pending(op, |c| *c = true);
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        let mut st = self.shared.lock();
-        loop {
-            if ops.iter().all(|o| !st.pending.contains(o)) {
-                return WaitOutcome::Completed;
-            }
-            let now = Instant::now();
-            if now >= until {
-                return WaitOutcome::TimedOut;
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.shared.board.wait(ops, until)
     }
 }
 
