@@ -16,13 +16,13 @@
 mod lane;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvx_core::{
-    Backend, BlockError, Buf, Direction, EngineBlockId, KvLayout, MemoryKind, Notifier, Op,
-    OpBlock, OpCompletion, OpId, SubmitError, SubmitErrorKind, WaitOutcome,
+    Backend, BlockError, Buf, CompletionBoard, Direction, EngineBlockId, KvLayout, MemoryKind,
+    Notifier, Op, OpBlock, OpCompletion, OpId, SubmitError, SubmitErrorKind, WaitOutcome,
 };
 use rustc_hash::FxHashSet;
 
@@ -79,39 +79,19 @@ struct Counters {
     last_batch_error: Mutex<Option<String>>,
 }
 
-#[derive(Default)]
-struct State {
-    done: Vec<OpCompletion>,
-    pending: FxHashSet<OpId>,
-}
-
 /// What the backend shares with its completer threads.
 pub(crate) struct Shared {
-    state: Mutex<State>,
-    cv: Condvar,
-    notifier: Mutex<Notifier>,
+    board: CompletionBoard,
     events: Mutex<Vec<Event>>,
     stats: Counters,
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Queue a completion, wake waiters and the driver.
     pub(crate) fn complete(&self, c: OpCompletion) {
-        {
-            let mut st = self.lock();
-            st.pending.remove(&c.op.id);
-            st.done.push(c);
-        }
+        // Counted before it is posted: whoever sees the completion sees it counted.
         self.stats.completed_ops.fetch_add(1, Ordering::Relaxed);
-        self.cv.notify_all();
-        self.notifier
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .notify();
+        self.board.complete(c);
     }
 
     /// Return a completed event to the pool.
@@ -136,7 +116,7 @@ impl Shared {
             batch_fallbacks: get(&c.batch_fallbacks),
             completed_ops: get(&c.completed_ops),
             failed_ops: get(&c.failed_ops),
-            in_flight: self.lock().pending.len(),
+            in_flight: self.board.pending_len(),
             last_batch_error: c
                 .last_batch_error
                 .lock()
@@ -208,9 +188,7 @@ impl CudaBackend {
             pinned: PinnedRanges::default(),
             lanes,
             shared: Arc::new(Shared {
-                state: Mutex::new(State::default()),
-                cv: Condvar::new(),
-                notifier: Mutex::new(Notifier::noop()),
+                board: CompletionBoard::default(),
                 events: Mutex::new(Vec::new()),
                 stats: Counters::default(),
             }),
@@ -366,15 +344,11 @@ impl Backend for CudaBackend {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        *self
-            .shared
-            .notifier
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = notifier;
+        self.shared.board.set_notifier(notifier);
     }
 
     fn submit(&mut self, mut op: Op) -> Result<(), SubmitError> {
-        let in_flight = self.shared.lock().pending.len();
+        let in_flight = self.shared.board.pending_len();
         if in_flight >= self.cfg.max_inflight_ops {
             return Err(SubmitError {
                 op,
@@ -423,7 +397,7 @@ impl Backend for CudaBackend {
                 Vec::new()
             }
         };
-        self.shared.lock().pending.insert(op.id);
+        self.shared.board.begin(op.id, ());
         if runs.is_empty() {
             self.shared.put_event(event);
             self.shared.complete(OpCompletion { op, results });
@@ -492,7 +466,7 @@ impl Backend for CudaBackend {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        out.append(&mut self.shared.lock().done);
+        self.shared.board.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
@@ -501,22 +475,7 @@ impl Backend for CudaBackend {
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        let mut st = self.shared.lock();
-        loop {
-            if ops.iter().all(|o| !st.pending.contains(o)) {
-                return WaitOutcome::Completed;
-            }
-            let now = Instant::now();
-            if now >= until {
-                return WaitOutcome::TimedOut;
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.shared.board.wait(ops, until)
     }
 }
 
