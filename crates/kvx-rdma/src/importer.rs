@@ -9,12 +9,12 @@
 //! quarantine are kvx-core's Tracker's business; the importer only never loses an op.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    Backend, BlockError, BlockKey, Buf, Direction, Notifier, Op, OpCompletion, OpId, PoolBuf,
-    RequestId, SubmitError, SubmitErrorKind, WaitOutcome,
+    Backend, BlockError, BlockKey, Buf, CompletionBoard, Direction, Notifier, Op, OpCompletion,
+    OpId, PoolBuf, RequestId, SubmitError, SubmitErrorKind, WaitOutcome,
 };
 use tokio::runtime::{Handle, Runtime};
 use tokio::sync::watch;
@@ -106,17 +106,10 @@ impl Registry {
     }
 }
 
-#[derive(Default)]
-struct OpState {
-    done: Vec<OpCompletion>,
-    pending: HashMap<OpId, CancelSource>,
-}
-
 struct Shared {
     cfg: ImporterConfig,
-    ops: Mutex<OpState>,
-    cv: Condvar,
-    notifier: Mutex<Notifier>,
+    /// Ops in flight (each with its cancel source) and finished ops.
+    ops: CompletionBoard<CancelSource>,
     registry: Mutex<Registry>,
     transports: Vec<Arc<dyn Transport>>,
     rt: Handle,
@@ -166,9 +159,7 @@ impl Importer {
             .map_err(|e| RdmaError::Runtime(format!("cannot start the importer runtime: {e}")))?;
         let shared = Arc::new(Shared {
             cfg,
-            ops: Mutex::new(OpState::default()),
-            cv: Condvar::new(),
-            notifier: Mutex::new(Notifier::noop()),
+            ops: CompletionBoard::default(),
             registry: Mutex::new(Registry::default()),
             transports,
             rt: rt.handle().clone(),
@@ -372,14 +363,7 @@ async fn run_op(shared: Arc<Shared>, mut op: Op, cancel: CancelToken) {
         .into_iter()
         .map(|r| r.unwrap_or_else(|| Err(BlockError::Io("block was not read".into()))))
         .collect();
-    let id = op.id;
-    {
-        let mut st = lock(&shared.ops);
-        st.pending.remove(&id);
-        st.done.push(OpCompletion { op, results });
-    }
-    shared.cv.notify_all();
-    lock(&shared.notifier).notify();
+    shared.ops.complete(OpCompletion { op, results });
 }
 
 impl Backend for Importer {
@@ -392,7 +376,7 @@ impl Backend for Importer {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        *lock(&self.shared.notifier) = notifier;
+        self.shared.ops.set_notifier(notifier);
     }
 
     fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
@@ -403,17 +387,16 @@ impl Backend for Importer {
             });
         }
         let (source, token) = CancelToken::new();
+        if !self
+            .shared
+            .ops
+            .begin_bounded(op.id, source, self.shared.cfg.max_ops)
         {
-            let mut st = lock(&self.shared.ops);
-            if st.pending.len() >= self.shared.cfg.max_ops {
-                let msg = format!("{} remote ops in flight", st.pending.len());
-                drop(st);
-                return Err(SubmitError {
-                    op,
-                    kind: SubmitErrorKind::Busy(msg),
-                });
-            }
-            st.pending.insert(op.id, source);
+            let msg = format!("{} remote ops in flight", self.shared.ops.pending_len());
+            return Err(SubmitError {
+                op,
+                kind: SubmitErrorKind::Busy(msg),
+            });
         }
         let shared = self.shared.clone();
         self.shared.rt.spawn(run_op(shared, op, token));
@@ -421,32 +404,15 @@ impl Backend for Importer {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        out.append(&mut lock(&self.shared.ops).done);
+        self.shared.ops.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
-        if let Some(s) = lock(&self.shared.ops).pending.get(&op) {
-            s.cancel();
-        }
+        self.shared.ops.with_pending(op, |s| s.cancel());
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        let mut st = lock(&self.shared.ops);
-        loop {
-            if ops.iter().all(|o| !st.pending.contains_key(o)) {
-                return WaitOutcome::Completed;
-            }
-            let now = Instant::now();
-            if now >= until {
-                return WaitOutcome::TimedOut;
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.shared.ops.wait(ops, until)
     }
 }
 
