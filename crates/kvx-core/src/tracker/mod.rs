@@ -168,6 +168,8 @@ pub struct Tracker {
     requests: FxHashMap<RequestId, RequestEntry>,
     holders: Holders,
     deadlines: Deadlines,
+    /// Scratch space for the entries `handle_timeout` drains.
+    due: Vec<(Instant, TaskId)>,
     deferred: Vec<TaskId>,
     blocked: Vec<TaskId>,
     transmits: VecDeque<Transmit>,
@@ -189,6 +191,7 @@ impl Tracker {
             requests: FxHashMap::default(),
             holders: Holders::default(),
             deadlines: Deadlines::default(),
+            due: Vec::new(),
             deferred: Vec::new(),
             blocked: Vec::new(),
             transmits: VecDeque::new(),
@@ -321,7 +324,7 @@ impl Tracker {
             .holders
             .register(&entry.engine_blocks, Holder::Task(id));
         self.requests.entry(request).or_default().tasks.push(id);
-        self.deadlines.push(deadline, id);
+        self.deadlines.push(now, deadline, id);
         entry
             .span
             .in_scope(|| debug!(?deadline, deferred, first, "task submitted"));
@@ -468,11 +471,16 @@ impl Tracker {
 
     /// End every task whose deadline is at or before `now` as `TimedOut`.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some((at, id)) = self.deadlines.pop_due(now) {
+        let mut due = std::mem::take(&mut self.due);
+        self.deadlines.drain_due(now, &mut due);
+        // Earliest first, so verdicts come out in deadline order.
+        due.sort_unstable();
+        for (at, id) in due.drain(..) {
             if self.tasks.get(&id).is_some_and(|t| t.deadline == at) {
                 self.terminate(id, TaskState::TimedOut, now);
             }
         }
+        self.due = due;
         let tasks = &self.tasks;
         self.deadlines.compact(tasks.len(), |t, at| {
             tasks.get(&t).is_some_and(|e| e.deadline == at)
