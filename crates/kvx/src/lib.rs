@@ -17,6 +17,8 @@
 //! assert_eq!(key.to_hex().len(), 32);
 //! ```
 
+#![warn(missing_docs)]
+
 pub use kvx_core as core;
 #[cfg(feature = "cuda")]
 pub use kvx_cuda as cuda;
