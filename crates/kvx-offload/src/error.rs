@@ -30,6 +30,10 @@ pub enum OffloadError {
         /// Engine blocks given.
         blocks: usize,
     },
+    /// A preemption fence did not hold in time: these requests' blocks must not be reused yet
+    /// (an engine copy may still write them); preempt them again next step.
+    #[error("preemption fence did not hold for {0:?}: do not reuse their blocks yet")]
+    FenceNotHeld(Vec<RequestId>),
     /// Bad configuration.
     #[error("invalid offload config: {0}")]
     Config(String),

@@ -144,8 +144,9 @@ impl OffloadManager {
         (promote, evicted)
     }
 
-    /// A load ended: unpin; blocks that failed verification leave their tier; reserved host
-    /// places become stored for the blocks in `promoted` and are released for the others.
+    /// A load ended: unpin; blocks that failed verification leave the tier they were read
+    /// from (returned: remove their files); reserved host places become stored for the blocks
+    /// in `promoted` and are released for the others.
     pub fn complete_load(
         &mut self,
         keys: &[BlockKey],
@@ -153,13 +154,17 @@ impl OffloadManager {
         promote: &[bool],
         corrupt: &[BlockKey],
         promoted: &[BlockKey],
-    ) {
+    ) -> Vec<BlockKey> {
+        let mut removed = Vec::new();
         for ((k, t), p) in keys.iter().zip(tiers).zip(promote) {
             match t {
                 Tier::Host => self.host.unpin(&[*k]),
                 Tier::File => {
                     if let Some(f) = self.file.as_mut() {
                         f.unpin(&[*k]);
+                        if corrupt.contains(k) && f.remove(*k) {
+                            removed.push(*k);
+                        }
                     }
                     if let Some(n) = self.promoting.get_mut(k) {
                         *n -= 1;
@@ -173,12 +178,7 @@ impl OffloadManager {
                 }
             }
         }
-        for k in corrupt {
-            self.host.remove(*k);
-            if let Some(f) = self.file.as_mut() {
-                f.remove(*k);
-            }
-        }
+        removed
     }
 
     /// Mark keys recently used in every tier that holds them.

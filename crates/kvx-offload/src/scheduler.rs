@@ -267,8 +267,10 @@ impl SchedulerSide {
                         .filter(|(_, e)| matches!(e, BlockError::Corrupt(_) | BlockError::NotFound))
                         .map(|f| f.0)
                         .collect();
-                    self.mgr
-                        .complete_load(keys, tiers, promote, &corrupt, &r.promoted);
+                    let removed =
+                        self.mgr
+                            .complete_load(keys, tiers, promote, &corrupt, &r.promoted);
+                    self.meta.evict_file.extend(removed);
                     engine_part_done = true;
                     job_done = true;
                 }

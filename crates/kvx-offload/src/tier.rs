@@ -144,7 +144,8 @@ impl TierIndex {
                 if success {
                     e.stored = true;
                     self.order.insert(*k);
-                } else if e.pins == 0 {
+                } else {
+                    // A block that never became visible: any pin on it came from a stale plan.
                     self.entries.remove(k);
                 }
             }
@@ -179,10 +180,11 @@ impl TierIndex {
         }
     }
 
-    /// Drop `key` (e.g. it failed verification on load). Pinned keys stay until unpinned.
+    /// Drop a stored, unpinned `key` (e.g. it failed verification on load); true if removed.
+    /// Blocks being stored or still pinned by another load stay.
     pub fn remove(&mut self, key: BlockKey) -> bool {
         match self.entries.get(&key) {
-            Some(e) if e.pins == 0 => {
+            Some(e) if e.stored && e.pins == 0 => {
                 self.entries.remove(&key);
                 self.order.remove(key);
                 true

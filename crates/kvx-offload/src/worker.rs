@@ -58,6 +58,8 @@ struct LoadState {
     tasks_left: u32,
     dirty: bool,
     fence: Option<FenceHandle>,
+    /// The request was preempted or finished: report to the scheduler only.
+    abandoned: bool,
 }
 
 struct StoreState {
@@ -120,11 +122,27 @@ impl WorkerSide {
     /// stores and fence their loads. Blocks until the fences hold or `until` passes (the
     /// stores' own deadlines bound it); returns false if some fence did not hold in time.
     pub fn handle_preemptions(&mut self, preempted: &[RequestId], until: Instant) -> bool {
-        let fences: Vec<FenceHandle> = preempted
-            .iter()
-            .filter_map(|r| self.driver.preempt(*r).ok())
-            .collect();
-        fences.iter().all(|f| f.wait(until))
+        self.abandon_loads(preempted);
+        let mut held = true;
+        let mut fences = Vec::with_capacity(preempted.len());
+        for r in preempted {
+            match self.driver.preempt(*r) {
+                Ok(f) => fences.push(f),
+                Err(_) => held = false, // no driver: nothing can be promised
+            }
+        }
+        held && fences.iter().all(|f| f.wait(until))
+    }
+
+    /// The engine gave up on these requests' loads (preempted or finished): their results go to
+    /// the scheduler only, never to the engine as finished or invalid blocks (the blocks may
+    /// belong to another request by then).
+    fn abandon_loads(&mut self, reqs: &[RequestId]) {
+        for st in self.loads.values_mut() {
+            if reqs.contains(&st.request) {
+                st.abandoned = true;
+            }
+        }
     }
 
     /// Start this step: submit the stores queued last step, drop evicted blocks, start loads,
@@ -151,12 +169,15 @@ impl WorkerSide {
         for job in meta.stores {
             self.queue_store(job)?;
         }
+        let mut unsafe_reqs = Vec::new();
         if !meta.preempted.is_empty() {
             let until = Instant::now() + self.cfg.timeouts.timeout(Direction::Store);
             if !self.handle_preemptions(&meta.preempted, until) {
                 warn!("a preemption fence did not hold before the store deadline");
+                unsafe_reqs = meta.preempted.clone();
             }
         }
+        self.abandon_loads(&meta.finished);
         for req in meta.finished {
             if self.driver.finish(req)? {
                 self.finishing.insert(req);
@@ -167,7 +188,11 @@ impl WorkerSide {
         if meta.flush {
             self.driver.start_step()?;
         }
-        Ok(())
+        if unsafe_reqs.is_empty() {
+            Ok(())
+        } else {
+            Err(OffloadError::FenceNotHeld(unsafe_reqs))
+        }
     }
 
     fn deadline(&self, dir: Direction) -> Instant {
@@ -185,6 +210,7 @@ impl WorkerSide {
             tasks_left: 0,
             dirty: false,
             fence: None,
+            abandoned: false,
         };
         let mut host_part = (Vec::new(), Vec::new());
         let mut file_part = (Vec::new(), Vec::new());
@@ -494,7 +520,9 @@ impl WorkerSide {
         if st.tasks_left > 0 {
             return;
         }
-        if st.dirty {
+        // An abandoned load needs no fence here: the preemption fence or the request's delayed
+        // release already covers any engine copy still running.
+        if st.dirty && !st.abandoned {
             match &st.fence {
                 None => {
                     let blocks: Vec<EngineBlockId> = st.blocks.iter().map(|b| b.1).collect();
@@ -542,13 +570,15 @@ impl WorkerSide {
             self.host_data.insert(k, buf);
             promoted.push(k);
         }
-        if decision != LoadDecision::AllLoaded {
-            self.out
-                .invalid_blocks
-                .extend_from_slice(decision.invalid_blocks());
-            self.out.decisions.push((st.request, decision));
+        if !st.abandoned {
+            if decision != LoadDecision::AllLoaded {
+                self.out
+                    .invalid_blocks
+                    .extend_from_slice(decision.invalid_blocks());
+                self.out.decisions.push((st.request, decision));
+            }
+            self.out.finished_recving.push(st.request);
         }
-        self.out.finished_recving.push(st.request);
         self.out.jobs.push(JobResult {
             job,
             request: st.request,

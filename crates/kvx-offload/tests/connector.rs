@@ -381,3 +381,41 @@ fn idle_flush_submits_queued_stores_at_once() {
     );
     assert!(out.finished_sending.contains(&RequestId(1)));
 }
+
+#[test]
+fn preempted_load_is_not_reported_to_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_delay: Duration::from_millis(60),
+            ..Opts::default()
+        },
+    );
+    let ks = keys(13, 0, 13, 2);
+    r.compute(&ks, &[0, 1]);
+    r.save(1, &ks, &[0, 1]);
+    r.finish(1);
+    assert!(r.settle(T));
+    r.out = WorkerOutput::default();
+    assert!(r.load(2, &ks, &[20, 21]).is_some());
+    r.step(); // the (slow) load is in flight
+    r.sched.request_preempted(RequestId(2));
+    r.step(); // cancels it and waits for the fence
+    assert!(
+        r.step_until(T, |r| r.sched.job_count() == 0),
+        "the scheduler still gets the job result"
+    );
+    assert!(
+        !r.out.finished_recving.contains(&RequestId(2)),
+        "a cancelled load is not a finished one: {:?}",
+        r.out
+    );
+    assert!(
+        r.out.invalid_blocks.is_empty(),
+        "its blocks may belong to someone else now"
+    );
+    assert!(r.out.decisions.is_empty());
+    r.finish(2);
+    assert!(r.settle(T));
+}
