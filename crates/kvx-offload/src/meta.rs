@@ -57,6 +57,9 @@ pub struct StepMeta {
     pub preempted: Vec<RequestId>,
     /// Requests that finished this step.
     pub finished: Vec<RequestId>,
+    /// Of those, the ones whose freeing the engine delays (`request_finished` returned true):
+    /// exactly these come back once in `finished_sending`.
+    pub delayed_free: Vec<RequestId>,
     /// Host-tier blocks to drop.
     pub evict_host: Vec<BlockKey>,
     /// File-tier blocks to remove.
@@ -98,7 +101,8 @@ pub struct JobResult {
 /// What the worker half reports after a step (`get_finished`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct WorkerOutput {
-    /// Finished requests that may free their blocks now.
+    /// Finished requests whose delayed freeing may happen now (each reported once; requests
+    /// `request_finished` did not delay are never reported).
     pub finished_sending: Vec<RequestId>,
     /// Requests whose load ended (see `decisions` for those that did not fully load).
     pub finished_recving: Vec<RequestId>,

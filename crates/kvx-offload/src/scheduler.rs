@@ -229,7 +229,9 @@ impl SchedulerSide {
         r.finished = true;
         r.pending_load = None;
         let delay = r.active > 0;
-        if !delay {
+        if delay {
+            self.meta.delayed_free.push(req);
+        } else {
             self.reqs.remove(&req);
         }
         delay

@@ -178,11 +178,17 @@ impl WorkerSide {
             }
         }
         self.abandon_loads(&meta.finished);
+        let delayed: FxHashSet<RequestId> = meta.delayed_free.iter().copied().collect();
         for req in meta.finished {
-            if self.driver.finish(req)? {
-                self.finishing.insert(req);
-            } else {
-                self.out.finished_sending.push(req);
+            // The tracker says whether any op of it is still out; the engine only hears about
+            // the requests whose freeing it delayed.
+            let out_still = self.driver.finish(req)?;
+            if delayed.contains(&req) {
+                if out_still {
+                    self.finishing.insert(req);
+                } else {
+                    self.out.finished_sending.push(req);
+                }
             }
         }
         if meta.flush {

@@ -75,6 +75,10 @@ fn failed_store() -> Result<(), Failed> {
         let job = r
             .save(1, &ks[lo..lo + 4], &seq(4, chunk * 4))
             .ok_or("no room after eviction")?;
+        if chunk == 2 {
+            // The engine finishes the request while its last store is still queued.
+            check(r.finish(1), "freeing must wait for the queued store")?;
+        }
         check(
             r.step_until(T, |r| {
                 r.out
@@ -85,7 +89,6 @@ fn failed_store() -> Result<(), Failed> {
             "write-through never reported",
         )?;
     }
-    r.finish(1);
     check(
         r.step_until(T, |r| r.out.finished_sending.contains(&RequestId(1))),
         "the request still reports finished",

@@ -35,6 +35,8 @@ struct Req {
     load_start: Option<Instant>,
     hit_blocks: usize,
     sending_reports: u32,
+    /// `request_finished` said to delay freeing (then exactly one `finished_sending` comes).
+    delayed: bool,
 }
 
 struct LoadInfo {
@@ -84,6 +86,7 @@ pub fn replay(
                 load_start: None,
                 hit_blocks: 0,
                 sending_reports: 0,
+                delayed: false,
             })
             .collect(),
         free: (0..n_engine).rev().map(EngineBlockId).collect(),
@@ -432,6 +435,10 @@ impl Engine<'_> {
         }
         let delay = self.rig.sched.request_finished(rid);
         let r = &mut self.reqs[id];
+        r.delayed = delay;
+        if delay {
+            self.stats.delayed_frees += 1;
+        }
         if r.st == St::Ended {
             return Err(ReplayError::Accounting(format!("{rid} ended twice")));
         }
@@ -503,11 +510,11 @@ impl Engine<'_> {
             .reqs
             .iter()
             .enumerate()
-            .find(|(_, r)| r.sending_reports != 1)
+            .find(|(_, r)| r.sending_reports != u32::from(r.delayed))
         {
             return fail(format!(
-                "req-{i} was reported finished {} times",
-                r.sending_reports
+                "req-{i} was reported finished {} times (delayed: {})",
+                r.sending_reports, r.delayed
             ));
         }
         let accounted = s.hits() + s.missed + s.recomputed + s.failed_blocks;

@@ -79,6 +79,8 @@ pub struct RunStats {
     pub load_failed_by_phase: [u64; 3],
     /// Reports in `finished_sending`.
     pub sending_reports: u64,
+    /// Requests whose freeing `request_finished` delayed.
+    pub delayed_frees: u64,
     /// Wall time of the replay (arrivals to the last request's end).
     pub wall: Duration,
     /// Wall time to settle afterwards (stores in flight, stuck I/O released).
