@@ -67,10 +67,7 @@ fn same_prefix_concurrent() {
     {
         // A first engine put the prefix on disk.
         let mut r = rig(dir.path(), Opts::default());
-        r.compute(&ks, &seq(6, 0));
-        r.save(1, &ks, &seq(6, 0));
-        r.finish(1);
-        assert!(r.settle(T));
+        assert!(r.offload(1, &ks, &seq(6, 0), T));
         assert_eq!(r.files.lookup(&ks), 6);
     }
     // A new engine: the prefix is only in the file tier.
@@ -109,10 +106,7 @@ fn abort_during_load() {
         },
     );
     let ks = keys(2, 0, 2, 3);
-    r.compute(&ks, &seq(3, 0));
-    r.save(1, &ks, &seq(3, 0));
-    r.finish(1);
-    assert!(r.settle(T));
+    assert!(r.offload(1, &ks, &seq(3, 0), T));
     r.out = WorkerOutput::default();
     assert!(r.load(2, &ks, &seq(3, 30)).is_some());
     r.step(); // the load (a slow engine copy) is in flight
@@ -217,10 +211,7 @@ fn corrupt_third_block(policy: LoadFailurePolicy) -> (Rig, tempfile::TempDir, Ve
     let ks = keys(8, 8, 0, 0);
     {
         let mut r = rig(dir.path(), Opts::default());
-        r.compute(&ks, &seq(8, 0));
-        r.save(1, &ks, &seq(8, 0));
-        r.finish(1);
-        assert!(r.settle(T));
+        assert!(r.offload(1, &ks, &seq(8, 0), T));
     }
     // Flip one payload byte of block 3's file.
     let path = {
@@ -346,10 +337,7 @@ fn reset_drops_stale() {
     assert_eq!(r.w().host_blocks(), 0);
     // New work runs normally.
     let ks2 = keys(11, 0, 11, 2);
-    r.compute(&ks2, &[8, 9]);
-    r.save(2, &ks2, &[8, 9]);
-    r.finish(2);
-    assert!(r.settle(T));
+    assert!(r.offload(2, &ks2, &[8, 9], T));
     assert_eq!(r.sched.manager().lookup(&ks2).blocks(), 2);
     assert!(r.pool_whole());
 }
@@ -393,10 +381,7 @@ fn preempted_load_is_not_reported_to_the_engine() {
         },
     );
     let ks = keys(13, 0, 13, 2);
-    r.compute(&ks, &[0, 1]);
-    r.save(1, &ks, &[0, 1]);
-    r.finish(1);
-    assert!(r.settle(T));
+    assert!(r.offload(1, &ks, &[0, 1], T));
     r.out = WorkerOutput::default();
     assert!(r.load(2, &ks, &[20, 21]).is_some());
     r.step(); // the (slow) load is in flight

@@ -230,6 +230,21 @@ impl Rig {
         Some(n)
     }
 
+    /// The engine computed `keys` into `blocks` for `req`, saved them and finished; step until
+    /// everything is stored and the connector is idle.
+    pub fn offload(
+        &mut self,
+        req: u64,
+        keys: &[BlockKey],
+        blocks: &[u32],
+        timeout: Duration,
+    ) -> bool {
+        self.compute(keys, blocks);
+        self.save(req, keys, blocks);
+        self.finish(req);
+        self.settle(timeout)
+    }
+
     pub fn finish(&mut self, req: u64) -> bool {
         self.sched.request_finished(RequestId(req))
     }
