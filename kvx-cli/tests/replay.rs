@@ -202,7 +202,7 @@ fn short_replay_summary_and_json() -> Result<(), Failed> {
 }
 
 fn mooncake_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/synthetic_trace.jsonl")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/synthetic_trace.jsonl")
 }
 
 fn mooncake_trace() -> Result<(), Failed> {
