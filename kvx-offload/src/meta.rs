@@ -66,13 +66,13 @@ pub struct StepMeta {
     pub evict_file: Vec<BlockKey>,
     /// After a reset: the only host-tier keys to keep.
     pub retain_host: Option<Vec<BlockKey>>,
-    /// No request remains: submit everything queued now.
-    pub flush: bool,
+    /// No request is left to start another step: submit the queued stores in this step.
+    pub submit_stores_now: bool,
 }
 
-/// What a finished job was.
+/// Which part of a job a [`JobResult`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobKind {
+pub enum JobPart {
     /// A load into engine memory.
     Load,
     /// The host-tier part of a store.
@@ -88,8 +88,8 @@ pub struct JobResult {
     pub job: JobId,
     /// Request.
     pub request: RequestId,
-    /// Which part.
-    pub kind: JobKind,
+    /// Which part of the job.
+    pub part: JobPart,
     /// Keys that made it.
     pub ok: Vec<BlockKey>,
     /// Keys that did not, and why.
@@ -120,6 +120,7 @@ impl WorkerOutput {
         self.finished_sending.is_empty()
             && self.finished_recving.is_empty()
             && self.invalid_blocks.is_empty()
+            && self.decisions.is_empty()
             && self.jobs.is_empty()
     }
 

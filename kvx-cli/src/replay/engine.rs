@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{JobId, JobKind, JobResult, Tier, WorkerOutput};
+use kvx_offload::{JobId, JobPart, JobResult, Tier, WorkerOutput};
 use kvx_policy::LoadDecision;
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -254,13 +254,13 @@ impl Engine<'_> {
     fn absorb(&mut self, out: WorkerOutput) -> Result<(), ReplayError> {
         let now = Instant::now();
         for j in &out.jobs {
-            match j.kind {
-                JobKind::Load => self.load_done(j, &out, now)?,
-                JobKind::StoreHost => {
+            match j.part {
+                JobPart::Load => self.load_done(j, &out, now)?,
+                JobPart::StoreHost => {
                     self.stats.stored_host += j.ok.len() as u64;
                     self.stats.store_failed_host += j.failed.len() as u64;
                 }
-                JobKind::StoreFile => {
+                JobPart::StoreFile => {
                     self.stats.stored_file += j.ok.len() as u64;
                     self.stats.store_failed_file += j.failed.len() as u64;
                     self.stats.store_timeouts += j
@@ -418,10 +418,10 @@ impl Engine<'_> {
             let pairs: Vec<(BlockKey, EngineBlockId)> =
                 keys.iter().copied().zip(blocks.iter().copied()).collect();
             self.rig.sched.save_blocks(rid, &pairs);
-            let host = self.rig.sched.manager().host();
+            let m = self.rig.sched.manager();
             self.stats.store_dropped += keys
                 .iter()
-                .filter(|k| !host.is_stored(**k) && !host.is_storing(**k))
+                .filter(|k| !m.is_stored(Tier::Host, **k) && !m.is_storing(Tier::Host, **k))
                 .count() as u64;
         }
         if !failed {
@@ -472,9 +472,7 @@ impl Engine<'_> {
             self.absorb(out)?;
             let (tracker, empty) = self
                 .rig
-                .driver
-                .as_ref()
-                .ok_or_else(|| ReplayError::Accounting("the driver is gone".into()))?
+                .driver()?
                 .stats()
                 .map_err(|e| ReplayError::Setup(e.to_string()))?;
             let quiet = empty
@@ -545,8 +543,7 @@ impl Engine<'_> {
             .rig
             .sched
             .manager()
-            .host()
-            .stored_keys()
+            .stored_keys(Tier::Host)
             .into_iter()
             .collect();
         let w = self.rig.worker()?;

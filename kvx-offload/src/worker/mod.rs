@@ -1,0 +1,295 @@
+//! The worker half of the connector: turns step metadata into kvx-core tasks on the driver,
+//! holds the host tier's buffers, and reports what finished.
+
+mod host_tier;
+mod load;
+mod store;
+mod write_through;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::{BackendId, BufferPool, Direction, DriverHandle, RequestId, TaskId, TaskReport};
+use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
+use rustc_hash::{FxHashMap, FxHashSet};
+use tracing::warn;
+
+use crate::error::OffloadError;
+use crate::file_hook::FileTierHook;
+use crate::meta::{JobId, StepMeta, WorkerOutput};
+use host_tier::HostTier;
+use load::LoadState;
+use store::StoreState;
+use write_through::INTERNAL_BASE;
+
+/// Settings of the worker half.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Tokens per block (for the failure policy); must equal the scheduler half's.
+    pub block_tokens: u32,
+    /// Bytes of one engine block: every buffer of the worker's pool must hold one.
+    pub block_bytes: usize,
+    /// Deadlines of loads and stores.
+    pub timeouts: TimeoutConfig,
+    /// What to do when a load is incomplete.
+    pub policy: LoadFailurePolicy,
+}
+
+impl WorkerConfig {
+    /// Check the settings; the error names the bad field.
+    pub fn validate(&self) -> Result<(), OffloadError> {
+        if self.block_tokens == 0 {
+            return Err(OffloadError::config("block_tokens", "must be at least 1"));
+        }
+        if self.block_bytes == 0 {
+            return Err(OffloadError::config("block_bytes", "must be at least 1"));
+        }
+        self.timeouts
+            .validate()
+            .map_err(|e| OffloadError::config("timeouts", e))?;
+        self.policy
+            .validate()
+            .map_err(|e| OffloadError::config("policy", e))
+    }
+}
+
+/// The backends of the tiers, as registered with the driver.
+#[derive(Debug, Clone, Copy)]
+pub struct TierRoutes {
+    /// The backend that copies between engine memory and kvx buffers.
+    pub engine: BackendId,
+    /// The file tier's backend, if any.
+    pub file: Option<BackendId>,
+}
+
+/// What a driver task does for a job.
+enum Role {
+    LoadHost,
+    LoadFile,
+    StoreHost,
+    StoreFile,
+}
+
+/// The worker half.
+pub struct WorkerSide {
+    driver: DriverHandle,
+    routes: TierRoutes,
+    pool: BufferPool,
+    file_hook: Option<Arc<dyn FileTierHook>>,
+    cfg: WorkerConfig,
+    host: HostTier,
+    tasks: FxHashMap<TaskId, (JobId, Role, Vec<usize>)>,
+    loads: FxHashMap<JobId, LoadState>,
+    stores: FxHashMap<JobId, StoreState>,
+    finishing: FxHashSet<RequestId>,
+    internal: FxHashSet<RequestId>,
+    next_internal: u64,
+    out: WorkerOutput,
+}
+
+impl WorkerSide {
+    /// A worker half over a running driver. `pool` lends the host tier's buffers and the
+    /// staging buffers of file loads; a pool whose buffers cannot hold `cfg.block_bytes` is
+    /// refused, as is an invalid `cfg`.
+    pub fn new(
+        driver: DriverHandle,
+        routes: TierRoutes,
+        pool: BufferPool,
+        file_hook: Option<Arc<dyn FileTierHook>>,
+        cfg: WorkerConfig,
+    ) -> Result<WorkerSide, OffloadError> {
+        cfg.validate()?;
+        if pool.buf_size() < cfg.block_bytes {
+            return Err(OffloadError::config(
+                "pool",
+                format!(
+                    "buffers of {} bytes cannot hold a block of {} bytes (block_bytes)",
+                    pool.buf_size(),
+                    cfg.block_bytes
+                ),
+            ));
+        }
+        Ok(WorkerSide {
+            driver,
+            routes,
+            pool,
+            file_hook,
+            cfg,
+            host: HostTier::default(),
+            tasks: FxHashMap::default(),
+            loads: FxHashMap::default(),
+            stores: FxHashMap::default(),
+            finishing: FxHashSet::default(),
+            internal: FxHashSet::default(),
+            next_internal: INTERNAL_BASE,
+            out: WorkerOutput::default(),
+        })
+    }
+
+    /// Before the engine may overwrite anything this step: flush the preempted requests'
+    /// stores and fence their loads. Blocks until the fences hold or `until` passes (the
+    /// stores' own deadlines bound it); returns false if some fence did not hold in time.
+    pub fn handle_preemptions(&mut self, preempted: &[RequestId], until: Instant) -> bool {
+        self.abandon_loads(preempted);
+        let mut held = true;
+        let mut fences = Vec::with_capacity(preempted.len());
+        for r in preempted {
+            match self.driver.preempt(*r) {
+                Ok(f) => fences.push(f),
+                Err(_) => held = false, // no driver: nothing can be promised
+            }
+        }
+        held && fences.iter().all(|f| f.wait(until))
+    }
+
+    /// The engine gave up on these requests' loads (preempted or finished): their results go to
+    /// the scheduler only, never to the engine as finished or invalid blocks (the blocks may
+    /// belong to another request by then).
+    fn abandon_loads(&mut self, reqs: &[RequestId]) {
+        for st in self.loads.values_mut() {
+            if reqs.contains(&st.request) {
+                st.abandoned = true;
+            }
+        }
+    }
+
+    /// Start this step: submit the stores queued last step, drop evicted blocks, start loads,
+    /// queue this step's stores, pass finished requests on.
+    pub fn start_step(&mut self, meta: StepMeta) -> Result<(), OffloadError> {
+        self.driver.start_step()?;
+        if let Some(keep) = meta.retain_host {
+            self.host.retain(keep);
+        }
+        self.host.evict(&meta.evict_host);
+        if let Some(h) = &self.file_hook {
+            for k in &meta.evict_file {
+                h.remove(*k);
+            }
+        }
+        // Loads and stores of this step first, so that a preemption below cancels or flushes
+        // them too before the engine reuses any block.
+        for job in meta.loads {
+            self.start_load(job)?;
+        }
+        for job in meta.stores {
+            self.queue_store(job)?;
+        }
+        let mut unsafe_reqs = Vec::new();
+        if !meta.preempted.is_empty() {
+            let until = Instant::now() + self.cfg.timeouts.timeout(Direction::Store);
+            if !self.handle_preemptions(&meta.preempted, until) {
+                warn!("a preemption fence did not hold before the store deadline");
+                unsafe_reqs = meta.preempted.clone();
+            }
+        }
+        self.abandon_loads(&meta.finished);
+        let delayed: FxHashSet<RequestId> = meta.delayed_free.iter().copied().collect();
+        for req in meta.finished {
+            // The tracker says whether any op of it is still out; the engine only hears about
+            // the requests whose freeing it delayed.
+            let out_still = self.driver.finish(req)?;
+            if delayed.contains(&req) {
+                if out_still {
+                    self.finishing.insert(req);
+                } else {
+                    self.out.finished_sending.push(req);
+                }
+            }
+        }
+        if meta.submit_stores_now {
+            self.driver.start_step()?;
+        }
+        if unsafe_reqs.is_empty() {
+            Ok(())
+        } else {
+            Err(OffloadError::FenceNotHeld(unsafe_reqs))
+        }
+    }
+
+    fn deadline(&self, dir: Direction) -> Instant {
+        self.cfg.timeouts.deadline(dir, Instant::now(), None)
+    }
+
+    /// Everything that finished since the last call. Never blocks.
+    pub fn get_finished(&mut self) -> WorkerOutput {
+        let f = self.driver.get_finished();
+        for r in f.reports {
+            self.on_report(r);
+        }
+        for req in f.released {
+            if self.internal.remove(&req) {
+                continue;
+            }
+            if self.finishing.remove(&req) {
+                self.out.finished_sending.push(req);
+            }
+        }
+        let waiting: Vec<JobId> = self.loads.keys().copied().collect();
+        for j in waiting {
+            self.try_finish_load(j);
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    fn on_report(&mut self, r: TaskReport) {
+        let Some((job, role, positions)) = self.tasks.remove(&r.task) else {
+            return; // a task from before a reset
+        };
+        match role {
+            Role::LoadHost | Role::LoadFile => self.on_load_report(job, role, positions, r),
+            Role::StoreHost => self.on_store_report(job, r),
+            Role::StoreFile => self.on_write_through_report(job, r),
+        }
+    }
+
+    /// Drop every job in flight; their late results are ignored. Host-tier buffers stay
+    /// until the scheduler's next metadata says which to keep.
+    pub fn reset(&mut self) -> Result<(), OffloadError> {
+        self.driver.reset()?;
+        self.tasks.clear();
+        self.loads.clear();
+        self.stores.clear();
+        self.finishing.clear();
+        self.internal.clear();
+        self.out = WorkerOutput::default();
+        Ok(())
+    }
+
+    /// Blocks held in the host tier.
+    pub fn host_blocks(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Keys held in the host tier.
+    pub fn host_keys(&self) -> Vec<kvx_core::BlockKey> {
+        self.host.keys()
+    }
+
+    /// Jobs and requests in flight here (0 when idle).
+    pub fn in_flight(&self) -> usize {
+        self.tasks.len()
+            + self.loads.len()
+            + self.stores.len()
+            + self.finishing.len()
+            + self.internal.len()
+    }
+
+    /// The buffer pool (host tier + staging).
+    pub fn pool(&self) -> &BufferPool {
+        &self.pool
+    }
+
+    /// Wait (up to `timeout`) until nothing is in flight, collecting output meanwhile.
+    pub fn drain(&mut self, timeout: Duration) -> WorkerOutput {
+        let end = Instant::now() + timeout;
+        let mut all = WorkerOutput::default();
+        let _ = self.driver.start_step();
+        loop {
+            all.merge(self.get_finished());
+            if self.in_flight() == 0 || Instant::now() >= end {
+                return all;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
