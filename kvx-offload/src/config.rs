@@ -222,3 +222,94 @@ impl OffloadConfig {
         self.host_blocks + extra
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(r: Result<OffloadConfig, OffloadError>) -> String {
+        match r {
+            Err(OffloadError::Config { field, reason }) => format!("{field}: {reason}"),
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_empty_file_is_the_default() {
+        assert_eq!(
+            OffloadConfig::from_toml("").unwrap(),
+            OffloadConfig::default()
+        );
+        assert_eq!(
+            OffloadConfig::from_json("{}").unwrap(),
+            OffloadConfig::default()
+        );
+        let d = OffloadConfig::default();
+        assert_eq!(
+            (d.block_tokens, d.host_blocks, d.copy_threads),
+            (16, 4096, 2)
+        );
+        assert_eq!(d.pool_buffers(100), 4096 + 100 + 2048);
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let text = r#"
+block_tokens = 16
+host_blocks = 4096
+eviction = "arc"
+load_failure = "recompute"
+
+[timeouts]
+load_ms = 2000
+store_ms = 10000
+
+[file]
+roots = ["/mnt/nvme0/kv", "/mnt/nvme1/kv"]
+blocks = 1000000
+io_engine = "uring"
+direct = true
+"#;
+        let c = OffloadConfig::from_toml(text).unwrap();
+        let f = c.file.unwrap();
+        assert_eq!(f.roots.len(), 2);
+        assert_eq!(
+            (f.blocks, f.io_engine, f.queue_depth),
+            (1_000_000, IoEngine::Uring, 32)
+        );
+        assert_eq!(c.eviction, EvictionKind::Arc);
+        assert_eq!(c.timeouts.store_ms, 10_000);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let e = field_of(OffloadConfig::from_toml("hots_blocks = 3"));
+        assert!(e.contains("hots_blocks"), "{e}");
+        let e = field_of(OffloadConfig::from_toml(
+            "[file]\nroots = [\"/x\"]\nblocks = 3\nodirect = true",
+        ));
+        assert!(e.contains("odirect"), "{e}");
+        let e = field_of(OffloadConfig::from_json(r#"{"timeouts": {"load": 5}}"#));
+        assert!(e.contains("load"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        for (text, field) in [
+            ("[file]\nroots = [\"/x\"]\nblocks = 0", "file.blocks"),
+            ("[file]\nroots = []\nblocks = 3", "file.roots"),
+            (
+                "[file]\nroots = [\"/x\"]\nblocks = 3\nqueue_depth = 0",
+                "file.queue_depth",
+            ),
+            ("host_blocks = 0", "host_blocks"),
+            ("block_tokens = 0", "block_tokens"),
+            ("copy_threads = 0", "copy_threads"),
+            ("request_idle_ms = 0", "request_idle_ms"),
+            ("[timeouts]\nload_ms = 0", "timeouts"),
+        ] {
+            let e = field_of(OffloadConfig::from_toml(text));
+            assert!(e.starts_with(&format!("{field}:")), "{text:?}: {e}");
+        }
+    }
+}
