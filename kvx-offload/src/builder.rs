@@ -1,6 +1,7 @@
 //! One call that sets kvx up for an engine: driver, backends, pools, file tier, both halves.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvx_core::{
     Backend, BufferPool, DEFAULT_ALIGN, Driver, DriverBuilder, DriverConfig, DriverHandle,
@@ -226,6 +227,7 @@ impl OffloadBuilder {
                 block_bytes,
                 timeouts: cfg.timeouts,
                 policy: cfg.load_failure,
+                preempt_wait: Duration::from_millis(cfg.preempt_wait_ms),
             },
         )?;
         Ok(Offload {

@@ -50,6 +50,9 @@ pub struct OffloadConfig {
     pub copy_threads: usize,
     /// Request state nothing names for this long is dropped with a warning (default 600 000).
     pub request_idle_ms: u64,
+    /// Longest `start_step` waits for a preemption's fence before handing it back to poll
+    /// (default 2; at most 1000).
+    pub preempt_wait_ms: u64,
     /// The file tier (default: none).
     pub file: Option<FileTierConfig>,
 }
@@ -66,6 +69,7 @@ impl Default for OffloadConfig {
             load_failure: LoadFailurePolicy::default(),
             copy_threads: 2,
             request_idle_ms: s.request_idle.as_millis() as u64,
+            preempt_wait_ms: crate::worker::DEFAULT_PREEMPT_WAIT.as_millis() as u64,
             file: None,
         }
     }
@@ -163,6 +167,12 @@ impl OffloadConfig {
         }
         self.validate_file()?;
         self.scheduler().validate()?;
+        if self.preempt_wait_ms > 1000 {
+            return Err(OffloadError::config(
+                "preempt_wait_ms",
+                format!("at most 1000, got {}", self.preempt_wait_ms),
+            ));
+        }
         self.timeouts
             .validate()
             .map_err(|e| OffloadError::config("timeouts", e))?;
@@ -306,6 +316,7 @@ direct = true
             ("block_tokens = 0", "block_tokens"),
             ("copy_threads = 0", "copy_threads"),
             ("request_idle_ms = 0", "request_idle_ms"),
+            ("preempt_wait_ms = 30000", "preempt_wait_ms"),
             ("[timeouts]\nload_ms = 0", "timeouts"),
         ] {
             let e = field_of(OffloadConfig::from_toml(text));

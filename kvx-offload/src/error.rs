@@ -3,6 +3,7 @@
 use kvx_core::{CoreError, RequestId};
 
 use crate::tier::Tier;
+use crate::worker::PreemptionFence;
 
 /// What went wrong in kvx-offload.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -30,10 +31,10 @@ pub enum OffloadError {
         /// Engine blocks given.
         blocks: usize,
     },
-    /// A preemption fence did not hold in time: these requests' blocks must not be reused yet
-    /// (an engine copy may still write them); preempt them again next step.
-    #[error("preemption fence did not hold for {0:?}: do not reuse their blocks yet")]
-    FenceNotHeld(Vec<RequestId>),
+    /// The step was started, but the fence of the requests it preempted did not hold within
+    /// `preempt_wait`: reuse none of their blocks until the fence handed back here holds.
+    #[error("preemption fence not held yet for {:?}: poll it before reusing their blocks", .0.requests())]
+    FenceNotHeld(PreemptionFence),
     /// Bad configuration: `field` names the setting (dotted for nested ones, e.g. `file.blocks`).
     #[error("invalid offload config: {field}: {reason}")]
     Config {

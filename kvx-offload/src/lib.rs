@@ -70,4 +70,4 @@ pub use manager::{Lookup, OffloadManager, StoreDecision};
 pub use meta::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;
-pub use worker::{TierRoutes, WorkerConfig, WorkerSide};
+pub use worker::{DEFAULT_PREEMPT_WAIT, PreemptionFence, TierRoutes, WorkerConfig, WorkerSide};

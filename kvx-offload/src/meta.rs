@@ -112,6 +112,12 @@ pub struct WorkerOutput {
     pub decisions: Vec<(RequestId, LoadDecision)>,
     /// Job outcomes, for the scheduler half.
     pub jobs: Vec<JobResult>,
+    /// Engine blocks of loads reported here whose cut-short copy may still write them (the
+    /// device did not answer): keep them out of use — do not free, reuse or compute into
+    /// them — until they come back in `blocks_released`.
+    pub blocks_in_use: Vec<EngineBlockId>,
+    /// Blocks of an earlier `blocks_in_use` that no copy can write any more.
+    pub blocks_released: Vec<EngineBlockId>,
 }
 
 impl WorkerOutput {
@@ -122,6 +128,8 @@ impl WorkerOutput {
             && self.invalid_blocks.is_empty()
             && self.decisions.is_empty()
             && self.jobs.is_empty()
+            && self.blocks_in_use.is_empty()
+            && self.blocks_released.is_empty()
     }
 
     /// Append another output.
@@ -131,5 +139,7 @@ impl WorkerOutput {
         self.invalid_blocks.extend(o.invalid_blocks);
         self.decisions.extend(o.decisions);
         self.jobs.extend(o.jobs);
+        self.blocks_in_use.extend(o.blocks_in_use);
+        self.blocks_released.extend(o.blocks_released);
     }
 }

@@ -473,6 +473,7 @@ impl SchedulerSide {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::worker::DEFAULT_PREEMPT_WAIT;
 
     fn sched(idle: Duration) -> SchedulerSide {
         SchedulerSide::new(SchedulerConfig {
@@ -550,6 +551,7 @@ mod tests {
             block_bytes: 4096,
             timeouts: Default::default(),
             policy: Default::default(),
+            preempt_wait: DEFAULT_PREEMPT_WAIT,
         };
         assert_eq!(s.check_worker(&w), Ok(()));
         w.block_tokens = 32;

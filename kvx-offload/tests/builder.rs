@@ -99,6 +99,7 @@ fn a_pool_that_cannot_hold_a_block_is_refused() {
         block_bytes: BLOCK,
         timeouts: Default::default(),
         policy: Default::default(),
+        preempt_wait: DEFAULT_PREEMPT_WAIT,
     };
     let small = BufferPool::new(4, BLOCK / 2, DEFAULT_ALIGN).unwrap();
     match WorkerSide::new(driver.handle(), routes, small, None, cfg.clone()) {

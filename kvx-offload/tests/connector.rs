@@ -31,12 +31,15 @@ fn preempt_flush_then_reload() {
     r.save(1, &ks, &blocks).expect("a store job");
     r.step(); // the store is queued (deferred to the next step)
     r.sched.request_preempted(RequestId(1));
-    let t0 = Instant::now();
-    r.step(); // submits the queued store, then flushes and fences it before returning
+    r.step(); // submits the queued store, flushes it, and hands back the fence
+    let fence = r.fences.pop().expect("the 40 ms store is still running");
+    assert_eq!(fence.requests(), &[RequestId(1)]);
+    assert!(!fence.is_ready());
     assert!(
-        t0.elapsed() >= Duration::from_millis(40),
-        "start_step returned before the store ran"
+        fence.wait(Instant::now() + T),
+        "the fence holds once the store ran"
     );
+    r.step();
     let host_done: usize = r
         .out
         .jobs

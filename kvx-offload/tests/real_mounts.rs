@@ -407,7 +407,12 @@ fn no_state_left() -> Result<(), Failed> {
             finished += 1;
         }
         let out = r.step();
-        // The step fenced the preempted requests: their blocks are free to reuse now.
+        // Host copies always return: no load leaves blocks a copy may still write.
+        check(out.blocks_in_use.is_empty(), "a host copy was left running")?;
+        // Reuse the preempted requests' blocks only once their fence holds.
+        for f in r.fences.drain(..) {
+            check(f.wait(Instant::now() + T), "a preemption fence never held")?;
+        }
         for id in preempted_now {
             let q = reqs.get_mut(&id).unwrap();
             free.append(&mut q.blocks);

@@ -6,11 +6,17 @@ use kvx_core::{
 };
 use kvx_policy::{BlockOutcome, LoadDecision};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::{Role, WorkerSide};
 use crate::error::OffloadError;
 use crate::meta::{JobId, JobPart, JobResult, LoadJob};
 use crate::tier::Tier;
+
+/// Longest a cut-short load's verdict waits for the fence on its blocks (which normally holds
+/// within one pass of the driver); after that the verdict goes out with the blocks a copy may
+/// still write listed in `WorkerOutput::blocks_in_use`.
+pub(super) const LOAD_FENCE_GRACE: Duration = Duration::from_millis(5);
 
 /// A load in flight.
 pub(super) struct LoadState {
@@ -22,7 +28,8 @@ pub(super) struct LoadState {
     tasks_left: u32,
     /// A task of it was cut short: an engine copy may still be running.
     dirty: bool,
-    fence: Option<FenceHandle>,
+    /// The fence on its blocks once it was cut short, and when it was asked for.
+    fence: Option<(FenceHandle, Instant)>,
     /// The request was preempted or finished: report to the scheduler only.
     pub(super) abandoned: bool,
 }
@@ -138,20 +145,22 @@ impl WorkerSide {
         }
         // An abandoned load needs no fence here: the preemption fence or the request's delayed
         // release already covers any engine copy still running.
+        let mut in_use = None;
         if st.dirty && !st.abandoned {
-            match &st.fence {
-                None => {
-                    let blocks: Vec<EngineBlockId> = st.blocks.iter().map(|b| b.1).collect();
-                    match self.driver.fence_blocks(&blocks) {
-                        Ok(f) => st.fence = Some(f),
-                        Err(_) => st.dirty = false,
-                    }
-                    if st.fence.as_ref().is_some_and(|f| !f.is_ready()) {
-                        return;
-                    }
+            if st.fence.is_none() {
+                let blocks: Vec<EngineBlockId> = st.blocks.iter().map(|b| b.1).collect();
+                match self.driver.fence_blocks(&blocks) {
+                    Ok(f) => st.fence = Some((f, Instant::now())),
+                    Err(_) => st.dirty = false, // the driver stopped: every call reports it
                 }
-                Some(f) if !f.is_ready() => return,
-                Some(_) => {}
+            }
+            if let Some((f, since)) = &st.fence
+                && !f.is_ready()
+            {
+                if since.elapsed() < LOAD_FENCE_GRACE {
+                    return;
+                }
+                in_use = Some(f.clone());
             }
         }
         let Some(st) = self.loads.remove(&job) else {
@@ -185,6 +194,14 @@ impl WorkerSide {
             // The scheduler reserved this host place for the load: nobody else fills it.
             self.host.insert(k, buf);
             promoted.push(k);
+        }
+        if let Some(fence) = in_use {
+            // The verdict goes out now; the blocks a cut-short copy may still write stay out
+            // of use until their fence holds.
+            let blocks: Vec<EngineBlockId> =
+                outcomes.iter().filter(|o| !o.ok).map(|o| o.block).collect();
+            self.out.blocks_in_use.extend_from_slice(&blocks);
+            self.held.push((fence, blocks));
         }
         if !st.abandoned {
             if decision != LoadDecision::AllLoaded {

@@ -3,16 +3,19 @@
 
 mod host_tier;
 mod load;
+mod preempt;
 mod store;
 mod write_through;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{BackendId, BufferPool, Direction, DriverHandle, RequestId, TaskId, TaskReport};
+use kvx_core::{
+    BackendId, BufferPool, Direction, DriverHandle, EngineBlockId, FenceHandle, RequestId, TaskId,
+    TaskReport,
+};
 use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
 use rustc_hash::{FxHashMap, FxHashSet};
-use tracing::warn;
 
 use crate::error::OffloadError;
 use crate::file_hook::FileTierHook;
@@ -21,6 +24,8 @@ use host_tier::HostTier;
 use load::LoadState;
 use store::StoreState;
 use write_through::INTERNAL_BASE;
+
+pub use preempt::PreemptionFence;
 
 /// Settings of the worker half.
 #[derive(Debug, Clone)]
@@ -33,7 +38,15 @@ pub struct WorkerConfig {
     pub timeouts: TimeoutConfig,
     /// What to do when a load is incomplete.
     pub policy: LoadFailurePolicy,
+    /// Longest `start_step` waits for the fence of the requests preempted in its metadata;
+    /// if the fence does not hold by then, `start_step` hands it back in
+    /// [`OffloadError::FenceNotHeld`] (default 2 ms: see [`DEFAULT_PREEMPT_WAIT`]).
+    pub preempt_wait: Duration,
 }
+
+/// The default [`WorkerConfig::preempt_wait`]: long enough for host copies in flight to
+/// return, short enough to keep a step's overhead around a millisecond or two.
+pub const DEFAULT_PREEMPT_WAIT: Duration = Duration::from_millis(2);
 
 impl WorkerConfig {
     /// Check the settings; the error names the bad field.
@@ -49,7 +62,17 @@ impl WorkerConfig {
             .map_err(|e| OffloadError::config("timeouts", e))?;
         self.policy
             .validate()
-            .map_err(|e| OffloadError::config("policy", e))
+            .map_err(|e| OffloadError::config("policy", e))?;
+        if self.preempt_wait > Duration::from_secs(1) {
+            return Err(OffloadError::config(
+                "preempt_wait",
+                format!(
+                    "{:?} would stall engine steps; poll the fence instead (at most 1 s)",
+                    self.preempt_wait
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -84,6 +107,8 @@ pub struct WorkerSide {
     finishing: FxHashSet<RequestId>,
     internal: FxHashSet<RequestId>,
     next_internal: u64,
+    /// Engine blocks reported in `blocks_in_use`, with the fence that frees them.
+    held: Vec<(FenceHandle, Vec<EngineBlockId>)>,
     out: WorkerOutput,
 }
 
@@ -122,24 +147,9 @@ impl WorkerSide {
             finishing: FxHashSet::default(),
             internal: FxHashSet::default(),
             next_internal: INTERNAL_BASE,
+            held: Vec::new(),
             out: WorkerOutput::default(),
         })
-    }
-
-    /// Before the engine may overwrite anything this step: flush the preempted requests'
-    /// stores and fence their loads. Blocks until the fences hold or `until` passes (the
-    /// stores' own deadlines bound it); returns false if some fence did not hold in time.
-    pub fn handle_preemptions(&mut self, preempted: &[RequestId], until: Instant) -> bool {
-        self.abandon_loads(preempted);
-        let mut held = true;
-        let mut fences = Vec::with_capacity(preempted.len());
-        for r in preempted {
-            match self.driver.preempt(*r) {
-                Ok(f) => fences.push(f),
-                Err(_) => held = false, // no driver: nothing can be promised
-            }
-        }
-        held && fences.iter().all(|f| f.wait(until))
     }
 
     /// The engine gave up on these requests' loads (preempted or finished): their results go to
@@ -174,12 +184,11 @@ impl WorkerSide {
         for job in meta.stores {
             self.queue_store(job)?;
         }
-        let mut unsafe_reqs = Vec::new();
+        let mut not_held = None;
         if !meta.preempted.is_empty() {
-            let until = Instant::now() + self.cfg.timeouts.timeout(Direction::Store);
-            if !self.handle_preemptions(&meta.preempted, until) {
-                warn!("a preemption fence did not hold before the store deadline");
-                unsafe_reqs = meta.preempted.clone();
+            let fence = self.handle_preemptions(&meta.preempted, self.cfg.preempt_wait)?;
+            if !fence.is_ready() {
+                not_held = Some(fence);
             }
         }
         self.abandon_loads(&meta.finished);
@@ -199,10 +208,9 @@ impl WorkerSide {
         if meta.submit_stores_now {
             self.driver.start_step()?;
         }
-        if unsafe_reqs.is_empty() {
-            Ok(())
-        } else {
-            Err(OffloadError::FenceNotHeld(unsafe_reqs))
+        match not_held {
+            None => Ok(()),
+            Some(fence) => Err(OffloadError::FenceNotHeld(fence)),
         }
     }
 
@@ -228,6 +236,14 @@ impl WorkerSide {
         for j in waiting {
             self.try_finish_load(j);
         }
+        let out = &mut self.out;
+        self.held.retain(|(fence, blocks)| {
+            let ready = fence.is_ready();
+            if ready {
+                out.blocks_released.extend_from_slice(blocks);
+            }
+            !ready
+        });
         std::mem::take(&mut self.out)
     }
 
@@ -272,6 +288,7 @@ impl WorkerSide {
             + self.stores.len()
             + self.finishing.len()
             + self.internal.len()
+            + self.held.len()
     }
 
     /// The buffer pool (host tier + staging).

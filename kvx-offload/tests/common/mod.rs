@@ -68,6 +68,8 @@ pub struct Rig {
     pub files: PosixHandle,
     pub arena: HostArena,
     pub out: WorkerOutput,
+    /// Preemption fences `start_step` handed back because they did not hold yet.
+    pub fences: Vec<PreemptionFence>,
 }
 
 impl Drop for Rig {
@@ -142,6 +144,7 @@ pub fn rig(dir: &Path, o: Opts) -> Rig {
         runtime: Some(runtime),
         arena,
         out: WorkerOutput::default(),
+        fences: Vec::new(),
     }
 }
 
@@ -190,7 +193,11 @@ impl Rig {
     /// One engine step: metadata to the worker, its output back to the scheduler.
     pub fn step(&mut self) -> WorkerOutput {
         let meta = self.sched.build_meta();
-        self.w().start_step(meta).unwrap();
+        match self.w().start_step(meta) {
+            Ok(()) => {}
+            Err(OffloadError::FenceNotHeld(f)) => self.fences.push(f),
+            Err(e) => panic!("start_step: {e}"),
+        }
         let out = self.w().get_finished();
         self.sched.update_from_worker(&out);
         self.out.merge(out.clone());
