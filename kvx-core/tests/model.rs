@@ -245,8 +245,8 @@ impl Model {
     }
 
     fn drain(&mut self) {
-        while let Some(x) = self.t.poll_transmit() {
-            if let Transmit::Submit { backend, op } = x {
+        while let Some(x) = self.t.poll_backend_command() {
+            if let BackendCommand::Submit { backend, op } = x {
                 self.outstanding.push((backend, op));
             }
         }

@@ -1,7 +1,7 @@
 //! The sans-IO tracker: tasks, deadlines, zombie ops, fences, per-request bookkeeping.
 //!
 //! Modelled on quinn-proto: it never reads a clock and never blocks. Time comes in as `now`;
-//! work comes out through [`Tracker::poll_transmit`] (ops to hand to backends, cancels) and
+//! work comes out through [`Tracker::poll_backend_command`] (ops to hand to backends, cancels) and
 //! [`Tracker::poll_event`] (task verdicts, released requests). A driver owns the clock and the
 //! backends and shuttles between them (see [`crate::driver`]).
 
@@ -42,7 +42,7 @@ impl Default for TrackerConfig {
 
 /// Work for the driver: hand an op to a backend, or ask a backend to abandon one.
 #[derive(Debug)]
-pub enum Transmit {
+pub enum BackendCommand {
     /// Call `backend.submit(op)`.
     Submit {
         /// Target backend.
@@ -155,8 +155,10 @@ struct OpEntry {
 struct RequestEntry {
     tasks: Vec<TaskId>,
     zombies: Vec<OpId>,
+    /// No new task is accepted (the engine finished it, or a reset dropped it).
     finished: bool,
-    delayed: bool,
+    /// The engine finished it: report [`Event::RequestReleased`] once nothing of it is out.
+    report_release: bool,
 }
 
 /// The task/deadline/preemption state machine. See the module docs.
@@ -172,7 +174,7 @@ pub struct Tracker {
     due: Vec<(Instant, TaskId)>,
     deferred: Vec<TaskId>,
     blocked: Vec<TaskId>,
-    transmits: VecDeque<Transmit>,
+    commands: VecDeque<BackendCommand>,
     events: VecDeque<Event>,
     next_task: u64,
     next_op: u64,
@@ -194,7 +196,7 @@ impl Tracker {
             due: Vec::new(),
             deferred: Vec::new(),
             blocked: Vec::new(),
-            transmits: VecDeque::new(),
+            commands: VecDeque::new(),
             events: VecDeque::new(),
             next_task: 1,
             next_op: 1,
@@ -388,7 +390,8 @@ impl Tracker {
                 },
             },
         );
-        self.transmits.push_back(Transmit::Submit { backend, op });
+        self.commands
+            .push_back(BackendCommand::Submit { backend, op });
     }
 
     /// Submit every deferred task now (call at the start of each engine step).
@@ -453,8 +456,8 @@ impl Tracker {
     }
 
     /// Next piece of work for the driver.
-    pub fn poll_transmit(&mut self) -> Option<Transmit> {
-        self.transmits.pop_front()
+    pub fn poll_backend_command(&mut self) -> Option<BackendCommand> {
+        self.commands.pop_front()
     }
 
     /// Next thing the engine needs to know.
@@ -602,7 +605,7 @@ impl Tracker {
                 slot.zombie_ops += 1;
                 slot.zombie_bytes += e.bytes;
                 info!(op = %op_id, bytes = e.bytes, "op quarantined as zombie");
-                self.transmits.push_back(Transmit::Cancel {
+                self.commands.push_back(BackendCommand::Cancel {
                     backend: e.backend,
                     op: op_id,
                 });
@@ -667,9 +670,9 @@ impl Tracker {
             return;
         };
         if r.finished && r.tasks.is_empty() && r.zombies.is_empty() {
-            let delayed = r.delayed;
+            let report = r.report_release;
             self.requests.remove(&req);
-            if delayed {
+            if report {
                 debug!(request = %req, "request released");
                 self.events.push_back(Event::RequestReleased(req));
             }
@@ -744,11 +747,13 @@ impl Tracker {
         self.holders.clear_up_to(&fence.blocks, fence.seq)
     }
 
-    /// The engine is done with a request. Its loads are cancelled. Returns true when the engine
-    /// must delay freeing its blocks (stores, or engine copies of cancelled loads, still out);
-    /// the request then comes back once as [`Event::RequestReleased`].
+    /// The engine is done with a request. Its loads are cancelled, its queued stores flushed.
+    /// The request always comes back once as [`Event::RequestReleased`]: at once when nothing
+    /// of it is out, else once its stores ended and its engine copies returned. Returns true
+    /// when something of it was still out (the release comes later).
     pub fn finish(&mut self, req: RequestId, now: Instant) -> bool {
         let Some(r) = self.requests.get(&req) else {
+            self.events.push_back(Event::RequestReleased(req));
             return false;
         };
         let loads: Vec<TaskId> = r
@@ -764,8 +769,8 @@ impl Tracker {
             return false;
         };
         r.finished = true;
+        r.report_release = true;
         let delay = !r.tasks.is_empty() || !r.zombies.is_empty();
-        r.delayed = delay;
         let stores = r.tasks.clone();
         for t in stores {
             self.flush_ahead(t);
@@ -776,22 +781,43 @@ impl Tracker {
 
     /// Forget every live task without reporting it; their ops become zombies whose late
     /// completions are dropped. Engine-memory zombies still hold their blocks until they return.
-    pub fn reset(&mut self, now: Instant) {
+    ///
+    /// The returned fence holds once every engine-memory op that is out now (zombies included)
+    /// has returned. Requests the engine had finished are not forgotten: each still comes back
+    /// once as [`Event::RequestReleased`], when its own engine-memory ops have returned (at once
+    /// when it has none).
+    pub fn reset(&mut self, now: Instant) -> Fence {
         let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
         for id in ids {
             self.terminate(id, TaskState::Cancelled, now);
         }
         // Queued submits stay: their ops are zombies now and must still reach their backend so
         // that they complete and give their buffers back.
-        self.events.clear();
+        self.events
+            .retain(|e| matches!(e, Event::RequestReleased(_)));
         self.requests.retain(|_, r| {
             r.finished = true;
-            r.delayed = false;
             !r.zombies.is_empty()
         });
         self.deferred.clear();
         self.blocked.clear();
         self.deadlines.clear();
+        Fence {
+            blocks: self.holders.blocks(),
+            seq: self.holders.seq(),
+        }
+    }
+
+    /// Engine blocks that an op out with a backend may still read or write (sorted).
+    pub fn engine_blocks_out(&self) -> Vec<EngineBlockId> {
+        let mut blocks: Vec<EngineBlockId> = self
+            .ops
+            .values()
+            .flat_map(|o| o.engine_blocks.iter().copied())
+            .collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks
     }
 
     /// Counters and sizes.
@@ -826,7 +852,7 @@ impl Tracker {
             && self.deadlines.len() == 0
             && self.deferred.is_empty()
             && self.blocked.is_empty()
-            && self.transmits.is_empty()
+            && self.commands.is_empty()
             && self.events.is_empty()
     }
 
