@@ -3,8 +3,10 @@
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::backend::SubmitError;
 use crate::buffer::{Buf, BufferPool};
-use crate::ids::BlockKey;
+use crate::op::{BlockError, Op, OpCompletion};
+use crate::task::{FailReason, TaskReport, TaskSpec};
 
 const MS: Duration = Duration::from_millis(1);
 
