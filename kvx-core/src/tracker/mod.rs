@@ -29,6 +29,7 @@ use deadlines::Deadlines;
 use holders::Holders;
 pub use types::{BackendCommand, Event, Fence, TrackerConfig, TrackerStats};
 
+/// What the tracker keeps per backend: whether it touches engine memory, and its zombies.
 #[derive(Debug, Default)]
 struct BackendSlot {
     touches_engine: bool,
@@ -36,6 +37,7 @@ struct BackendSlot {
     zombie_bytes: u64,
 }
 
+/// Where a live task is in its stage machine.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 enum Phase {
     /// Waiting for `start_step`.
@@ -48,6 +50,7 @@ enum Phase {
     Finishing,
 }
 
+/// A live task.
 struct TaskEntry {
     request: RequestId,
     dir: Direction,
@@ -65,6 +68,7 @@ struct TaskEntry {
     span: tracing::Span,
 }
 
+/// An op out with a backend, for a live task or as a zombie.
 struct OpEntry {
     task: TaskId,
     request: RequestId,
@@ -74,6 +78,7 @@ struct OpEntry {
     engine_blocks: Vec<EngineBlockId>,
 }
 
+/// A request with live tasks or engine-memory zombies.
 #[derive(Default)]
 struct RequestEntry {
     tasks: Vec<TaskId>,
