@@ -194,15 +194,11 @@ impl WorkerSide {
         self.abandon_loads(&meta.finished);
         let delayed: FxHashSet<RequestId> = meta.delayed_free.iter().copied().collect();
         for req in meta.finished {
-            // The tracker says whether any op of it is still out; the engine only hears about
-            // the requests whose freeing it delayed.
-            let out_still = self.driver.finish(req)?;
+            // The driver reports every finished request as released once no op of it is out;
+            // the engine only hears about the requests whose freeing it delayed.
+            self.driver.finish(req)?;
             if delayed.contains(&req) {
-                if out_still {
-                    self.finishing.insert(req);
-                } else {
-                    self.out.finished_sending.push(req);
-                }
+                self.finishing.insert(req);
             }
         }
         if meta.submit_stores_now {
@@ -261,7 +257,8 @@ impl WorkerSide {
     /// Drop every job in flight; their late results are ignored. Host-tier buffers stay
     /// until the scheduler's next metadata says which to keep.
     pub fn reset(&mut self) -> Result<(), OffloadError> {
-        self.driver.reset()?;
+        // The reset's fence is not waited for here (kvx-offload's own reset does not fence yet).
+        let _fence = self.driver.reset()?;
         self.tasks.clear();
         self.loads.clear();
         self.stores.clear();

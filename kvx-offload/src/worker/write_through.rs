@@ -64,7 +64,7 @@ impl WorkerSide {
         match self.driver.submit(spec) {
             Ok(task) => {
                 self.tasks.insert(task, (job, Role::StoreFile, Vec::new()));
-                if let Ok(true) = self.driver.finish(internal) {
+                if self.driver.finish(internal).is_ok() {
                     self.internal.insert(internal);
                 }
             }
