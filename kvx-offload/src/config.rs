@@ -51,7 +51,7 @@ pub struct OffloadConfig {
     /// Request state nothing names for this long is dropped with a warning (default 600 000).
     pub request_idle_ms: u64,
     /// Longest `start_step` waits for a preemption's fence before handing it back to poll
-    /// (default 2; at most 1000).
+    /// (default 1; at most 1000).
     pub preempt_wait_ms: u64,
     /// The file tier (default: none).
     pub file: Option<FileTierConfig>,

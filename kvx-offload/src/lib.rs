@@ -34,20 +34,46 @@
 //! sched.save_blocks(RequestId(1), &[(key, EngineBlockId(0))]);
 //! sched.request_finished(RequestId(1));
 //! worker.start_step(sched.build_meta())?;
-//! let out = worker.drain(Duration::from_secs(5));
+//! let out = worker.drain(Duration::from_secs(5))?;
 //! sched.update_from_worker(&out);
 //!
 //! // Request 2 has the same prefix: 16 tokens can be loaded into its engine block 5.
 //! assert_eq!(sched.get_num_new_matched_tokens(RequestId(2), &[key], 0), Some(16));
 //! sched.update_state_after_alloc(RequestId(2), &[EngineBlockId(5)])?;
 //! worker.start_step(sched.build_meta())?;
-//! let out = worker.drain(Duration::from_secs(5));
+//! let out = worker.drain(Duration::from_secs(5))?;
 //! assert_eq!(out.finished_recving, vec![RequestId(2)]);
 //! assert!(out.invalid_blocks.is_empty());
 //! runtime.shutdown();
 //! assert_eq!(arena.read_block(EngineBlockId(5))?, vec![42; 4096]);
 //! # Ok(()) }
 //! ```
+//!
+//! # How long each call takes
+//!
+//! The [`SchedulerSide`] is bookkeeping only: no lock, no I/O, no driver; each call costs
+//! time linear in the blocks and jobs it names.
+//!
+//! No [`WorkerSide`] call waits for a backend or for the driver thread beyond the time the
+//! caller gives it. Each queues commands on the driver or reads what the driver published,
+//! under the driver's short locks (microseconds, see `kvx_core::driver`), plus work linear in
+//! the jobs it names:
+//!
+//! - [`WorkerSide::start_step`]: that, plus at most [`WorkerConfig::preempt_wait`] (default
+//!   1 ms) when its metadata preempts requests; a fence that does not hold by then is handed
+//!   back in [`OffloadError::FenceNotHeld`] to poll;
+//! - [`WorkerSide::get_finished`] and [`WorkerSide::reset`]: no waiting at all (`reset` hands
+//!   back a fence);
+//! - [`WorkerSide::handle_preemptions`]: at most its `budget`; [`WorkerSide::drain`]: at most
+//!   its `timeout`.
+//!
+//! So a step costs around a millisecond when nothing is stuck, and the same when a backend
+//! hangs or never completes: a task ends at its deadline plus one [`kvx_core::TICK`], a load's
+//! verdict follows within a few milliseconds, and a copy that may still write engine blocks is
+//! fenced and its blocks listed in [`WorkerOutput::blocks_in_use`], never waited for. If the
+//! driver stops (a backend panicked), every worker call returns
+//! [`kvx_core::CoreError::DriverStopped`] with the panic message at once, and
+//! [`WorkerSide::stopped`] names the engine blocks an op may still touch.
 #![warn(missing_docs)]
 
 mod builder;
@@ -70,4 +96,6 @@ pub use manager::{Lookup, OffloadManager, StoreDecision};
 pub use meta::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;
-pub use worker::{DEFAULT_PREEMPT_WAIT, PreemptionFence, TierRoutes, WorkerConfig, WorkerSide};
+pub use worker::{
+    DEFAULT_PREEMPT_WAIT, PreemptionFence, TierRoutes, WorkerConfig, WorkerReset, WorkerSide,
+};

@@ -176,7 +176,7 @@ fn complete_store_per_job() {
     // Run both stores for real, but hold their results back from the scheduler.
     let meta = r.sched.build_meta();
     r.w().start_step(meta).unwrap();
-    let mut outs = r.w().drain(T);
+    let mut outs = r.w().drain(T).unwrap();
     assert_eq!(
         outs.jobs
             .iter()
@@ -332,7 +332,11 @@ fn reset_drops_stale() {
     r.save(1, &ks, &seq(4, 0));
     r.step();
     r.step(); // stores in flight (slow engine copies)
-    r.w().reset().unwrap();
+    let reset = r.w().reset().unwrap();
+    assert!(
+        reset.fence.wait(Instant::now() + T),
+        "the reset's fence holds"
+    );
     r.sched.reset();
     r.out = WorkerOutput::default();
     std::thread::sleep(Duration::from_millis(150));
@@ -372,7 +376,7 @@ fn idle_flush_submits_queued_stores_at_once() {
     let end = Instant::now() + T;
     let mut out = WorkerOutput::default();
     while Instant::now() < end && !out.finished_sending.contains(&RequestId(1)) {
-        out.merge(r.w().get_finished());
+        out.merge(r.w().get_finished().unwrap());
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(

@@ -244,7 +244,7 @@ impl Engine<'_> {
         }
         let w = self.rig.worker()?;
         w.start_step(meta)?;
-        let out = w.get_finished();
+        let out = w.get_finished()?;
         self.rig.sched.update_from_worker(&out);
         Ok(out)
     }

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    BackendId, BufferPool, Direction, DriverHandle, EngineBlockId, FenceHandle, RequestId, TaskId,
-    TaskReport,
+    BackendId, BufferPool, CoreError, Direction, DriverHandle, EngineBlockId, FenceHandle,
+    RequestId, Stopped, TaskId, TaskReport,
 };
 use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -40,13 +40,13 @@ pub struct WorkerConfig {
     pub policy: LoadFailurePolicy,
     /// Longest `start_step` waits for the fence of the requests preempted in its metadata;
     /// if the fence does not hold by then, `start_step` hands it back in
-    /// [`OffloadError::FenceNotHeld`] (default 2 ms: see [`DEFAULT_PREEMPT_WAIT`]).
+    /// [`OffloadError::FenceNotHeld`] (default 1 ms: see [`DEFAULT_PREEMPT_WAIT`]).
     pub preempt_wait: Duration,
 }
 
 /// The default [`WorkerConfig::preempt_wait`]: long enough for host copies in flight to
-/// return, short enough to keep a step's overhead around a millisecond or two.
-pub const DEFAULT_PREEMPT_WAIT: Duration = Duration::from_millis(2);
+/// return, short enough to keep a step's overhead around a millisecond.
+pub const DEFAULT_PREEMPT_WAIT: Duration = Duration::from_millis(1);
 
 impl WorkerConfig {
     /// Check the settings; the error names the bad field.
@@ -93,7 +93,20 @@ enum Role {
     StoreFile,
 }
 
-/// The worker half.
+/// What [`WorkerSide::reset`] hands back.
+#[derive(Debug)]
+pub struct WorkerReset {
+    /// Holds once every engine-memory op that was out at the reset has returned: reuse no
+    /// engine block before it holds.
+    pub fence: FenceHandle,
+    /// Requests whose freeing was delayed (`request_finished` returned true) and which will
+    /// not be reported in `finished_sending` any more: free their blocks once `fence` holds.
+    pub delayed_free: Vec<RequestId>,
+}
+
+/// The worker half. No call waits for a backend or the driver thread beyond the time the
+/// caller gives it (`preempt_wait`, a `budget`, a `timeout`); see the crate docs for the bound
+/// of each call.
 pub struct WorkerSide {
     driver: DriverHandle,
     routes: TierRoutes,
@@ -214,8 +227,15 @@ impl WorkerSide {
         self.cfg.timeouts.deadline(dir, Instant::now(), None)
     }
 
-    /// Everything that finished since the last call. Never blocks.
-    pub fn get_finished(&mut self) -> WorkerOutput {
+    /// Everything that finished since the last call. Never blocks; an error once the driver
+    /// stopped.
+    pub fn get_finished(&mut self) -> Result<WorkerOutput, OffloadError> {
+        if let Some(stop) = self.driver.stopped() {
+            return Err(CoreError::DriverStopped {
+                reason: stop.reason,
+            }
+            .into());
+        }
         let f = self.driver.get_finished();
         for r in f.reports {
             self.on_report(r);
@@ -240,7 +260,13 @@ impl WorkerSide {
             }
             !ready
         });
-        std::mem::take(&mut self.out)
+        Ok(std::mem::take(&mut self.out))
+    }
+
+    /// Why the driver stopped and which engine blocks an op may still touch (never reuse
+    /// those); `None` while it runs.
+    pub fn stopped(&self) -> Option<Stopped> {
+        self.driver.stopped()
     }
 
     fn on_report(&mut self, r: TaskReport) {
@@ -254,18 +280,23 @@ impl WorkerSide {
         }
     }
 
-    /// Drop every job in flight; their late results are ignored. Host-tier buffers stay
-    /// until the scheduler's next metadata says which to keep.
-    pub fn reset(&mut self) -> Result<(), OffloadError> {
-        // The reset's fence is not waited for here (kvx-offload's own reset does not fence yet).
-        let _fence = self.driver.reset()?;
+    /// Drop every job in flight; their late results are ignored. Returns at once with a fence
+    /// over every engine-memory op still out, and the requests whose delayed freeing will not
+    /// be reported any more. Host-tier buffers stay until the scheduler's next metadata says
+    /// which to keep.
+    pub fn reset(&mut self) -> Result<WorkerReset, OffloadError> {
+        let fence = self.driver.reset()?;
         self.tasks.clear();
         self.loads.clear();
         self.stores.clear();
-        self.finishing.clear();
         self.internal.clear();
+        let mut delayed_free: Vec<RequestId> = self.finishing.drain().collect();
+        delayed_free.sort();
         self.out = WorkerOutput::default();
-        Ok(())
+        Ok(WorkerReset {
+            fence,
+            delayed_free,
+        })
     }
 
     /// Blocks held in the host tier.
@@ -294,16 +325,16 @@ impl WorkerSide {
     }
 
     /// Wait (up to `timeout`) until nothing is in flight, collecting output meanwhile.
-    pub fn drain(&mut self, timeout: Duration) -> WorkerOutput {
+    pub fn drain(&mut self, timeout: Duration) -> Result<WorkerOutput, OffloadError> {
         let end = Instant::now() + timeout;
         let mut all = WorkerOutput::default();
-        let _ = self.driver.start_step();
+        self.driver.start_step()?;
         loop {
-            all.merge(self.get_finished());
+            all.merge(self.get_finished()?);
             if self.in_flight() == 0 || Instant::now() >= end {
-                return all;
+                return Ok(all);
             }
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(kvx_core::TICK);
         }
     }
 }

@@ -29,10 +29,15 @@ impl PreemptionFence {
     }
 
     /// `Ok(true)` once the fence holds, `Ok(false)` while it may still hold, an error when it
-    /// never will (the driver stopped: see `OffloadRuntime::stopped` for the blocks at risk).
+    /// never will (the driver stopped: see [`WorkerSide::stopped`] for the blocks at risk).
     /// Never blocks.
     pub fn poll(&self) -> Result<bool, OffloadError> {
-        Ok(self.is_ready())
+        for f in &self.fences {
+            if !f.poll()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Wait until the fence holds (true) or `until` passes or the driver stops (false).

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -15,6 +17,9 @@ pub const BLOCK: usize = 8192;
 pub const BT: u32 = 16;
 pub const ENGINE_BLOCKS: u32 = 64;
 
+/// Wraps the engine's real backend in a fault injector.
+pub type WrapEngine = Box<dyn FnOnce(Box<dyn Backend>) -> Box<dyn Backend>>;
+
 pub struct Opts {
     pub host_blocks: usize,
     pub file_blocks: usize,
@@ -23,6 +28,8 @@ pub struct Opts {
     pub store_ms: u64,
     pub policy: LoadFailurePolicy,
     pub breaker: Option<BreakerConfig>,
+    /// Wraps the real host backend of engine memory (fault injection).
+    pub wrap_engine: Option<WrapEngine>,
 }
 
 impl Default for Opts {
@@ -35,6 +42,7 @@ impl Default for Opts {
             store_ms: 2000,
             policy: LoadFailurePolicy::Recompute,
             breaker: None,
+            wrap_engine: None,
         }
     }
 }
@@ -131,12 +139,17 @@ pub fn rig(dir: &Path, o: Opts) -> Rig {
         )
         .unwrap()
     };
-    let memory = EngineMemory::backend(Box::new(host), BLOCK, ENGINE_BLOCKS);
+    let cfg = o.config(dir);
+    let engine: Box<dyn Backend> = match o.wrap_engine {
+        Some(wrap) => wrap(Box::new(host)),
+        None => Box::new(host),
+    };
+    let memory = EngineMemory::backend(engine, BLOCK, ENGINE_BLOCKS);
     let Offload {
         scheduler,
         worker,
         runtime,
-    } = OffloadBuilder::new(o.config(dir), memory).build().unwrap();
+    } = OffloadBuilder::new(cfg, memory).build().unwrap();
     Rig {
         sched: scheduler,
         worker: Some(worker),
@@ -198,7 +211,7 @@ impl Rig {
             Err(OffloadError::FenceNotHeld(f)) => self.fences.push(f),
             Err(e) => panic!("start_step: {e}"),
         }
-        let out = self.w().get_finished();
+        let out = self.w().get_finished().unwrap();
         self.sched.update_from_worker(&out);
         self.out.merge(out.clone());
         out
