@@ -185,43 +185,18 @@ impl OffloadBuilder {
                 (b.backend(backend), block_bytes, pool)
             }
         };
-        let mut hook: Option<Arc<dyn FileTierHook>> = None;
-        let mut file = None;
-        let mut direct = false;
-        #[cfg(feature = "file")]
-        let mut files = None;
-        if let Some(f) = &cfg.file {
-            #[cfg(feature = "file")]
-            {
-                let store = kvx_posix::PosixStore::open(posix_config(f))
-                    .map_err(|e| setup("file tier")(e.to_string()))?;
-                direct = store.capabilities().direct;
-                let handle = store.handle();
-                hook = Some(Arc::new(handle.clone()));
-                files = Some(handle);
-                file = Some(b.backend(Box::new(store)));
-            }
-            #[cfg(not(feature = "file"))]
-            {
-                let _ = f;
-                return Err(OffloadError::config(
-                    "file",
-                    "this build of kvx-offload has no file tier (feature `file`)",
-                ));
-            }
-        }
+        let files = open_file_tier(&cfg, &mut b)?;
         let driver = b.spawn().map_err(|e| setup("driver")(e.to_string()))?;
         let mut scheduler = SchedulerSide::new(cfg.scheduler())?;
-        let mut adopted = 0;
-        #[cfg(feature = "file")]
-        if let Some(h) = &files {
-            adopted = scheduler.adopt_file_blocks(h.keys());
-        }
+        let adopted = scheduler.adopt_file_blocks(files.keys());
         let worker = WorkerSide::new(
             driver.handle(),
-            TierRoutes { engine, file },
+            TierRoutes {
+                engine,
+                file: files.route,
+            },
             pool,
-            hook,
+            files.hook.clone(),
             WorkerConfig {
                 block_tokens: cfg.block_tokens,
                 block_bytes,
@@ -236,13 +211,63 @@ impl OffloadBuilder {
             runtime: OffloadRuntime {
                 driver: Some(driver),
                 #[cfg(feature = "file")]
-                files,
+                files: files.handle,
                 #[cfg(feature = "cuda")]
                 _pinned: pinned,
                 adopted,
-                direct,
+                direct: files.direct,
             },
         })
+    }
+}
+
+/// The file tier as the builder set it up (all empty without one).
+#[derive(Default)]
+struct FileTier {
+    route: Option<kvx_core::BackendId>,
+    hook: Option<Arc<dyn FileTierHook>>,
+    direct: bool,
+    #[cfg(feature = "file")]
+    handle: Option<kvx_posix::PosixHandle>,
+}
+
+impl FileTier {
+    /// Blocks the startup scan found.
+    fn keys(&self) -> Vec<kvx_core::BlockKey> {
+        #[cfg(feature = "file")]
+        if let Some(h) = &self.handle {
+            return h.keys();
+        }
+        Vec::new()
+    }
+}
+
+/// Open the configured file tier (its startup scan runs here) and register its backend.
+#[cfg(feature = "file")]
+fn open_file_tier(cfg: &OffloadConfig, b: &mut DriverBuilder) -> Result<FileTier, OffloadError> {
+    let Some(f) = &cfg.file else {
+        return Ok(FileTier::default());
+    };
+    let store = kvx_posix::PosixStore::open(posix_config(f))
+        .map_err(|e| setup("file tier")(e.to_string()))?;
+    let handle = store.handle();
+    Ok(FileTier {
+        direct: store.capabilities().direct,
+        hook: Some(Arc::new(handle.clone())),
+        handle: Some(handle),
+        route: Some(b.backend(Box::new(store))),
+    })
+}
+
+/// Without the `file` feature, a configured file tier is an error.
+#[cfg(not(feature = "file"))]
+fn open_file_tier(cfg: &OffloadConfig, _: &mut DriverBuilder) -> Result<FileTier, OffloadError> {
+    match cfg.file {
+        None => Ok(FileTier::default()),
+        Some(_) => Err(OffloadError::config(
+            "file",
+            "this build of kvx-offload has no file tier (feature `file`)",
+        )),
     }
 }
 
