@@ -177,7 +177,10 @@ impl WorkerSide {
     }
 
     /// Start this step: submit the stores queued last step, drop evicted blocks, start loads,
-    /// queue this step's stores, pass finished requests on.
+    /// queue this step's stores, flush and fence the preempted requests, pass finished
+    /// requests on. [`OffloadError::FenceNotHeld`] means all of that was done, but the
+    /// preemption's fence did not hold within `preempt_wait`: poll the fence it carries before
+    /// reusing those requests' blocks. Any other error means the driver stopped.
     pub fn start_step(&mut self, meta: StepMeta) -> Result<(), OffloadError> {
         self.driver.start_step()?;
         if let Some(keep) = meta.retain_host {
