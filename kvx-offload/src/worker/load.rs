@@ -26,7 +26,7 @@ pub(super) struct LoadState {
     promote: Vec<bool>,
     promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
     tasks_left: u32,
-    /// A task of it was cut short: an engine copy may still be running.
+    /// A task of it was cut short while an op of it was out: an engine copy may still run.
     dirty: bool,
     /// The fence on its blocks once it was cut short, and when it was asked for.
     fence: Option<(FenceHandle, Instant)>,
@@ -119,7 +119,11 @@ impl WorkerSide {
             return;
         };
         st.tasks_left -= 1;
-        if matches!(r.state, TaskState::TimedOut | TaskState::Cancelled) {
+        // Cut short with a block's buffer still inside an op: that op (an engine copy, or the
+        // file read before it) is still out. A task whose buffers all came back has none out.
+        if matches!(r.state, TaskState::TimedOut | TaskState::Cancelled)
+            && r.blocks.iter().any(|b| b.buf.is_none())
+        {
             st.dirty = true;
         }
         for (pos, b) in positions.into_iter().zip(r.blocks) {
