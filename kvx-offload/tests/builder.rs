@@ -163,3 +163,35 @@ fn readme_embedding_example_is_the_doc_example() {
     }
     assert_eq!(from_readme, from_lib);
 }
+
+#[test]
+fn a_toml_config_builds_the_file_tier_it_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "block_tokens = 16\nhost_blocks = 2\n\n[file]\nroots = [{:?}]\nblocks = 8\nio_engine = \"psync\"\nqueue_depth = 4\n",
+        dir.path()
+    );
+    let cfg = OffloadConfig::from_toml(&text).unwrap();
+    let mut arena = HostArena::contiguous(4096, 4).unwrap();
+    // SAFETY: the arena outlives the runtime (shut down below); blocks are touched only when
+    // no op on them is out.
+    let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+    let Offload {
+        scheduler: mut sched,
+        mut worker,
+        runtime,
+    } = OffloadBuilder::new(cfg, memory).build().unwrap();
+    let files = runtime.files().expect("a file tier").clone();
+    assert_eq!(files.capabilities().engine, kvx_posix::EngineKind::Psync);
+    arena.write_block(EngineBlockId(1), &[7; 4096]).unwrap();
+    let key = BlockKey::chain(None, b"toml");
+    sched.save_blocks(RequestId(1), &[(key, EngineBlockId(1))]);
+    sched.request_finished(RequestId(1));
+    worker.start_step(sched.build_meta()).unwrap();
+    let out = worker.drain(T).unwrap();
+    sched.update_from_worker(&out);
+    assert!(files.contains(key), "written through to the file tier");
+    assert!(files.block_path(key).starts_with(dir.path()));
+    drop(worker);
+    runtime.shutdown();
+}
