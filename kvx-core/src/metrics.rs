@@ -80,6 +80,16 @@ pub fn block_outcome_label(result: &Result<(), BlockError>) -> &'static str {
     }
 }
 
+/// Register the task and timeout counters of both directions at zero, so a scrape shows them
+/// before the first task ends (the driver calls this when it starts).
+pub fn register_counters() {
+    for dir in [Direction::Load, Direction::Store] {
+        let d = dir_label(dir);
+        metrics::counter!(TIMEOUTS, "dir" => d).increment(0);
+        metrics::counter!(TASKS, "dir" => d, "outcome" => "done").increment(0);
+    }
+}
+
 /// Record a task's verdict: tasks, blocks and bytes by direction and outcome, and timeouts.
 pub fn record_report(report: &TaskReport) {
     let dir = dir_label(report.dir);
