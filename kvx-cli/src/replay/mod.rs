@@ -212,7 +212,10 @@ fn run_inner(args: &ReplayArgs) -> Result<(), ReplayError> {
         Some(addr) => {
             let server = kvx::prometheus::PrometheusServer::start(addr)
                 .map_err(|e| ReplayError::BadOption(format!("--metrics-addr: {e}")))?;
-            eprintln!("kvx replay: metrics at http://{}/metrics", server.local_addr());
+            eprintln!(
+                "kvx replay: metrics at http://{}/metrics",
+                server.local_addr()
+            );
             Some(server)
         }
         None => None,
