@@ -56,7 +56,7 @@ pub struct ReplayArgs {
     /// Store deadline in milliseconds (default: the load deadline).
     #[arg(long)]
     pub store_deadline_ms: Option<u64>,
-    /// What a request does when a load fails: recompute, fail, or auto:<max recompute tokens>.
+    /// What a request does when a load fails: recompute, fail, or `auto:<max recompute tokens>`.
     #[arg(long, default_value = "recompute")]
     pub on_load_failure: String,
     /// Eviction order of both tiers.
