@@ -54,6 +54,7 @@ pub mod error;
 pub mod host;
 pub mod ids;
 pub mod layout;
+pub mod metrics;
 pub mod op;
 pub mod sync;
 pub mod task;

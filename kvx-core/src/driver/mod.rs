@@ -128,6 +128,7 @@ impl DriverBuilder {
     pub fn spawn(self) -> Result<Driver, CoreError> {
         let (tx, rx) = mpsc::channel::<Arc<Shared>>();
         let DriverBuilder { cfg, backends } = self;
+        crate::metrics::register_counters();
         let thread = std::thread::Builder::new()
             .name("kvx-driver".into())
             .spawn(move || {

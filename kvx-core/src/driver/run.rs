@@ -12,6 +12,7 @@ use rustc_hash::FxHashMap;
 
 use crate::backend::{Backend, Notifier};
 use crate::ids::TaskId;
+use crate::metrics;
 use crate::op::OpCompletion;
 use crate::sync::lock;
 use crate::task::TaskReport;
@@ -160,10 +161,13 @@ impl Loop {
         while let Some(ev) = self.tracker.poll_event() {
             busy = true;
             match ev {
-                Event::TaskFinished(r) => match self.watchers.remove(&r.task) {
-                    Some(w) => w(r),
-                    None => self.reports.push(r),
-                },
+                Event::TaskFinished(r) => {
+                    metrics::record_report(&r);
+                    match self.watchers.remove(&r.task) {
+                        Some(w) => w(r),
+                        None => self.reports.push(r),
+                    }
+                }
                 Event::RequestReleased(req) => released.push(req),
             }
         }
@@ -185,6 +189,7 @@ impl Loop {
     fn publish(&mut self, released: Vec<crate::ids::RequestId>, fence_held: bool) {
         let news = fence_held || !released.is_empty() || !self.reports.is_empty();
         let stats = self.tracker.stats();
+        metrics::record_stats(&stats);
         let empty = self.tracker.is_empty();
         {
             let mut out = lock(&self.shared.out);
@@ -214,10 +219,12 @@ impl Loop {
             Cmd::Cancel(t) => self.tracker.cancel(t, now),
             Cmd::Preempt(req, slot) => {
                 let f = self.tracker.preempt(req, now);
+                metrics::record_fence("preempt");
                 self.fences.push((f, slot));
             }
             Cmd::FenceBlocks(blocks, slot) => {
                 let f = self.tracker.fence_blocks(&blocks);
+                metrics::record_fence("blocks");
                 self.fences.push((f, slot));
             }
             Cmd::Finish(req) => {
@@ -225,6 +232,7 @@ impl Loop {
             }
             Cmd::Reset(slot) => {
                 let f = self.tracker.reset(now);
+                metrics::record_fence("reset");
                 self.fences.push((f, slot));
                 // Dropped watchers resolve their futures with `DroppedByReset`.
                 self.watchers.clear();
