@@ -19,6 +19,13 @@ const CALL_BOUND: Duration = Duration::from_millis(10);
 const ALLOWANCE: Duration = Duration::from_millis(50);
 const LOAD_MS: u64 = 100;
 
+/// The tests of this file measure call times: they run one at a time, not beside each other.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// One engine-facing call of the worker half, its result dropped.
 type Call = Box<dyn Fn(&mut Rig) -> Result<(), OffloadError>>;
 
@@ -33,6 +40,7 @@ fn timed<R>(what: &str, worst: &mut Duration, f: impl FnOnce() -> R) -> R {
 
 #[test]
 fn ops_that_never_complete_leave_every_call_bounded() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
     let mut r = rig(
@@ -169,6 +177,7 @@ fn ops_that_never_complete_leave_every_call_bounded() {
 
 #[test]
 fn a_preemption_fence_holds_only_once_the_ops_returned() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
     let mut r = rig(
@@ -220,6 +229,7 @@ fn a_preemption_fence_holds_only_once_the_ops_returned() {
 
 #[test]
 fn reset_during_a_load_copy_fences_the_engine_blocks() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let delay = Duration::from_millis(150);
     let mut r = rig(
@@ -274,6 +284,7 @@ fn reset_during_a_load_copy_fences_the_engine_blocks() {
 
 #[test]
 fn a_backend_panic_turns_every_call_into_an_error() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let mut r = rig(
         dir.path(),
