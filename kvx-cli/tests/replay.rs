@@ -332,6 +332,75 @@ fn fault_without_fuse() -> Result<(), Failed> {
     )
 }
 
+/// What a scrape of a replay with a file tier must show.
+const WANTED_METRICS: [&str; 7] = [
+    "# TYPE kvx_tasks_total counter",
+    "kvx_tasks_total{dir=\"load\",outcome=\"done\"}",
+    "kvx_tasks_total{dir=\"store\",outcome=\"done\"}",
+    "kvx_timeouts_total{dir=\"load\"}",
+    "kvx_zombie_ops",
+    "kvx_breaker_state{target=",
+    "kvx_tier_blocks_total{",
+];
+
+/// While a replay runs with `--metrics-addr`, a scrape returns kvx metrics in the Prometheus
+/// text format: loads, stores, timeouts, zombies and the file tier's breaker state.
+fn metrics_endpoint() -> Result<(), Failed> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .args(["replay", "--limit", "400", "--speedup", "2"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kvx");
+    let scraped = scrape_while_running(child.stderr.take().expect("stderr"));
+    let _ = child.kill();
+    let _ = child.wait();
+    let body = scraped?;
+    check(
+        body.starts_with("HTTP/1.0 200 OK"),
+        &format!("status: {body:.200}"),
+    )?;
+    for w in WANTED_METRICS {
+        check(
+            body.contains(w),
+            &format!("{w:?} missing from the scrape:\n{body}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// Reads the metrics address the replay prints, then scrapes until every wanted metric has
+/// appeared (loads need a few steps of the trace) or 30 s pass; returns the last scrape.
+fn scrape_while_running(stderr: std::process::ChildStderr) -> Result<String, Failed> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut lines = BufReader::new(stderr).lines();
+    let addr = loop {
+        match lines.next() {
+            Some(Ok(l)) => {
+                if let Some(rest) = l.strip_prefix("kvx replay: metrics at http://") {
+                    break rest.trim_end_matches("/metrics").to_string();
+                }
+            }
+            _ => return Err("the replay never printed its metrics address".into()),
+        }
+    };
+    let mut body = String::new();
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(30) {
+        let mut s =
+            std::net::TcpStream::connect(&addr).map_err(|e| format!("connect {addr}: {e}"))?;
+        write!(s, "GET /metrics HTTP/1.0\r\n\r\n").map_err(|e| e.to_string())?;
+        body.clear();
+        s.read_to_string(&mut body).map_err(|e| e.to_string())?;
+        if WANTED_METRICS.iter().all(|w| body.contains(w)) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    Ok(body)
+}
+
 fn setpriv_available() -> bool {
     Command::new("setpriv")
         .arg("--version")
@@ -373,6 +442,7 @@ fn main() {
             short_replay_summary_and_json,
         ),
         Trial::test("mooncake_trace", mooncake_trace).with_ignored_flag(!trace),
+        Trial::test("metrics_endpoint", metrics_endpoint),
         Trial::test("disk_stall", disk_stall).with_ignored_flag(fuse.is_err()),
         Trial::test("disk_stall_fail_policy", disk_stall_fail_policy)
             .with_ignored_flag(fuse.is_err()),

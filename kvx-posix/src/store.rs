@@ -256,7 +256,7 @@ impl PosixStore {
         };
         let index = Index::default();
         index.extend(found.keys);
-        let health = Health::new(cfg.roots.len(), cfg.breaker)?;
+        let health = Health::new(&cfg.roots, cfg.breaker)?;
         let name = format!(
             "posix:{}",
             cfg.roots

@@ -12,6 +12,7 @@ use super::{Role, WorkerSide};
 use crate::error::OffloadError;
 use crate::meta::{JobId, JobPart, JobResult, LoadJob};
 use crate::tier::Tier;
+use kvx_core::metrics;
 
 /// Longest a cut-short load's verdict waits for the fence on its blocks (which normally holds
 /// within one pass of the driver); after that the verdict goes out with the blocks a copy may
@@ -24,6 +25,8 @@ pub(super) struct LoadState {
     blocks: Vec<(BlockKey, EngineBlockId)>,
     ok: Vec<Option<Result<(), BlockError>>>,
     promote: Vec<bool>,
+    /// Per block: read from the file tier (else from the host tier).
+    from_file: Vec<bool>,
     promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
     tasks_left: u32,
     /// A task of it was cut short while an op of it was out: an engine copy may still run.
@@ -32,6 +35,8 @@ pub(super) struct LoadState {
     fence: Option<(FenceHandle, Instant)>,
     /// The request was preempted or finished: report to the scheduler only.
     pub(super) abandoned: bool,
+    /// When the load was started (for its latency metric).
+    started: Instant,
 }
 
 impl WorkerSide {
@@ -44,11 +49,13 @@ impl WorkerSide {
             blocks: job.blocks.iter().map(|b| (b.key, b.engine)).collect(),
             ok: vec![None; n],
             promote: job.blocks.iter().map(|b| b.promote).collect(),
+            from_file: job.blocks.iter().map(|b| b.tier == Tier::File).collect(),
             promoted: Vec::new(),
             tasks_left: 0,
             dirty: false,
             fence: None,
             abandoned: false,
+            started: Instant::now(),
         };
         let mut host_part = (Vec::new(), Vec::new());
         let mut file_part = (Vec::new(), Vec::new());
@@ -184,6 +191,7 @@ impl WorkerSide {
             .cfg
             .policy
             .decide(&outcomes, self.cfg.block_tokens, total);
+        self.record_load_metrics(&st);
         let mut ok = Vec::new();
         let mut failed = Vec::new();
         for ((k, _), r) in st.blocks.iter().zip(st.ok) {
@@ -224,5 +232,25 @@ impl WorkerSide {
             failed,
             promoted,
         });
+    }
+
+    /// Blocks, bytes and latency of a finished load, per source tier.
+    fn record_load_metrics(&self, st: &LoadState) {
+        let took = Some(st.started.elapsed());
+        let bytes = self.cfg.block_bytes as u64;
+        for (tier, from_file) in [("host", false), ("file", true)] {
+            let (mut ok, mut failed) = (0u64, 0u64);
+            for (r, file) in st.ok.iter().zip(&st.from_file) {
+                if *file == from_file {
+                    match r {
+                        Some(Ok(())) => ok += 1,
+                        _ => failed += 1,
+                    }
+                }
+            }
+            if ok + failed > 0 {
+                metrics::record_tier_job(tier, Direction::Load, ok, failed, ok * bytes, took);
+            }
+        }
     }
 }

@@ -126,6 +126,14 @@ impl WorkerSide {
         ok: Vec<BlockKey>,
         failed: Vec<(BlockKey, BlockError)>,
     ) {
+        let tier = if part == JobPart::StoreFile {
+            "file"
+        } else {
+            "host"
+        };
+        let (n_ok, n_failed) = (ok.len() as u64, failed.len() as u64);
+        let bytes = n_ok * self.cfg.block_bytes as u64;
+        kvx_core::metrics::record_tier_job(tier, Direction::Store, n_ok, n_failed, bytes, None);
         self.out.jobs.push(JobResult {
             job,
             request,
