@@ -181,6 +181,12 @@ impl Drop for Driver {
 /// call returns [`CoreError::DriverStopped`] with that message. [`DriverHandle::stopped`] says
 /// why and which engine blocks an op that was out may still touch; the engine must not reuse
 /// those. Dropping the [`Driver`] stops it the same way, with the reason `stopped`.
+///
+/// The process's panic hook runs first, on the driver thread, before the unwind reaches the
+/// driver: the stop is recorded when the hook returns. Calls stay non-blocking meanwhile (they
+/// are queued and dropped with the stop), but an engine that wants the stop seen within
+/// milliseconds keeps its hook short (the default hook with `RUST_BACKTRACE=1` symbolizes a
+/// backtrace, which can take hundreds of milliseconds).
 #[derive(Clone)]
 pub struct DriverHandle {
     shared: Arc<Shared>,
