@@ -319,3 +319,37 @@ fn driver_stopped_is_an_error_not_a_hang() {
             .is_err()
     );
 }
+
+#[test]
+fn stats_never_says_empty_while_a_command_is_queued() {
+    let r = rig(Duration::from_millis(30));
+    assert!(r.drained(), "a fresh driver is empty");
+    let t = r
+        .d()
+        .submit(r.spec(1, Direction::Store, &[3], soon(3000)))
+        .unwrap();
+    let (_, empty) = r.d().stats().unwrap();
+    assert!(!empty, "the submit is queued or its copy is running");
+    assert!(r.d().wait_report(t, soon(2000)).unwrap().is_ok());
+    r.d().finish(RequestId(1)).unwrap();
+    assert!(r.released(1));
+    assert!(r.drained());
+}
+
+#[cfg(feature = "tokio")]
+#[test]
+fn a_future_of_a_task_dropped_by_reset_resolves_with_an_error() {
+    let r = rig(Duration::from_millis(60));
+    let fut = r
+        .d()
+        .submit_async(r.spec(1, Direction::Store, &[6], soon(3000)))
+        .unwrap();
+    let id = fut.id();
+    let fence = r.d().reset().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    assert_eq!(rt.block_on(fut).unwrap_err(), CoreError::DroppedByReset(id));
+    assert!(fence.wait(soon(2000)));
+    assert!(r.drained());
+}
