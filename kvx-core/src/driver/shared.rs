@@ -33,27 +33,27 @@ pub(super) enum Cmd {
 #[derive(Default)]
 pub(super) struct Outbox {
     /// Results not yet taken by `get_finished` / `wait_report`.
-    pub finished: Finished,
+    pub(super) finished: Finished,
     /// Tracker counters after the pass.
-    pub stats: TrackerStats,
+    pub(super) stats: TrackerStats,
     /// The tracker was empty after the pass.
-    pub empty: bool,
+    pub(super) empty: bool,
     /// Commands applied so far (compared with `Shared::sent`).
-    pub applied: u64,
+    pub(super) applied: u64,
 }
 
 pub(super) struct Shared {
-    pub cmds: Mutex<Vec<Cmd>>,
+    pub(super) cmds: Mutex<Vec<Cmd>>,
     /// Commands queued so far (counted under the `cmds` lock).
-    pub sent: AtomicU64,
-    pub thread: Thread,
-    pub next_task: AtomicU64,
-    pub out: Mutex<Outbox>,
+    pub(super) sent: AtomicU64,
+    pub(super) thread: Thread,
+    pub(super) next_task: AtomicU64,
+    pub(super) out: Mutex<Outbox>,
     /// Notified when reports are delivered, a fence holds, or the driver stops.
-    pub cv: Condvar,
+    pub(super) cv: Condvar,
     /// `Driver` was dropped: the thread leaves its loop after the current pass.
-    pub stop_requested: AtomicBool,
-    pub stopped: OnceLock<Stopped>,
+    pub(super) stop_requested: AtomicBool,
+    pub(super) stopped: OnceLock<Stopped>,
 }
 
 impl Shared {
