@@ -25,11 +25,12 @@ use fence::FenceSlot;
 pub use future::TaskFuture;
 use shared::{Cmd, Shared};
 
-/// The driver's timer granularity: a verdict comes no later than one tick after its deadline.
+/// The driver's timer granularity (1 ms).
 ///
-/// The tick (1 ms) is the driver's timer granularity: deadlines are kept in millisecond slots
-/// and the thread sleeps until the next one, so a task gets its `TimedOut` verdict no
-/// later than one tick after its deadline (plus the OS's scheduling delay on a loaded machine).
+/// The tracker keeps deadlines in slots of one tick and the driver thread sleeps until the
+/// earliest deadline, so a task gets its `TimedOut` verdict no later than one tick after its
+/// deadline (plus the OS's scheduling delay on a loaded machine). It is also the bound of every
+/// [`DriverHandle`] call.
 pub const TICK: Duration = Duration::from_millis(1);
 
 /// Settings of the driver.
@@ -166,8 +167,9 @@ impl Drop for Driver {
 /// No [`DriverHandle`] method waits for the driver thread or a backend. A call queues a
 /// command and returns, or reads state the driver thread publishes after every pass: each
 /// takes at most two short locks that the driver thread only holds to swap a queue or copy a
-/// snapshot, never while it runs a backend. A call therefore returns within microseconds, well
-/// under one [`TICK`], whatever a backend does: hangs, never completes, or panics. The only
+/// snapshot, never while it runs a backend. A call therefore returns within one [`TICK`]
+/// (tens of microseconds in practice) whenever the OS runs the calling thread, whatever a
+/// backend does: hangs, never completes, or panics. The only
 /// calls that wait are the explicit waits, [`DriverHandle::wait_report`] and
 /// [`FenceHandle::wait`]: they return by the `until` the caller passes, and at once once the
 /// driver stopped. Answers that need the driver thread come back later: verdicts and released
