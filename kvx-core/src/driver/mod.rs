@@ -57,9 +57,9 @@ pub struct Finished {
     /// Verdicts of tasks that ended (loads and stores).
     pub reports: Vec<TaskReport>,
     /// Requests passed to [`DriverHandle::finish`] of which no op is out any more: their
-    /// blocks may be freed now. Every finished request comes here exactly once, also when
-    /// nothing of it was out, and also when a reset dropped its tasks (once its engine copies
-    /// returned).
+    /// blocks may be freed now. A finished request comes here once (a second `finish` while
+    /// it is still out adds nothing), also when nothing of it was out, and also when a reset
+    /// dropped its tasks (once its engine copies returned).
     pub released: Vec<RequestId>,
 }
 
