@@ -56,6 +56,7 @@
 // Jobs stay boxed everywhere: the kernel holds pointers into them, so they must never move.
 #![allow(clippy::vec_box)]
 
+#[cfg(feature = "bench")]
 pub mod bench;
 mod config;
 mod error;
@@ -64,9 +65,11 @@ mod health;
 mod index;
 mod io;
 mod job;
-pub mod paths;
+mod paths;
 mod probe;
 mod store;
+#[cfg(test)]
+mod tests;
 
 pub use config::{Capabilities, EngineKind, PosixConfig};
 pub use error::PosixError;

@@ -24,6 +24,8 @@ pub struct Layout {
 /// The names one block job needs, as C strings for the kernel.
 #[derive(Debug)]
 pub struct BlockPaths {
+    /// Index of the root that holds the block.
+    pub root: usize,
     /// `root/ab`.
     pub dir1: CString,
     /// `root/ab/cd`.
@@ -47,6 +49,20 @@ impl Layout {
             pid: std::process::id(),
             seq: AtomicU64::new(0),
         }
+    }
+
+    /// A fresh write nonce: unique to this process's stores, and (mixed with the pid and the
+    /// clock) across processes and nodes with overwhelming probability.
+    pub(crate) fn nonce(&self) -> u64 {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mut z = clock ^ (u64::from(self.pid) << 40) ^ seq.rotate_left(20);
+        // splitmix64 finalizer: spreads nearby inputs over the whole range.
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)).max(1)
     }
 
     /// The roots.
@@ -84,6 +100,7 @@ impl Layout {
             cstr(&dir2.join(format!("{hex}.{}-{seq}{TEMP_SUFFIX}", self.pid)))
         });
         BlockPaths {
+            root: self.root_of(key),
             dir1: cstr(&dir1),
             block: cstr(&dir2.join(format!("{hex}{BLOCK_SUFFIX}"))),
             dir2: cstr(&dir2),

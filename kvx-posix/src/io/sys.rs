@@ -1,4 +1,4 @@
-//! Blocking syscalls for the psync engine and the store's startup probe.
+//! Blocking syscalls for the psync engine.
 
 use crate::job::Syscall;
 
@@ -17,7 +17,7 @@ fn ret(r: isize) -> i64 {
 /// # Safety
 /// Every pointer in `call` must be valid for the syscall (the job that made it is alive, not
 /// moved, and not touched by anyone else until this returns).
-pub unsafe fn run(call: &Syscall) -> i64 {
+pub(crate) unsafe fn run(call: &Syscall) -> i64 {
     // SAFETY: the caller guarantees the pointers (paths, iovecs and the buffers they name)
     // are owned by a live job that nobody else touches until we return; fds are the job's own.
     unsafe {
