@@ -90,7 +90,7 @@ impl Reason {
 }
 
 /// Failed blocks counted by [`Reason`].
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ByReason([u64; 8]);
 
 impl ByReason {
