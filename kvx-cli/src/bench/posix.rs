@@ -186,6 +186,12 @@ fn one_round(
     let keys = bench_keys(round as u64, args.blocks);
     let deadline = Duration::from_millis(args.deadline_ms);
     let store = rig.run(Direction::Store, &keys, deadline);
+    eprintln!(
+        "round {}: stored {} of {} blocks; loading them",
+        round + 1,
+        store.ok.len(),
+        keys.len()
+    );
     // Load what was stored.
     let load = rig.run(Direction::Load, &store.ok, deadline);
     drop(rig);
