@@ -143,7 +143,7 @@ pub(crate) fn claimed_version(bytes: &[u8]) -> Option<u32> {
 /// A file too short for its header or its payload is corrupt (a length mismatch); a read that
 /// returned fewer bytes than a long enough file holds is a short read, an I/O error that leaves
 /// the file alone.
-pub fn check_header(
+pub(crate) fn check_header(
     path: &Path,
     header: &[u8],
     read: usize,
@@ -210,7 +210,7 @@ pub fn check_header(
 }
 
 /// Check the payload against the checksum in `header` (already checked by [`check_header`]).
-pub fn check_payload(path: &Path, header: &[u8], payload: &[u8]) -> Result<(), PosixError> {
+pub(crate) fn check_payload(path: &Path, header: &[u8], payload: &[u8]) -> Result<(), PosixError> {
     let expected = le32(header, 40);
     let found = crc32c::crc32c(payload);
     if found != expected {

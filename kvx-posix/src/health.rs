@@ -9,13 +9,13 @@ use crate::error::PosixError;
 
 /// The breakers of all roots.
 #[derive(Debug)]
-pub struct Health {
+pub(crate) struct Health {
     breakers: Mutex<Vec<Breaker>>,
 }
 
 impl Health {
     /// A closed breaker per root.
-    pub fn new(roots: usize, cfg: BreakerConfig) -> Result<Health, PosixError> {
+    pub(crate) fn new(roots: usize, cfg: BreakerConfig) -> Result<Health, PosixError> {
         let b = Breaker::new(cfg).map_err(|e| PosixError::BadConfig(e.to_string()))?;
         Ok(Health {
             breakers: Mutex::new(vec![b; roots]),
@@ -27,21 +27,21 @@ impl Health {
     }
 
     /// May an op start on `root` now?
-    pub fn admit(&self, root: usize, now: Instant) -> Admission {
+    pub(crate) fn admit(&self, root: usize, now: Instant) -> Admission {
         self.lock()
             .get_mut(root)
             .map_or(Admission::Rejected, |b| b.admit(now))
     }
 
     /// An op on `root` succeeded after `latency`.
-    pub fn success(&self, root: usize, now: Instant, latency: Duration) {
+    pub(crate) fn success(&self, root: usize, now: Instant, latency: Duration) {
         if let Some(b) = self.lock().get_mut(root) {
             b.record_success(now, latency);
         }
     }
 
     /// An op on `root` failed or timed out.
-    pub fn failure(&self, root: usize, now: Instant) {
+    pub(crate) fn failure(&self, root: usize, now: Instant) {
         if let Some(b) = self.lock().get_mut(root) {
             let was_open = b.is_open();
             b.record_failure(now);
@@ -52,7 +52,7 @@ impl Health {
     }
 
     /// State of `root`'s breaker.
-    pub fn state(&self, root: usize) -> Option<BreakerState> {
+    pub(crate) fn state(&self, root: usize) -> Option<BreakerState> {
         self.lock().get(root).map(Breaker::state)
     }
 }

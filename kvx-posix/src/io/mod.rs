@@ -96,17 +96,17 @@ impl Sink {
 #[derive(Debug, Default)]
 pub(crate) struct EngineCounters {
     /// Loads and stores accepted and not yet finished.
-    pub in_flight: AtomicUsize,
+    pub(crate) in_flight: AtomicUsize,
     /// Of those, jobs written off as stuck.
-    pub written_off: AtomicUsize,
+    pub(crate) written_off: AtomicUsize,
     /// Removes accepted and not yet finished.
-    pub maintenance: AtomicUsize,
+    pub(crate) maintenance: AtomicUsize,
     /// Loads and stores the engine can run at once right now (psync: live worker threads;
     /// uring: queue-depth slots free of stuck ops).
-    pub workers: AtomicUsize,
+    pub(crate) workers: AtomicUsize,
     /// psync: load and store threads, live and written off (bounded by
     /// `queue_depth + max_stuck`); uring: 0.
-    pub threads: AtomicUsize,
+    pub(crate) threads: AtomicUsize,
 }
 
 impl EngineCounters {
@@ -118,22 +118,22 @@ impl EngineCounters {
 /// A snapshot of an engine's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct EngineSnapshot {
-    pub in_flight: usize,
-    pub written_off: usize,
-    pub maintenance: usize,
-    pub workers: usize,
-    pub target: usize,
-    pub queued: usize,
-    pub threads: usize,
+    pub(crate) in_flight: usize,
+    pub(crate) written_off: usize,
+    pub(crate) maintenance: usize,
+    pub(crate) workers: usize,
+    pub(crate) target: usize,
+    pub(crate) queued: usize,
+    pub(crate) threads: usize,
 }
 
 /// Why an engine refused a job.
 #[derive(Debug)]
 pub(crate) struct Refused {
     /// The job, untouched.
-    pub job: Box<BlockJob>,
+    pub(crate) job: Box<BlockJob>,
     /// Why.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// A way to run block jobs. Every method returns promptly, whatever the filesystem does.

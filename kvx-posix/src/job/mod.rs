@@ -52,20 +52,20 @@ enum Step {
 #[derive(Debug, Clone)]
 pub(crate) struct JobParams {
     /// Use O_DIRECT when the buffer allows it.
-    pub direct: bool,
+    pub(crate) direct: bool,
     /// fdatasync before the rename.
-    pub fdatasync: bool,
+    pub(crate) fdatasync: bool,
     /// The leaf directory may not exist yet: create it first.
-    pub make_dirs: bool,
+    pub(crate) make_dirs: bool,
     /// The op's deadline (ignored by removes).
-    pub deadline: Instant,
+    pub(crate) deadline: Instant,
     /// Set when the op is cancelled.
-    pub cancel: Arc<AtomicBool>,
+    pub(crate) cancel: Arc<AtomicBool>,
     /// See `PosixConfig::visibility_margin`.
-    pub margin: Duration,
+    pub(crate) margin: Duration,
     /// Store: the nonce written into the header. Remove: delete only a file with this nonce
     /// (`None`: any file this format version wrote, or a corrupt one).
-    pub nonce: Option<u64>,
+    pub(crate) nonce: Option<u64>,
 }
 
 impl JobParams {
@@ -86,25 +86,25 @@ impl JobParams {
 /// One block's file operation (see the module docs).
 pub(crate) struct BlockJob {
     /// Op the block belongs to.
-    pub op: OpId,
+    pub(crate) op: OpId,
     /// Position of the block in the op.
-    pub index: usize,
+    pub(crate) index: usize,
     /// Root the block lives on.
-    pub root: usize,
+    pub(crate) root: usize,
     /// Load, store or remove.
-    pub action: FileOp,
+    pub(crate) action: FileOp,
     /// Block key.
-    pub key: BlockKey,
+    pub(crate) key: BlockKey,
     /// The block's buffer (none for a remove).
-    pub buf: Option<Buf>,
+    pub(crate) buf: Option<Buf>,
     /// The verdict, once `advance` returned `Done`.
-    pub result: Result<(), BlockError>,
+    pub(crate) result: Result<(), BlockError>,
     /// The leaf directory was created by this job.
-    pub made_dirs: bool,
+    pub(crate) made_dirs: bool,
     /// Bytes moved by the data transfer.
-    pub bytes: usize,
+    pub(crate) bytes: usize,
     /// The block was renamed into place too late and removed again.
-    pub undone: bool,
+    pub(crate) undone: bool,
     header: Option<AlignedBuf>,
     /// The last, partial sector of an O_DIRECT store, zero-padded.
     tail: Option<AlignedBuf>,
