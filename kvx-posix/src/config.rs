@@ -70,7 +70,9 @@ pub struct PosixConfig {
     /// Rings, each with its own thread (uring only); default 1.
     pub rings: usize,
     /// Most I/Os written off as stuck (past their deadline or cancelled but still in the
-    /// kernel) before new ops are refused with `Busy`; default 256.
+    /// kernel) before new ops are refused with `Busy`; default 256. psync runs at most
+    /// `queue_depth + max_stuck` load and store threads (plus 4 for removes) and keeps
+    /// `queue_depth` of them live after any stall.
     pub max_stuck: usize,
     /// Loads and stores queued for the engine, not yet started, before new ops are refused
     /// with `Busy` (default 16384; removes have their own queue and never count here).
