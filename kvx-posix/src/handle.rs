@@ -71,7 +71,8 @@ impl Shared {
             FileOp::Remove,
             key,
             None,
-            self.layout.paths(key, false),
+            // A guarded remove moves the block aside under a temporary name first.
+            self.layout.paths(key, nonce.is_some()),
             JobParams::remove(nonce),
         ));
         if let Err(r) = self.engine.submit(job) {

@@ -36,7 +36,22 @@ pub(crate) unsafe fn run(call: &Syscall) -> i64 {
             }
             Syscall::Fdatasync { fd } => ret(libc::fdatasync(fd) as isize),
             Syscall::Close { fd } => ret(libc::close(fd) as isize),
-            Syscall::Rename { from, to } => ret(libc::rename(from, to) as isize),
+            Syscall::Rename {
+                from,
+                to,
+                noreplace: false,
+            } => ret(libc::rename(from, to) as isize),
+            Syscall::Rename {
+                from,
+                to,
+                noreplace: true,
+            } => ret(libc::renameat2(
+                libc::AT_FDCWD,
+                from,
+                libc::AT_FDCWD,
+                to,
+                libc::RENAME_NOREPLACE,
+            ) as isize),
             Syscall::Unlink { path } => ret(libc::unlink(path) as isize),
         }
     }

@@ -288,7 +288,13 @@ fn entry(call: &Syscall) -> squeue::Entry {
             .flags(types::FsyncFlags::DATASYNC)
             .build(),
         Syscall::Close { fd } => opcode::Close::new(types::Fd(fd)).build(),
-        Syscall::Rename { from, to } => opcode::RenameAt::new(cwd, from, cwd, to).build(),
+        Syscall::Rename {
+            from,
+            to,
+            noreplace,
+        } => opcode::RenameAt::new(cwd, from, cwd, to)
+            .flags(if noreplace { libc::RENAME_NOREPLACE } else { 0 })
+            .build(),
         Syscall::Unlink { path } => opcode::UnlinkAt::new(cwd, path).build(),
     };
     e.flags(squeue::Flags::ASYNC)

@@ -119,6 +119,8 @@ pub(crate) struct BlockJob {
     expect: usize,
     direct_now: bool,
     retried_dirs: bool,
+    /// A guarded remove moved the block to the temporary name.
+    moved_aside: bool,
     verdict: Option<Result<(), BlockError>>,
 }
 
@@ -176,6 +178,7 @@ impl BlockJob {
             expect: 0,
             direct_now: false,
             retried_dirs: false,
+            moved_aside: false,
             verdict: None,
         }
     }

@@ -2,8 +2,9 @@
 //! payload[, zero-padded tail])` → `fdatasync` (optional) → `close` → `rename(temp, block)`.
 //! Any error, a cancel or a deadline before the rename closes and unlinks the temporary file;
 //! a rename that lands after the deadline (or a cancel) is undone by the remove machine,
-//! guarded by this write's nonce, so a block whose task ended without success is never left
-//! visible and a newer block of the same key is never deleted.
+//! guarded by this write's nonce (under the temporary name, now free, as the aside name), so
+//! a block whose task ended without success is never left visible and a newer block of the
+//! same key is never deleted.
 //!
 //! With O_DIRECT the last partial sector of the payload is copied into a zeroed sector of the
 //! job's own, so the padding on disk is zeros whatever kind of buffer the payload is in.
@@ -253,7 +254,14 @@ impl BlockJob {
                 }
                 let from = self.temp_ptr();
                 let to = self.paths.block.as_ptr();
-                self.call(Step::Store(StoreStep::Rename), Syscall::Rename { from, to })
+                self.call(
+                    Step::Store(StoreStep::Rename),
+                    Syscall::Rename {
+                        from,
+                        to,
+                        noreplace: false,
+                    },
+                )
             }
             StoreStep::Rename => {
                 if res < 0 {

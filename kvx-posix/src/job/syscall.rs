@@ -30,10 +30,12 @@ pub(crate) enum Syscall {
     Fdatasync { fd: i32 },
     /// `close(fd)`.
     Close { fd: i32 },
-    /// `rename(from, to)`.
+    /// `rename(from, to)`; with `noreplace`, `renameat2(.., RENAME_NOREPLACE)` (fails with
+    /// `EEXIST` rather than replace `to`).
     Rename {
         from: *const libc::c_char,
         to: *const libc::c_char,
+        noreplace: bool,
     },
     /// `unlink(path)`.
     Unlink { path: *const libc::c_char },
