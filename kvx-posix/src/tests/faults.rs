@@ -27,6 +27,7 @@ both_engines!(
     stall_then_thaw_recovers_every_worker,
     late_rename_never_deletes_a_newer_block,
     read_after_the_deadline_is_timed_out,
+    full_queue_is_busy_at_submit,
 );
 
 /// 5,000 removes of block files on disk, then 1,000 stores and 1,000 loads submitted while the
@@ -298,4 +299,58 @@ fn walk(dir: &std::path::Path) -> HashSet<String> {
         }
     }
     out
+}
+
+/// The job queue is bounded: with the one worker stuck and `max_queued` jobs waiting, the next
+/// op is refused with `Busy` at submit, whole; after the thaw every accepted op completes once.
+fn full_queue_is_busy_at_submit(engine: EngineKind) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let faults = std::sync::Arc::new(crate::io::fault::Faults::default());
+    let mut cfg = crate::PosixConfig::new(dir.path());
+    cfg.engine = engine;
+    cfg.queue_depth = 1;
+    cfg.max_queued = 4;
+    let mut store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open");
+    let pool = BufferPool::new(8, 8192, DEFAULT_ALIGN).expect("pool");
+    faults.freeze();
+    let op = |id: u64| {
+        let mut buf = pool.take().expect("buffer");
+        buf.set_len(8192);
+        Op {
+            id: OpId(id),
+            task: TaskId(id),
+            request: RequestId(1),
+            dir: Direction::Store,
+            deadline: Instant::now() + SOON,
+            blocks: vec![OpBlock {
+                key: key(id),
+                engine: None,
+                buf: Buf::Owned(buf),
+            }],
+        }
+    };
+    store.submit(op(1)).expect("the first op runs");
+    // The engine has taken it when its worker holds it.
+    assert!(wait_until(SOON, || store.handle().stats().queued == 0));
+    for id in 2..=5 {
+        store.submit(op(id)).expect("queued");
+    }
+    let e = store.submit(op(6)).expect_err("the queue is full");
+    assert!(
+        matches!(&e.kind, SubmitErrorKind::Busy(m) if m.contains("queue full")),
+        "{:?}",
+        e.kind
+    );
+    assert_eq!(e.op.blocks.len(), 1, "a refused op comes back whole");
+    drop(e);
+    faults.thaw();
+    let mut done = Vec::new();
+    assert!(wait_until(SOON, || {
+        store.poll(&mut done);
+        done.len() == 5
+    }));
+    let mut ids: Vec<u64> = done.iter().map(|c| c.op.id.0).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5]);
+    assert!(done.iter().all(|c| c.results == vec![Ok(())]));
 }
