@@ -442,7 +442,14 @@ impl RingThread {
                 };
                 let ts = types::Timespec::from(wait);
                 let args = types::SubmitArgs::new().timespec(&ts);
-                match st.ring.submitter().submit_with_args(1, &args) {
+                let r = if st.ring.params().is_feature_ext_arg() {
+                    st.ring.submitter().submit_with_args(1, &args)
+                } else {
+                    // Kernels before 5.11 cannot time the wait: every submit and cancel
+                    // wakes the ring through the eventfd instead.
+                    st.ring.submit_and_wait(1)
+                };
+                match r {
                     Ok(_) => {}
                     Err(e)
                         if matches!(
