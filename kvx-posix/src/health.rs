@@ -10,7 +10,7 @@ use crate::error::PosixError;
 
 /// The breakers of all roots.
 #[derive(Debug)]
-pub struct Health {
+pub(crate) struct Health {
     breakers: Mutex<Vec<Breaker>>,
     /// The roots' paths: the `target` label of the breaker metrics.
     names: Vec<String>,
@@ -18,7 +18,10 @@ pub struct Health {
 
 impl Health {
     /// A closed breaker per root, named by the root's path.
-    pub fn new(roots: &[std::path::PathBuf], cfg: BreakerConfig) -> Result<Health, PosixError> {
+    pub(crate) fn new(
+        roots: &[std::path::PathBuf],
+        cfg: BreakerConfig,
+    ) -> Result<Health, PosixError> {
         let b = Breaker::new(cfg).map_err(|e| PosixError::BadConfig(e.to_string()))?;
         let names: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
         for n in &names {
@@ -50,7 +53,7 @@ impl Health {
     }
 
     /// May an op start on `root` now?
-    pub fn admit(&self, root: usize, now: Instant) -> Admission {
+    pub(crate) fn admit(&self, root: usize, now: Instant) -> Admission {
         let mut breakers = self.lock();
         let Some(b) = breakers.get_mut(root) else {
             return Admission::Rejected;
@@ -64,7 +67,7 @@ impl Health {
     }
 
     /// An op on `root` succeeded after `latency`.
-    pub fn success(&self, root: usize, now: Instant, latency: Duration) {
+    pub(crate) fn success(&self, root: usize, now: Instant, latency: Duration) {
         let mut breakers = self.lock();
         if let Some(b) = breakers.get_mut(root) {
             let before = b.state();
@@ -76,7 +79,7 @@ impl Health {
     }
 
     /// An op on `root` failed or timed out.
-    pub fn failure(&self, root: usize, now: Instant) {
+    pub(crate) fn failure(&self, root: usize, now: Instant) {
         let mut breakers = self.lock();
         if let Some(b) = breakers.get_mut(root) {
             let before = b.state();
@@ -93,7 +96,7 @@ impl Health {
     }
 
     /// State of `root`'s breaker.
-    pub fn state(&self, root: usize) -> Option<BreakerState> {
+    pub(crate) fn state(&self, root: usize) -> Option<BreakerState> {
         self.lock().get(root).map(Breaker::state)
     }
 }
