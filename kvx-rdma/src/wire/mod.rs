@@ -22,6 +22,7 @@ pub const MAX_REPLY_FRAME: u32 = 64 * 1024;
 
 mod read;
 
+pub(crate) use read::read_growing;
 pub use read::{
     FrameError, ReplyHead, read_body, read_len, read_reply_head, read_reply_head_limit,
 };

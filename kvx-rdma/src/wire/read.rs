@@ -38,9 +38,36 @@ pub async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, 
 /// Read one whole frame body of at most `max` bytes (partial reads are resumed).
 pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<Vec<u8>, FrameError> {
     let len = read_len(r, max).await?;
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).await.map_err(FrameError::Io)?;
+    let mut body = Vec::new();
+    read_growing(r, &mut body, len as usize)
+        .await
+        .map_err(FrameError::Io)?;
     Ok(body)
+}
+
+/// Append exactly `n` bytes of `r` to `out`, growing `out` as bytes arrive: the memory follows
+/// what the peer sent, never what a length field claims.
+pub(crate) async fn read_growing<R: AsyncRead + Unpin>(
+    r: &mut R,
+    out: &mut Vec<u8>,
+    n: usize,
+) -> std::io::Result<()> {
+    /// Allocated up front (requests and control replies fit); beyond it, growth follows
+    /// received bytes.
+    const FIRST: usize = 4096;
+    out.reserve(n.min(FIRST));
+    let want = out.len() + n;
+    (&mut *r).take(n as u64).read_to_end(out).await?;
+    if out.len() < want {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "the frame announced {n} bytes, the stream ended after {}",
+                n - (want - out.len())
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// What a client finds at the head of a server frame.
@@ -106,9 +133,8 @@ pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
     if len > max_control {
         return Err(format!("control frame of {len} bytes (max {max_control})"));
     }
-    let mut body = vec![0u8; len as usize];
-    body[0] = ty[0];
-    r.read_exact(&mut body[1..])
+    let mut body = vec![ty[0]];
+    read_growing(r, &mut body, len as usize - 1)
         .await
         .map_err(|e| format!("reading a reply: {e}"))?;
     Reply::decode(&body).map(ReplyHead::Control)

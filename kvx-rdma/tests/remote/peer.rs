@@ -51,6 +51,7 @@ pub fn producer() -> i32 {
         token: std::env::var("KVX_TOKEN").ok(),
         pace: Duration::from_millis(env("KVX_PACE_MS", 0)),
         handshake_timeout: Duration::from_millis(env("KVX_HANDSHAKE_MS", 5000)),
+        write_timeout: Duration::from_millis(env("KVX_WRITE_MS", 5000)),
         ..ServerConfig::default()
     };
     let server = TcpServer::start(exporter.clone(), cfg).expect("server");
@@ -83,7 +84,7 @@ pub fn producer() -> i32 {
                     }
                     say(format!("released {} {:?}", r.request.0, r.reason));
                 }
-                std::thread::sleep(Duration::from_millis(2));
+                std::thread::sleep(Duration::from_millis(1));
             }
         })
     };
