@@ -50,7 +50,7 @@ pub struct ExportStats {
 }
 
 /// A refused read, heartbeat or done: the error code and message to send back.
-pub type Refusal = (ErrorCode, String);
+pub(crate) type Refusal = (ErrorCode, String);
 
 struct Entry {
     blocks: Vec<(BlockKey, EngineBlockId)>,
@@ -60,7 +60,7 @@ struct Entry {
 }
 
 /// Exported requests and their leases.
-pub struct ExportTable {
+pub(crate) struct ExportTable {
     leases: LeaseTable<RequestId>,
     entries: HashMap<RequestId, Entry>,
     fresh: Vec<Released>,
@@ -179,7 +179,9 @@ impl ExportTable {
         self.leases.poll_timeout()
     }
 
-    /// The next released request, after expiring what is due at `now`.
+    /// The next released request, after expiring what is due at `now` (the sans-IO tests'
+    /// view; the exporter publishes after its release hooks ran).
+    #[cfg(test)]
     pub fn poll_released(&mut self, now: Instant) -> Option<Released> {
         self.tick(now);
         let fresh = self.take_fresh();

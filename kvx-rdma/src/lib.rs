@@ -63,6 +63,7 @@
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "bench")]
 pub mod bench;
 mod descriptor;
 mod error;
@@ -70,7 +71,7 @@ mod exporter;
 mod exports;
 mod importer;
 mod memory;
-pub mod tcp;
+mod tcp;
 mod transport;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -79,9 +80,9 @@ pub mod wire;
 pub use descriptor::{RemoteDescriptor, TransportKind};
 pub use error::RdmaError;
 pub use exporter::Exporter;
-pub use exports::{ExportStats, ExportTable, Released};
+pub use exports::{ExportStats, Released};
 pub use importer::{Importer, ImporterConfig, ImporterHandle};
 pub use tcp::{ServerConfig, TcpClientConfig, TcpServer, TcpTransport};
-pub use transport::{BoxFuture, CancelSource, CancelToken, ReadSlot, Transport};
+pub use transport::{BoxFuture, CancelToken, ReadSlot, Transport};
 #[cfg(feature = "verbs")]
 pub use verbs::{VerbsConfig, VerbsServer, VerbsTransport};

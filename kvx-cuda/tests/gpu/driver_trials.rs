@@ -93,7 +93,8 @@ pub fn deadline_quarantine_on_long_copy(dev: &CudaDevice) -> Result<(), Failed> 
         report.state
     );
     ensure!(
-        reported <= deadline + Duration::from_millis(500),
+        // One driver tick (1 ms, kvx-core's TICK) plus the 50 ms allowance of these machines.
+        reported <= deadline + Duration::from_millis(1 + 50),
         "TimedOut came {:?} after the deadline",
         reported - deadline
     );

@@ -74,7 +74,7 @@ impl TcpTransport {
     }
 
     /// Connect and handshake.
-    pub async fn connect(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
+    pub(crate) async fn connect(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
         let io = |what, source| RdmaError::Io { what, addr, source };
         let fut = async {
             let mut s = TcpStream::connect(addr)

@@ -18,7 +18,7 @@ pub enum FrameError {
 }
 
 /// Read one frame's length prefix; `Eof` if the peer closed before sending any byte of it.
-pub async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, FrameError> {
+pub(crate) async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, FrameError> {
     let mut len = [0u8; 4];
     let first = r.read(&mut len[..1]).await.map_err(FrameError::Io)?;
     if first == 0 {
@@ -86,14 +86,16 @@ pub enum ReplyHead {
 
 /// Read the next server frame: a data head (payload left on the stream) or a control frame.
 /// `max_data` bounds the payload a data frame may announce.
-pub async fn read_reply_head<R: AsyncRead + Unpin>(
+pub(crate) async fn read_reply_head<R: AsyncRead + Unpin>(
     r: &mut R,
     max_data: u64,
 ) -> Result<ReplyHead, String> {
     read_reply_head_limit(r, max_data, MAX_REPLY_FRAME).await
 }
 
-/// [`read_reply_head`] with a custom bound on control frames (verbs grants can be large).
+/// Read the next server frame: a data head (payload left on the stream, at most `max_data`
+/// bytes announced) or a control frame of at most `max_control` bytes (verbs grants can be
+/// large). Memory grows with the bytes received, never with what a length field claims.
 pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
     r: &mut R,
     max_data: u64,
