@@ -7,7 +7,10 @@
 //!   expected readers under a TTL lease (kvx-policy's [`kvx_policy::LeaseTable`]): the lease
 //!   starts when the request is ready, reader heartbeats renew it, and it ends when all N
 //!   readers said done, at expiry, or on abort. The engine polls [`Exporter::poll_released`]
-//!   and frees the blocks then — never earlier, and a read after the end fails;
+//!   and frees the blocks then — never earlier, and a read after the end fails. Every reply
+//!   has one deadline, the server's write timeout and never past the lease, so a reader that
+//!   drains a reply slowly cannot hold the blocks: its reply is cut, the connection reset, its
+//!   block fails, and the release comes on time;
 //! - the **consumer** ([`Importer`], a kvx-core [`kvx_core::Backend`]) loads blocks named by key
 //!   into the op's own buffers before the op's deadline, heartbeats while the request is
 //!   registered, and reports every block that did not arrive, so the engine recomputes exactly
