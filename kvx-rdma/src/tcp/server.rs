@@ -465,7 +465,7 @@ async fn serve_conn(
             },
         };
         if let Err(stop) = ok {
-            debug!(%peer, ?stop, "kvx-rdma server: reply not written in time; connection dropped");
+            debug!(%peer, ?stop, "kvx-rdma server: a reply failed or missed its deadline; connection dropped");
             return Some(stop);
         }
     }
