@@ -22,6 +22,8 @@
 
 mod files;
 mod gc;
+#[cfg(test)]
+mod tests;
 mod verify;
 mod walk;
 mod worker;

@@ -35,7 +35,7 @@ impl Default for VerifyOptions {
 }
 
 /// What is wrong with (or notable about) one file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FindingKind {
     /// The payload's checksum does not match the header's.
     ChecksumMismatch,
