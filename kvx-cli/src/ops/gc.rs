@@ -9,6 +9,7 @@ use clap::Args;
 use kvx_posix::maintenance::{Collected, GcOptions, GcReport, Removal, gc};
 use serde_json::json;
 
+use super::child::in_child;
 use super::{Bar, FileOpArgs, unfinished};
 use crate::bench::posix::parse_size;
 
@@ -54,8 +55,12 @@ fn exit_code(report: &GcReport, max: u64) -> i32 {
     i32::from(report.bytes_after > max || !report.failed.is_empty())
 }
 
-/// Run `kvx gc`; returns the process exit code.
+/// Run `kvx gc` (in a child process, see [`in_child`]); returns the process exit code.
 pub fn run(args: GcArgs) -> i32 {
+    in_child("gc", || run_here(args))
+}
+
+fn run_here(args: GcArgs) -> i32 {
     let max = args.max_bytes as u64;
     let opts = GcOptions {
         max_bytes: max,

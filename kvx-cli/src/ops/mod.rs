@@ -3,10 +3,14 @@
 //! error instead of a hang), show a progress bar on a terminal, and with `--json` print one
 //! JSON object as the last line.
 //!
+//! The work runs in a child process ([`child`]), so that the command ends even when a syscall
+//! is stuck in a frozen mount.
+//!
 //! Exit codes: 0 all well; 1 problems found (verify) or the quota not reached (gc); 2 bad
 //! arguments; 3 the run could not finish (a directory cannot be listed, a file operation passed
 //! its deadline).
 
+pub mod child;
 pub mod gc;
 pub mod verify;
 
@@ -120,8 +124,7 @@ impl Bar {
 }
 
 /// Print why `cmd` on `root` could not finish (stderr, and a JSON object with `--json`) and
-/// return [`EXIT_UNFINISHED`]. A thread stuck on a frozen mount is left behind: the caller
-/// exits the process without joining it.
+/// return [`EXIT_UNFINISHED`]. A thread stuck on a frozen mount is left behind, never joined.
 pub fn unfinished(cmd: &str, root: &Path, e: &MaintenanceError, json: bool) -> i32 {
     eprintln!("kvx {cmd}: {e}");
     if json {

@@ -7,6 +7,7 @@ use clap::Args;
 use kvx_posix::maintenance::{Action, Finding, VerifyOptions, VerifyReport, verify};
 use serde_json::json;
 
+use super::child::in_child;
 use super::{Bar, FileOpArgs, unfinished};
 
 /// Options of `kvx verify`.
@@ -47,8 +48,12 @@ fn exit_code(report: &VerifyReport) -> i32 {
     i32::from(report.problems() > 0)
 }
 
-/// Run `kvx verify`; returns the process exit code.
+/// Run `kvx verify` (in a child process, see [`in_child`]); returns the process exit code.
 pub fn run(args: VerifyArgs) -> i32 {
+    in_child("verify", || run_here(args))
+}
+
+fn run_here(args: VerifyArgs) -> i32 {
     let opts = VerifyOptions {
         deadline: args.ops.deadline(),
         stale_after: args.ops.stale_after,
