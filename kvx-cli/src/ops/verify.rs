@@ -109,6 +109,7 @@ fn run_here(args: VerifyArgs) -> i32 {
                 "blocks_ok": report.blocks_ok,
                 "bytes_ok": report.bytes_ok,
                 "temps_in_flight": report.temps_in_flight,
+                "vanished": report.vanished,
                 "problems": problems,
                 "removed": removed,
                 "unresolved": report.unresolved(),

@@ -77,7 +77,10 @@ pub enum MaintenanceError {
         /// The deadline.
         ms: u64,
     },
-    /// A directory of the tree cannot be listed (or the worker cannot start).
+    /// The I/O thread cannot start.
+    #[error("cannot start the I/O thread: {0}")]
+    Thread(std::io::Error),
+    /// A directory of the tree cannot be listed.
     #[error("cannot {op} {path}: {source}")]
     Io {
         /// The operation.

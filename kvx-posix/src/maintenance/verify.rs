@@ -121,7 +121,7 @@ pub struct Finding {
 /// The outcome of a `verify` run.
 #[derive(Debug, Clone, Default)]
 pub struct VerifyReport {
-    /// Block files checked (whatever the outcome).
+    /// Block files checked (whatever the outcome, vanished ones included).
     pub blocks_checked: u64,
     /// Blocks that passed every check.
     pub blocks_ok: u64,
@@ -129,6 +129,8 @@ pub struct VerifyReport {
     pub bytes_ok: u64,
     /// Temporary files younger than the stale age (writes in flight), left alone.
     pub temps_in_flight: u64,
+    /// Block files removed by someone else between the walk and their check.
+    pub vanished: u64,
     /// Every problem and note, in walk order.
     pub findings: Vec<Finding>,
 }
@@ -171,6 +173,10 @@ pub fn verify(
                     Checked::Ok { len } => {
                         report.blocks_ok += 1;
                         report.bytes_ok += len;
+                        None
+                    }
+                    Checked::Gone => {
+                        report.vanished += 1;
                         None
                     }
                     Checked::Bad { kind, reason, id } => Some((kind, reason, id)),
@@ -221,6 +227,7 @@ enum Checked {
     Ok {
         len: u64,
     },
+    Gone,
     Bad {
         kind: FindingKind,
         reason: String,
@@ -238,7 +245,7 @@ fn check_block(
     let bytes = match worker.run("read", path, move || files::read_block(&owned))? {
         Ok(b) => b,
         // Removed by someone else since the walk: nothing to check.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Checked::Ok { len: 0 }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Checked::Gone),
         Err(e) => {
             return Ok(Checked::Bad {
                 kind: FindingKind::Unreadable,

@@ -35,11 +35,7 @@ impl Worker {
                     job();
                 }
             })
-            .map_err(|source| MaintenanceError::Io {
-                op: "start the I/O thread for",
-                path: PathBuf::from("."),
-                source,
-            })?;
+            .map_err(MaintenanceError::Thread)?;
         Ok(Worker {
             jobs,
             deadline,
