@@ -29,9 +29,11 @@ enum Command {
     Replay(Box<replay::ReplayArgs>),
     /// Check every block of a store directory (header, key, length, checksum); report problems
     /// by path and reason; `--repair` removes corrupt blocks and stale temporary files.
+    #[command(after_help = ops::EXIT_CODES)]
     Verify(ops::verify::VerifyArgs),
     /// Remove the least recently used blocks (oldest mtime) of a store directory until its
     /// block bytes are at most `--max-bytes`, and stale temporary files.
+    #[command(after_help = ops::EXIT_CODES)]
     Gc(ops::gc::GcArgs),
 }
 

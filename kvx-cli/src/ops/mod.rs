@@ -6,9 +6,7 @@
 //! The work runs in a child process ([`child`]), so that the command ends even when a syscall
 //! is stuck in a frozen mount.
 //!
-//! Exit codes: 0 all well; 1 problems found (verify) or the quota not reached (gc); 2 bad
-//! arguments; 3 the run could not finish (a directory cannot be listed, a file operation passed
-//! its deadline).
+//! Exit codes: see [`EXIT_CODES`].
 
 pub mod child;
 pub mod gc;
@@ -21,6 +19,11 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvx_posix::maintenance::{MaintenanceError, Phase, Progress};
+
+/// The exit codes, for `--help`.
+pub const EXIT_CODES: &str = "Exit codes: 0 all well; 1 problems found (verify) or quota not \
+    reached (gc); 2 bad arguments; 3 the run could not finish (a directory cannot be listed, or \
+    a file operation passed its deadline: the mount may be frozen).";
 
 /// The exit code of a run that could not finish.
 pub const EXIT_UNFINISHED: i32 = 3;
