@@ -340,7 +340,7 @@ fn frozen(cmd: &[&str]) -> Result<(), Failed> {
         .args(cmd)
         .arg(mount.path())
         .args(["--deadline-ms", &deadline_ms.to_string()])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
     // The first stderr line, read on a thread (the worker process stuck on the mount keeps
@@ -383,7 +383,17 @@ fn frozen(cmd: &[&str]) -> Result<(), Failed> {
         took <= Duration::from_millis(deadline_ms + 1 + 50),
         &format!("kvx exited {took:?} after its operation got stuck, deadline {deadline_ms} ms"),
     )?;
-    check(status.code() == Some(3), &format!("exit {status}"))
+    check(status.code() == Some(3), &format!("exit {status}"))?;
+    if cmd.contains(&"--json") {
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut child.stdout.take().ok_or("stdout")?, &mut out)?;
+        let j: Value = serde_json::from_str(out.lines().last().ok_or("no JSON")?)?;
+        check(
+            j["frozen"] == Value::Bool(true) && num(&j, "exit_code")? == 3,
+            &format!("JSON says frozen: {j}"),
+        )?;
+    }
+    Ok(())
 }
 
 fn main() {
@@ -396,7 +406,8 @@ fn main() {
         Trial::test("verify_finds_and_repairs", verify_finds_and_repairs),
         Trial::test("gc_oldest_first", gc_oldest_first),
         Trial::test("gc_concurrent", gc_concurrent),
-        Trial::test("verify_frozen_mount", || frozen(&["verify"])).with_ignored_flag(fuse.is_err()),
+        Trial::test("verify_frozen_mount", || frozen(&["verify", "--json"]))
+            .with_ignored_flag(fuse.is_err()),
         Trial::test("gc_frozen_mount", || frozen(&["gc", "--max-bytes", "1M"]))
             .with_ignored_flag(fuse.is_err()),
     ];
