@@ -2,6 +2,7 @@
 
 mod bench;
 mod info;
+mod ops;
 mod replay;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +27,14 @@ enum Command {
     /// Replay a request trace (Mooncake format; an embedded default without one) through the
     /// real tiers, and compare the hit rate with an ideal LRU cache of the same capacity.
     Replay(Box<replay::ReplayArgs>),
+    /// Check every block of a store directory (header, key, length, checksum); report problems
+    /// by path and reason; `--repair` removes corrupt blocks and stale temporary files.
+    #[command(after_help = ops::EXIT_CODES)]
+    Verify(ops::verify::VerifyArgs),
+    /// Remove the least recently used blocks (oldest mtime) of a store directory until its
+    /// block bytes are at most `--max-bytes`, and stale temporary files.
+    #[command(after_help = ops::EXIT_CODES)]
+    Gc(ops::gc::GcArgs),
 }
 
 fn main() {
@@ -34,6 +43,8 @@ fn main() {
         Command::Info => info::run(),
         Command::Bench { target } => bench::run(target),
         Command::Replay(args) => replay::run(*args),
+        Command::Verify(args) => ops::verify::run(args),
+        Command::Gc(args) => ops::gc::run(args),
     };
     std::process::exit(code);
 }

@@ -78,7 +78,8 @@ pub(crate) struct Scan {
     pub(crate) removed_temps: usize,
 }
 
-fn hex2(name: &str) -> Option<u8> {
+/// The value of a fan-out directory name: two lowercase hex digits.
+pub(crate) fn hex2(name: &str) -> Option<u8> {
     if name.len() == 2
         && name
             .bytes()

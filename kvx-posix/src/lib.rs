@@ -71,6 +71,7 @@ mod health;
 mod index;
 mod io;
 mod job;
+pub mod maintenance;
 mod paths;
 mod probe;
 mod store;

@@ -1,7 +1,7 @@
 //! `kvx bench <target>`: one module per backend.
 
 mod cuda;
-mod posix;
+pub(crate) mod posix;
 mod remote;
 
 use clap::Subcommand;

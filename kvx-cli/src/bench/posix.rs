@@ -107,8 +107,8 @@ fn failures(name: &str, p: &Phase) -> Option<String> {
     })
 }
 
-/// Parse `1MiB`, `256KiB`, `4M`, `4096`.
-fn parse_size(s: &str) -> Result<usize, String> {
+/// Parse `1MiB`, `256KiB`, `4M`, `4096`, `2TiB` (also used by `kvx gc --max-bytes`).
+pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -118,6 +118,7 @@ fn parse_size(s: &str) -> Result<usize, String> {
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
         _ => return Err(format!("bad size unit in {s:?}")),
     };
     n.checked_mul(mul)
