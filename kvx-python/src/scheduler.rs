@@ -175,15 +175,28 @@ impl SchedulerHalf {
         (PyBytes::new(py, &codec::encode_meta(&m)), loads, delayed)
     }
 
-    /// Take in the job outcomes a worker reported.
-    fn update_from_worker(&self, jobs: &[u8]) -> PyResult<()> {
+    /// Take in the job outcomes a worker reported. Returns, for each load that did not fully
+    /// succeed, its request and the keys that failed (16 bytes each, concatenated).
+    fn update_from_worker<'py>(
+        &self,
+        py: Python<'py>,
+        jobs: &[u8],
+    ) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
         let jobs = codec::decode_jobs(jobs).map_err(|e| KvxError::new_err(e.to_string()))?;
+        let failed_loads = jobs
+            .iter()
+            .filter(|j| j.kind == kvx_offload::JobKind::Load && !j.failed.is_empty())
+            .map(|j| {
+                let keys: Vec<u8> = j.failed.iter().flat_map(|(k, _)| k.to_be_bytes()).collect();
+                (j.request.0, PyBytes::new(py, &keys))
+            })
+            .collect();
         let out = kvx_offload::WorkerOutput {
             jobs,
             ..Default::default()
         };
         self.side().update_from_worker(&out);
-        Ok(())
+        Ok(failed_loads)
     }
 
     /// Requests with state here.

@@ -22,6 +22,9 @@ class _Req:
     nhashes: int = 0
     local_tokens: int = 0
     hit: tuple[int, int] = (0, 0)
+    # Blocks from this index on are never offered again: a load of one of them failed (vLLM
+    # recomputes from there; offering it again would retry the same failure forever).
+    cap: int | None = None
 
 
 @dataclass
@@ -35,6 +38,7 @@ class SchedulerStats:
     loads: int = 0
     store_jobs: int = 0
     preemptions: int = 0
+    failed_loads: int = 0
 
 
 class SchedulerPart:
@@ -91,7 +95,10 @@ class SchedulerPart:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         r = self._req(request)
         self.stats.lookups += 1
-        found = self.half.get_num_new_matched_tokens(r.number, self._keys(r), num_computed_tokens)
+        keys = self._keys(r)
+        if r.cap is not None:
+            keys = keys[: r.cap * 16]
+        found = self.half.get_num_new_matched_tokens(r.number, keys, num_computed_tokens)
         if found is None:
             return None, False
         tokens, host, file = found
@@ -156,12 +163,27 @@ class SchedulerPart:
         wm = out.kv_connector_worker_meta
         if isinstance(wm, KvxWorkerMetadata):
             for jobs in wm.jobs:
-                self.half.update_from_worker(jobs)
+                for number, failed in self.half.update_from_worker(jobs):
+                    self._cap(number, failed)
         for req_id in out.finished_recving or ():
             self.loading.discard(req_id)
             self._release(req_id)
         for req_id in out.finished_sending or ():
             self._release(req_id)
+
+    def _cap(self, number: int, failed: bytes) -> None:
+        """Stop offering a request the blocks from its first failed one on."""
+        r = self.reqs.get(self.names.get(number, ""))
+        if r is None:
+            return
+        for i in range(0, len(failed), 16):
+            pos = r.keys.find(failed[i : i + 16])
+            while pos % 16:
+                pos = r.keys.find(failed[i : i + 16], pos + 1)
+            if pos >= 0:
+                idx = pos // 16
+                r.cap = idx if r.cap is None else min(r.cap, idx)
+        self.stats.failed_loads += 1
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         req_id = request.request_id

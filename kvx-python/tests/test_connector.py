@@ -1,0 +1,245 @@
+"""KvxConnector through vLLM 0.32's real v1 Scheduler and its worker-side connector driver, on
+CPU: every block kvx loads is checked byte for byte against the tokens it stands for."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from harness import BLOCK, Engine, prompt
+from vllm.v1.request import RequestStatus
+
+from kvx.testing import FrozenMount
+
+DONE = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def file_dir(tmp_path, name="files"):
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def test_host_tier_hit(tmp_path):
+    e = Engine(tmp_path, {"host_blocks": 32})
+    try:
+        p = prompt(1, 4 * BLOCK + 6)
+        e.add("a", p)
+        e.run()
+        e.add("b", p)
+        e.run()
+        st = e.conn.stats()
+        assert (st["host_hit_blocks"], st["file_hit_blocks"], st["hit_tokens"]) == (4, 0, 4 * BLOCK)
+        assert e.tracked["b"].finished_status == DONE
+        assert e.recv_reported == {"b"}
+        assert e.verified_blocks == 4
+        assert e.invalid_reported == []
+    finally:
+        e.close()
+
+
+def test_file_tier_hit_after_restart(tmp_path):
+    d = file_dir(tmp_path)
+    p = prompt(2, 5 * BLOCK + 3)
+    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    try:
+        e.add("a", p)
+        e.run()
+        assert e.worker._worker.half.file_blocks() == 5
+    finally:
+        e.close()
+    # A new engine: empty host tier, the file tier's blocks adopted from disk.
+    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    try:
+        e.add("b", p)
+        e.run()
+        st = e.conn.stats()
+        assert (st["host_hit_blocks"], st["file_hit_blocks"]) == (0, 5)
+        assert e.tracked["b"].finished_status == DONE
+        assert e.verified_blocks == 5
+        assert e.invalid_reported == []
+    finally:
+        e.close()
+
+
+def corrupt_one_block(tmp_path, d, p, index):
+    """Store ``p`` in the file tier, then flip a payload byte of block ``index``'s file."""
+    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    try:
+        e.add("writer", p)
+        e.run()
+        keys = e.keys_of("writer")
+        path = e.worker._worker.half.file_block_path(keys[index * 16 : (index + 1) * 16])
+    finally:
+        e.close()
+    raw = bytearray(path.read_bytes())
+    raw[4096 + 100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_corrupt_block_file(tmp_path, policy):
+    d = file_dir(tmp_path)
+    p = prompt(3, 5 * BLOCK + 1)
+    corrupt_one_block(tmp_path, d, p, index=2)
+    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]}, policy=policy)
+    try:
+        t = e.add("r", p)
+        e.run()
+        assert len(t.load_blocks) == 1
+        # Exactly the corrupted block, by its engine block id, in the step of finished_recving.
+        assert e.invalid_reported == [{t.load_blocks[0][2]}]
+        assert "r" in e.recv_reported
+        if policy == "recompute":
+            assert t.finished_status == DONE
+            # Blocks 0 and 1 loaded and verified; 2.. recomputed and stored again.
+            assert e.verified_blocks == 2
+            e.add("again", p)
+            e.run()
+            assert e.tracked["again"].finished_status == DONE
+            assert e.verified_blocks == 2 + 5
+        else:
+            assert t.finished_status == RequestStatus.FINISHED_ERROR
+    finally:
+        e.close()
+
+
+def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
+    reason = FrozenMount.unavailable()
+    if reason is not None:
+        print(f"skip: test_frozen_file_tier_waits_at_most_one_deadline: {reason}")
+        pytest.skip(reason)
+    backing = file_dir(tmp_path, "backing")
+    mnt = file_dir(tmp_path, "mnt")
+    mount = FrozenMount(str(mnt), str(backing))
+    deadline_ms = 300
+    extra = {
+        "host_blocks": 64,
+        "file_dirs": [str(mnt)],
+        "load_deadline_ms": deadline_ms,
+        "store_deadline_ms": 400,
+    }
+    prompts = [prompt(10 + i, 3 * BLOCK + 5) for i in range(4)]
+    try:
+        e = Engine(tmp_path, extra)
+        try:
+            for i, p in enumerate(prompts):
+                e.add(f"w{i}", p)
+            e.run()
+        finally:
+            e.close()
+        e = Engine(tmp_path, extra)
+        try:
+            mount.freeze()
+            for i, p in enumerate(prompts):
+                e.add(f"r{i}", p)
+            finished = lambda: all(e.tracked[f"r{i}"].finished_status for i in range(4))  # noqa: E731
+            e.run(timeout=20, until=finished)
+            assert mount.blocked_requests() > 0
+            waits = [w for i in range(4) for w in e.tracked[f"r{i}"].waits]
+            assert len(waits) == 4
+            assert max(waits) <= deadline_ms / 1000 + 0.050, waits
+            assert all(e.tracked[f"r{i}"].finished_status == DONE for i in range(4))
+            # Every file block timed out: reported invalid, recomputed.
+            assert sum(len(s) for s in e.invalid_reported) == 4 * 3
+            # Operations stuck in the mount stay kvx's (quarantined) until it thaws; then
+            # nothing is left anywhere.
+            mount.thaw()
+            e.run(timeout=10)
+        finally:
+            mount.close()  # releases the stuck file operations before the engine stops
+            e.close()
+    finally:
+        mount.close()
+
+
+def test_preempted_request_is_flushed_and_reloads(tmp_path):
+    # 16 usable blocks; two requests that each grow to 9 blocks: one is preempted.
+    e = Engine(tmp_path, {"host_blocks": 64}, num_blocks=17, max_batched_tokens=256)
+    try:
+        for i in range(2):
+            e.add(f"r{i}", prompt(20 + i, 4 * BLOCK), max_tokens=5 * BLOCK)
+        e.run(timeout=60)
+        assert e.conn.stats()["preemptions"] >= 1
+        preempted = [t for t in e.tracked.values() if t.request.num_preemptions > 0]
+        assert preempted
+        for t in preempted:
+            # On resume its flushed stores came back from kvx (at least the prompt's 4 blocks),
+            # byte-exact, before it ran again.
+            assert t.waits, "the preempted request did not reload from kvx"
+            assert t.finished_status == DONE
+        assert e.verified_blocks >= 4
+        assert e.invalid_reported == []
+    finally:
+        e.close()
+
+
+def test_finish_with_stores_in_flight_keeps_blocks_until_finished_sending(tmp_path):
+    e = Engine(tmp_path, {"host_blocks": 32})
+    try:
+        delays = []
+        inner = e.conn.request_finished
+
+        def spy(request, block_ids):
+            out = inner(request, block_ids)
+            delays.append((request.request_id, out[0], list(block_ids)))
+            return out
+
+        e.conn.request_finished = spy
+        p = prompt(30, 4 * BLOCK + 2)
+        e.add("a", p, max_tokens=1)  # finishes in the step that computed (and saved) it
+        while not delays:
+            e.step()
+        (req_id, delayed, blocks), = delays
+        assert (req_id, delayed) == ("a", True)
+        pool = e.scheduler.kv_cache_manager.block_pool
+        while "a" not in e.send_reported:
+            assert "a" in e.scheduler.requests
+            assert all(pool.blocks[b].ref_cnt > 0 for b in blocks)
+            e.step()
+        assert e.send_reported.count("a") == 1
+        assert "a" not in e.scheduler.requests
+        e.run()
+        e.add("b", p)
+        e.run()
+        assert e.conn.stats()["host_hit_blocks"] == 4
+        assert e.verified_blocks == 4
+    finally:
+        e.close()
+
+
+def test_200_requests_over_shared_prefixes_leave_no_state(tmp_path):
+    d = file_dir(tmp_path)
+    e = Engine(
+        tmp_path,
+        {"host_blocks": 24, "file_dirs": [str(d)], "file_blocks": 400},
+        num_blocks=48,
+        prefix_caching=True,
+        max_num_seqs=8,
+    )
+    rng = random.Random(7)
+    prefixes = [prompt(100 + i, 3 * BLOCK) for i in range(8)]
+    try:
+        aborted = set()
+        for n in range(200):
+            p = prefixes[n % 8] + prompt(1000 + n, rng.randint(4, 40))
+            e.add(f"q{n}", p, max_tokens=rng.randint(1, 4))
+            if n % 10 == 9:
+                for _ in range(3):
+                    e.step()
+            if n % 25 == 24:
+                # Abort a request wherever it is (waiting, loading, running).
+                victim = f"q{n - 3}"
+                if e.tracked[victim].request.status not in (DONE, RequestStatus.FINISHED_ABORTED):
+                    e.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+                    aborted.add(victim)
+        e.run(timeout=120)
+        assert e.idle(), e.state()
+        for rid, t in e.tracked.items():
+            assert t.request.status == (RequestStatus.FINISHED_ABORTED if rid in aborted else DONE), rid
+        st = e.conn.stats()
+        assert st["hit_tokens"] > 0 and st["loads"] > 0
+        assert e.verified_blocks > 0
+        assert e.invalid_reported == []
+    finally:
+        e.close()
