@@ -42,7 +42,7 @@ fn throughput(c: &mut Criterion) {
         b.iter(|| {
             for i in 0..N {
                 let id = t.submit(spec(&pool, i, Some((i % 4096) as u32), host, deadline), now);
-                while let Some(Transmit::Submit { op, .. }) = t.poll_transmit() {
+                while let Some(BackendCommand::Submit { op, .. }) = t.poll_backend_command() {
                     ops.push(op);
                 }
                 for op in ops.drain(..) {
@@ -78,7 +78,7 @@ fn expiry(c: &mut Criterion) {
                 for i in 0..n as u64 {
                     t.submit(spec(&pool, i, None, file, far), now);
                 }
-                while let Some(Transmit::Submit { op, .. }) = t.poll_transmit() {
+                while let Some(BackendCommand::Submit { op, .. }) = t.poll_backend_command() {
                     held.push(op);
                 }
                 let mut req = n as u64;
@@ -91,7 +91,8 @@ fn expiry(c: &mut Criterion) {
                             req += 1;
                             t.submit(spec(&pool, req, None, file, soon), now);
                         }
-                        while let Some(Transmit::Submit { op, .. }) = t.poll_transmit() {
+                        while let Some(BackendCommand::Submit { op, .. }) = t.poll_backend_command()
+                        {
                             victims.push(op);
                         }
                         now = soon;
@@ -100,7 +101,7 @@ fn expiry(c: &mut Criterion) {
                         total += start.elapsed();
                         // Not timed: drain events and the zombies' late completions.
                         while t.poll_event().is_some() {}
-                        while t.poll_transmit().is_some() {}
+                        while t.poll_backend_command().is_some() {}
                         for op in victims {
                             t.handle_completion(OpCompletion::all(op, Ok(())), now);
                         }

@@ -10,6 +10,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use crate::error::CoreError;
+use crate::sync::lock;
 
 /// Default alignment: what O_DIRECT needs on common filesystems and devices.
 pub const DEFAULT_ALIGN: usize = 4096;
@@ -209,7 +210,7 @@ impl BufferPool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner.state)
     }
 }
 
@@ -265,7 +266,7 @@ impl std::ops::DerefMut for PoolBuf {
 impl Drop for PoolBuf {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
-            let mut st = self.pool.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut st = lock(&self.pool.state);
             st.lent[self.index] = false;
             st.free.push((self.index, buf));
         }

@@ -14,6 +14,7 @@ use rustc_hash::FxHashMap;
 use crate::backend::{Notifier, WaitOutcome};
 use crate::ids::OpId;
 use crate::op::OpCompletion;
+use crate::sync::{lock, wait_timeout};
 
 struct Board<P> {
     pending: FxHashMap<OpId, P>,
@@ -42,12 +43,12 @@ impl<P> Default for CompletionBoard<P> {
 
 impl<P> CompletionBoard<P> {
     fn lock(&self) -> MutexGuard<'_, Board<P>> {
-        self.board.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.board)
     }
 
     /// Install the driver's notifier.
     pub fn set_notifier(&self, n: Notifier) {
-        *self.notifier.lock().unwrap_or_else(|e| e.into_inner()) = n;
+        *lock(&self.notifier) = n;
     }
 
     /// An op was accepted: it is pending until `complete`.
@@ -90,10 +91,7 @@ impl<P> CompletionBoard<P> {
             s
         };
         self.cv.notify_all();
-        self.notifier
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .notify();
+        lock(&self.notifier).notify();
         state
     }
 
@@ -113,11 +111,7 @@ impl<P> CompletionBoard<P> {
             if now >= until {
                 return WaitOutcome::TimedOut;
             }
-            b = self
-                .cv
-                .wait_timeout(b, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            b = wait_timeout(&self.cv, b, until - now);
         }
     }
 }

@@ -44,7 +44,15 @@ pub enum CoreError {
         /// The memory it was given.
         what: String,
     },
-    /// The driver thread is gone.
-    #[error("the kvx driver has stopped")]
-    DriverStopped,
+    /// The driver stopped: shut down, or its thread (a backend on it) panicked. Every call after
+    /// that returns this error at once; see [`crate::DriverHandle::stopped`] for the engine
+    /// blocks an op may still touch.
+    #[error("the kvx driver has stopped: {reason}")]
+    DriverStopped {
+        /// `stopped` after a shutdown, or the panic message.
+        reason: String,
+    },
+    /// The task was forgotten by [`crate::DriverHandle::reset`] before it reported.
+    #[error("{0} was dropped by a reset")]
+    DroppedByReset(TaskId),
 }

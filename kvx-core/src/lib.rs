@@ -38,7 +38,7 @@
 //!     deadline: deadline(), deferred: false,
 //! }).unwrap();
 //! assert!(driver.wait_report(load, deadline()).unwrap().is_ok());
-//! assert!(!driver.finish(RequestId(1)).unwrap());
+//! driver.finish(RequestId(1)).unwrap();
 //! drop(driver);
 //! assert_eq!(arena.read_block(EngineBlockId(3)).unwrap(), vec![7u8; 4096]);
 //! assert!(pool.is_whole());
@@ -54,7 +54,9 @@ pub mod error;
 pub mod host;
 pub mod ids;
 pub mod layout;
+pub mod metrics;
 pub mod op;
+pub mod sync;
 pub mod task;
 pub mod tracker;
 
@@ -64,11 +66,14 @@ pub use buffer::{AlignedBuf, Buf, BufferPool, DEFAULT_ALIGN, PoolBuf};
 pub use completions::CompletionBoard;
 #[cfg(feature = "tokio")]
 pub use driver::TaskFuture;
-pub use driver::{Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished};
+pub use driver::{
+    Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished, Stopped, TICK,
+};
 pub use error::CoreError;
 pub use host::{HostBackend, HostBackendConfig};
 pub use ids::*;
 pub use layout::{KvLayout, MemoryKind, Region};
 pub use op::{BlockError, Op, OpBlock, OpCompletion};
+pub use sync::lock;
 pub use task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
-pub use tracker::{Event, Fence, Tracker, TrackerConfig, TrackerStats, Transmit};
+pub use tracker::{BackendCommand, Event, Fence, Tracker, TrackerConfig, TrackerStats};

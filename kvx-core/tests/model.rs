@@ -70,6 +70,9 @@ struct Model {
     dropped_by_reset: HashSet<TaskId>,
     generation: [u64; 4],
     requests: HashSet<RequestId>,
+    /// Requests the engine finished, and those the tracker released.
+    finished: HashSet<RequestId>,
+    released: HashSet<RequestId>,
     fences: Vec<FenceCheck>,
 }
 
@@ -93,6 +96,8 @@ impl Model {
             dropped_by_reset: HashSet::new(),
             generation: [0; 4],
             requests: HashSet::new(),
+            finished: HashSet::new(),
+            released: HashSet::new(),
             fences: Vec::new(),
         }
     }
@@ -221,15 +226,23 @@ impl Model {
             }
             Action::Finish(slot) => {
                 let req = self.req(slot);
+                self.finished.insert(req);
                 self.t.finish(req, self.now);
                 self.generation[slot as usize] += 1;
             }
             Action::StartStep => self.t.start_step(),
             Action::Reset => {
-                self.t.reset(self.now);
+                let all: Vec<EngineBlockId> = (0..6).map(EngineBlockId).collect();
+                let ops = self.engine_ops_touching(&all);
+                let fence = self.t.reset(self.now);
                 self.dropped_by_reset
                     .extend(self.live.drain().map(|(id, _)| id));
                 self.fences.clear();
+                self.fences.push(FenceCheck {
+                    fence,
+                    ops,
+                    tasks: Vec::new(),
+                });
             }
             Action::Fence(blocks) => {
                 let blocks: Vec<EngineBlockId> =
@@ -245,12 +258,26 @@ impl Model {
     }
 
     fn drain(&mut self) {
-        while let Some(x) = self.t.poll_transmit() {
-            if let Transmit::Submit { backend, op } = x {
+        while let Some(x) = self.t.poll_backend_command() {
+            if let BackendCommand::Submit { backend, op } = x {
                 self.outstanding.push((backend, op));
             }
         }
         while let Some(e) = self.t.poll_event() {
+            if let Event::RequestReleased(req) = e {
+                assert!(
+                    self.finished.contains(&req),
+                    "{req} released but never finished"
+                );
+                assert!(
+                    !self
+                        .outstanding
+                        .iter()
+                        .any(|(b, op)| *b == self.engine && op.request == req),
+                    "{req} released while an engine copy of it is out"
+                );
+                self.released.insert(req);
+            }
             if let Event::TaskFinished(r) = e {
                 assert!(r.state.is_terminal());
                 assert!(self.reported.insert(r.task), "{} reported twice", r.task);
@@ -313,6 +340,7 @@ impl Model {
             self.check();
         }
         for r in self.requests.clone() {
+            self.finished.insert(r);
             self.t.finish(r, self.now);
         }
         self.drain();
@@ -339,5 +367,6 @@ proptest! {
         prop_assert!(m.t.is_empty(), "tracker not empty: {:?}", m.t.stats());
         prop_assert!(m.pool.is_whole(), "pool lent {}", m.pool.lent());
         prop_assert!(m.reported.is_disjoint(&m.dropped_by_reset));
+        prop_assert_eq!(&m.finished, &m.released, "every finished request is released");
     }
 }

@@ -180,15 +180,11 @@ impl WorkerSide {
         self.abandon_loads(&meta.finished);
         let delayed: FxHashSet<RequestId> = meta.delayed_free.iter().copied().collect();
         for req in meta.finished {
-            // The tracker says whether any op of it is still out; the engine only hears about
-            // the requests whose freeing it delayed.
-            let out_still = self.driver.finish(req)?;
+            // The driver reports every finished request as released once no op of it is out;
+            // the engine only hears about the requests whose freeing it delayed.
+            self.driver.finish(req)?;
             if delayed.contains(&req) {
-                if out_still {
-                    self.finishing.insert(req);
-                } else {
-                    self.out.finished_sending.push(req);
-                }
+                self.finishing.insert(req);
             }
         }
         if meta.flush {
@@ -497,7 +493,7 @@ impl WorkerSide {
         match self.driver.submit(spec) {
             Ok(task) => {
                 self.tasks.insert(task, (job, Role::StoreFile, Vec::new()));
-                if let Ok(true) = self.driver.finish(internal) {
+                if self.driver.finish(internal).is_ok() {
                     self.internal.insert(internal);
                 }
             }
@@ -598,7 +594,8 @@ impl WorkerSide {
     /// Drop every job in flight; their late results are ignored. Host-tier buffers stay
     /// until the scheduler's next metadata says which to keep.
     pub fn reset(&mut self) -> Result<(), OffloadError> {
-        self.driver.reset()?;
+        // The reset's fence is not waited for here (kvx-offload's own reset does not fence yet).
+        let _fence = self.driver.reset()?;
         self.tasks.clear();
         self.loads.clear();
         self.stores.clear();

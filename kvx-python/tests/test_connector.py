@@ -212,7 +212,7 @@ def test_200_requests_over_shared_prefixes_leave_no_state(tmp_path):
     d = file_dir(tmp_path)
     e = Engine(
         tmp_path,
-        {"host_blocks": 24, "file_dirs": [str(d)], "file_blocks": 400},
+        {"host_blocks": 32, "file_dirs": [str(d)], "file_blocks": 400, "eviction": "arc"},
         num_blocks=40,
         prefix_caching=True,
         max_num_seqs=8,

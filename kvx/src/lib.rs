@@ -11,6 +11,7 @@
 //! | `offload` | `offload` = `kvx-offload` (tiered manager + engine connector) |
 //! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA) |
 //! | `rdma` | `rdma` = `kvx-rdma` (remote reads under leases; TCP; `rdma-verbs` adds ibverbs) |
+//! | `prometheus` | `prometheus`: a `/metrics` endpoint for [`core::metrics`] |
 //!
 //! ```
 //! let key = kvx::core::BlockKey::chain(None, b"tokens of the first block");
@@ -28,5 +29,7 @@ pub use kvx_offload as offload;
 pub use kvx_policy as policy;
 #[cfg(feature = "posix")]
 pub use kvx_posix as posix;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 #[cfg(feature = "rdma")]
 pub use kvx_rdma as rdma;

@@ -56,7 +56,7 @@ pub struct ReplayArgs {
     /// Store deadline in milliseconds (default: the load deadline).
     #[arg(long)]
     pub store_deadline_ms: Option<u64>,
-    /// What a request does when a load fails: recompute, fail, or auto:<max recompute tokens>.
+    /// What a request does when a load fails: recompute, fail, or `auto:<max recompute tokens>`.
     #[arg(long, default_value = "recompute")]
     pub on_load_failure: String,
     /// Eviction order of both tiers.
@@ -86,6 +86,10 @@ pub struct ReplayArgs {
     /// Print one JSON object with the results on the last line.
     #[arg(long)]
     pub json: bool,
+    /// Serve kvx's metrics in the Prometheus text format at http://ADDR/metrics while the
+    /// replay runs (e.g. 127.0.0.1:9464; port 0 picks a free one, printed on stderr).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
 }
 
 /// `--eviction`.

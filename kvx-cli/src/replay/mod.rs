@@ -208,6 +208,18 @@ fn run_inner(args: &ReplayArgs) -> Result<(), ReplayError> {
         );
         return Ok(());
     }
+    let _metrics = match &args.metrics_addr {
+        Some(addr) => {
+            let server = kvx::prometheus::PrometheusServer::start(addr)
+                .map_err(|e| ReplayError::BadOption(format!("--metrics-addr: {e}")))?;
+            eprintln!(
+                "kvx replay: metrics at http://{}/metrics",
+                server.local_addr()
+            );
+            Some(server)
+        }
+        None => None,
+    };
     let (stats, ctx, rig) = execute(&s, &loaded.requests, loaded.source, loaded.skipped)?;
     {
         let mut out = std::io::stdout().lock();

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::sync::oneshot;
@@ -10,19 +11,23 @@ use crate::error::CoreError;
 use crate::ids::TaskId;
 use crate::task::TaskReport;
 
-/// Resolves to the task's report once it reaches a terminal state.
+use super::shared::{Shared, Watcher};
+
+/// Resolves to the task's report once it reaches a terminal state; to
+/// [`CoreError::DriverStopped`] if the driver stopped first, or [`CoreError::DroppedByReset`].
 pub struct TaskFuture {
     id: TaskId,
     rx: oneshot::Receiver<TaskReport>,
+    shared: Arc<Shared>,
 }
 
 impl TaskFuture {
-    pub(crate) fn new(id: TaskId) -> (TaskFuture, super::Watcher) {
+    pub(super) fn new(id: TaskId, shared: Arc<Shared>) -> (TaskFuture, Watcher) {
         let (tx, rx) = oneshot::channel();
-        let watcher: super::Watcher = Box::new(move |r| {
+        let watcher: Watcher = Box::new(move |r| {
             let _ = tx.send(r);
         });
-        (TaskFuture { id, rx }, watcher)
+        (TaskFuture { id, rx, shared }, watcher)
     }
 
     /// The task's id.
@@ -35,8 +40,25 @@ impl Future for TaskFuture {
     type Output = Result<TaskReport, CoreError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.rx)
-            .poll(cx)
-            .map(|r| r.map_err(|_| CoreError::DriverStopped))
+        let id = self.id;
+        let shared = self.shared.clone();
+        // The driver drops a watcher without calling it only on a reset or a stop; the stop
+        // is recorded before the watchers are dropped.
+        Pin::new(&mut self.rx).poll(cx).map(|r| {
+            r.map_err(|_| match shared.stopped.get() {
+                Some(s) => CoreError::DriverStopped {
+                    reason: s.reason.clone(),
+                },
+                None if shared
+                    .stop_requested
+                    .load(std::sync::atomic::Ordering::Acquire) =>
+                {
+                    CoreError::DriverStopped {
+                        reason: "stopped".into(),
+                    }
+                }
+                None => CoreError::DroppedByReset(id),
+            })
+        })
     }
 }

@@ -1,32 +1,59 @@
-//! The driver: a thread that owns the clock, the backends and the [`Tracker`], and the
-//! engine-facing handle to it.
+//! The driver: a thread that owns the clock, the backends and the [`Tracker`](crate::Tracker),
+//! and the engine-facing [`DriverHandle`].
 //!
-//! Every engine-facing call is non-blocking except [`DriverHandle::finish`] (a round trip to the
-//! driver thread, which itself never blocks on a device) and the explicit waits
-//! ([`FenceHandle::wait`], [`DriverHandle::wait_report`]). Results are collected with
-//! [`DriverHandle::get_finished`], the way an engine step loop polls.
+//! # The tick
+//!
+//! [`TICK`] (1 ms) is the driver's timer granularity: deadlines are kept in millisecond slots
+//! and the thread sleeps exactly until the next one, so a task gets its `TimedOut` verdict no
+//! later than one tick after its deadline (plus the OS's scheduling delay on a loaded machine).
+//!
+//! # The bound every handle call honours
+//!
+//! No [`DriverHandle`] method waits for the driver thread or a backend. A call queues a
+//! command and returns, or reads state the driver thread publishes after every pass: each
+//! takes at most two short locks that the driver thread only holds to swap a queue or copy a
+//! snapshot, never while it runs a backend. A call therefore returns within microseconds, well
+//! under one [`TICK`], whatever a backend does: hangs, never completes, or panics. The only
+//! calls that wait are the explicit waits, [`DriverHandle::wait_report`] and
+//! [`FenceHandle::wait`]: they return by the `until` the caller passes, and at once once the
+//! driver stopped. Answers that need the driver thread come back later: verdicts and released
+//! requests through [`DriverHandle::get_finished`], fences through [`FenceHandle`].
+//!
+//! # When the driver stops
+//!
+//! Every pass of the driver thread, and so every backend call, runs under `catch_unwind`. A
+//! panic stops the driver: it records the panic message, wakes every waiter (fence waits
+//! return false, `wait_report` returns `None`, futures resolve with an error), and every later
+//! call returns [`CoreError::DriverStopped`] with that message. [`DriverHandle::stopped`] says
+//! why and which engine blocks an op that was out may still touch; the engine must not reuse
+//! those. Dropping the [`Driver`] stops it the same way, with the reason `stopped`.
 
+mod fence;
 #[cfg(feature = "tokio")]
 mod future;
-mod sync;
+mod run;
+mod shared;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::{JoinHandle, Thread};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rustc_hash::FxHashMap;
-
-use crate::backend::{Backend, Notifier};
+use crate::backend::Backend;
 use crate::error::CoreError;
 use crate::ids::{BackendId, EngineBlockId, RequestId, TaskId};
+use crate::sync::{lock, wait_timeout};
 use crate::task::{TaskReport, TaskSpec};
-use crate::tracker::{Event, Fence, Tracker, TrackerConfig, TrackerStats, Transmit};
+use crate::tracker::{TrackerConfig, TrackerStats};
+pub use fence::FenceHandle;
+use fence::FenceSlot;
 #[cfg(feature = "tokio")]
 pub use future::TaskFuture;
-pub use sync::FenceHandle;
-use sync::FenceSlot;
+use shared::{Cmd, Shared};
+
+/// The driver's timer granularity: a verdict comes no later than one tick after its deadline.
+pub const TICK: Duration = Duration::from_millis(1);
 
 /// Settings of the driver.
 #[derive(Debug, Clone)]
@@ -51,7 +78,10 @@ impl Default for DriverConfig {
 pub struct Finished {
     /// Verdicts of tasks that ended (loads and stores).
     pub reports: Vec<TaskReport>,
-    /// Finished requests whose delayed freeing may happen now.
+    /// Requests passed to [`DriverHandle::finish`] of which no op is out any more: their
+    /// blocks may be freed now. Every finished request comes here exactly once, also when
+    /// nothing of it was out, and also when a reset dropped its tasks (once its engine copies
+    /// returned).
     pub released: Vec<RequestId>,
 }
 
@@ -62,39 +92,15 @@ impl Finished {
     }
 }
 
-type Watcher = Box<dyn FnOnce(TaskReport) + Send>;
-
-enum Cmd {
-    Submit(TaskId, TaskSpec, Option<Watcher>),
-    StartStep,
-    Cancel(TaskId),
-    Preempt(RequestId, Arc<FenceSlot>),
-    FenceBlocks(Vec<EngineBlockId>, Arc<FenceSlot>),
-    Finish(RequestId, mpsc::Sender<bool>),
-    Reset,
-    Stats(mpsc::Sender<(TrackerStats, bool)>),
-}
-
-struct Inner {
-    cmds: Mutex<Vec<Cmd>>,
-    thread: Thread,
-    next_task: AtomicU64,
-    out: Mutex<Finished>,
-    out_cv: Condvar,
-    stop: AtomicBool,
-}
-
-impl Inner {
-    fn send(&self, cmd: Cmd) -> Result<(), CoreError> {
-        let mut cmds = self.cmds.lock().unwrap_or_else(|e| e.into_inner());
-        if self.stop.load(Ordering::Acquire) {
-            return Err(CoreError::DriverStopped);
-        }
-        cmds.push(cmd);
-        drop(cmds);
-        self.thread.unpark();
-        Ok(())
-    }
+/// Why the driver stopped, and what may still be touched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stopped {
+    /// `stopped` after a shutdown; the panic message after a panic.
+    pub reason: String,
+    /// Engine blocks that an op which was out when the driver stopped may still read or write:
+    /// never reuse them. `None` when the driver could not tell (its thread died mid-pass):
+    /// then every block that had an op out is at risk, so treat the whole pool as such.
+    pub blocks_at_risk: Option<Vec<EngineBlockId>>,
 }
 
 /// Collects backends, then starts the driver thread.
@@ -120,34 +126,33 @@ impl DriverBuilder {
 
     /// Start the driver thread.
     pub fn spawn(self) -> Result<Driver, CoreError> {
-        let (tx, rx) = mpsc::channel::<Arc<Inner>>();
+        let (tx, rx) = mpsc::channel::<Arc<Shared>>();
         let DriverBuilder { cfg, backends } = self;
+        crate::metrics::register_counters();
         let thread = std::thread::Builder::new()
             .name("kvx-driver".into())
             .spawn(move || {
-                if let Ok(inner) = rx.recv() {
-                    run(inner, cfg, backends)
+                if let Ok(shared) = rx.recv() {
+                    run::run(shared, cfg, backends)
                 }
             })
-            .map_err(|e| CoreError::BadLayout(format!("cannot spawn the driver thread: {e}")))?;
-        let inner = Arc::new(Inner {
-            cmds: Mutex::new(Vec::new()),
-            thread: thread.thread().clone(),
-            next_task: AtomicU64::new(1),
-            out: Mutex::new(Finished::default()),
-            out_cv: Condvar::new(),
-            stop: AtomicBool::new(false),
-        });
-        tx.send(inner.clone())
-            .map_err(|_| CoreError::DriverStopped)?;
+            .map_err(|e| CoreError::DriverStopped {
+                reason: format!("cannot spawn the driver thread: {e}"),
+            })?;
+        let shared = Arc::new(Shared::new(thread.thread().clone()));
+        tx.send(shared.clone())
+            .map_err(|_| CoreError::DriverStopped {
+                reason: "the driver thread exited at start".into(),
+            })?;
         Ok(Driver {
-            handle: DriverHandle { inner },
+            handle: DriverHandle { shared },
             thread: Some(thread),
         })
     }
 }
 
-/// The running driver. Dropping it stops the thread (zombie ops are abandoned to their backends).
+/// The running driver. Dropping it stops the driver and waits for its thread to finish its
+/// current pass and drop the backends (zombie ops are abandoned to them).
 pub struct Driver {
     handle: DriverHandle,
     thread: Option<JoinHandle<()>>,
@@ -169,254 +174,117 @@ impl std::ops::Deref for Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        self.handle.inner.stop.store(true, Ordering::Release);
-        self.handle.inner.thread.unpark();
+        let shared = &self.handle.shared;
+        shared.stop_requested.store(true, Ordering::Release);
+        shared.thread.unpark();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-/// The engine-facing handle of a driver.
+/// The engine-facing handle of a driver. See the [module docs](self) for the bound every
+/// method honours.
 #[derive(Clone)]
 pub struct DriverHandle {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
 }
 
 impl DriverHandle {
     /// Submit a task; returns at once with its id. Its verdict comes through `get_finished`.
     pub fn submit(&self, spec: TaskSpec) -> Result<TaskId, CoreError> {
-        let id = TaskId(self.inner.next_task.fetch_add(1, Ordering::Relaxed));
-        self.inner.send(Cmd::Submit(id, spec, None))?;
+        let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        self.shared.send(Cmd::Submit(id, spec, None))?;
         Ok(id)
     }
 
     /// Submit deferred tasks now (call at the start of each engine step).
     pub fn start_step(&self) -> Result<(), CoreError> {
-        self.inner.send(Cmd::StartStep)
+        self.shared.send(Cmd::StartStep)
     }
 
     /// Cancel a task (best effort: a task that already ended is unaffected).
     pub fn cancel(&self, task: TaskId) -> Result<(), CoreError> {
-        self.inner.send(Cmd::Cancel(task))
+        self.shared.send(Cmd::Cancel(task))
     }
 
     /// Preempt a request: cancel its loads, flush its stores. Wait for the fence before reusing
     /// its blocks.
     pub fn preempt(&self, req: RequestId) -> Result<FenceHandle, CoreError> {
         let slot = Arc::new(FenceSlot::default());
-        self.inner.send(Cmd::Preempt(req, slot.clone()))?;
-        Ok(FenceHandle::new(slot))
+        self.shared.send(Cmd::Preempt(req, slot.clone()))?;
+        Ok(FenceHandle::new(slot, self.shared.clone()))
     }
 
     /// A fence over engine blocks about to be handed to someone else (flushes queued stores).
     pub fn fence_blocks(&self, blocks: &[EngineBlockId]) -> Result<FenceHandle, CoreError> {
         let slot = Arc::new(FenceSlot::default());
-        self.inner
+        self.shared
             .send(Cmd::FenceBlocks(blocks.to_vec(), slot.clone()))?;
-        Ok(FenceHandle::new(slot))
+        Ok(FenceHandle::new(slot, self.shared.clone()))
     }
 
-    /// The engine is done with a request; true when freeing its blocks must wait for
-    /// [`Finished::released`].
-    pub fn finish(&self, req: RequestId) -> Result<bool, CoreError> {
-        let (tx, rx) = mpsc::channel();
-        self.inner.send(Cmd::Finish(req, tx))?;
-        rx.recv().map_err(|_| CoreError::DriverStopped)
+    /// The engine is done with a request: its loads are cancelled, its queued stores flushed.
+    /// Returns at once. The request is reported once in [`Finished::released`] as soon as no
+    /// op of it is out (in the next pass when nothing was out); free its blocks then.
+    pub fn finish(&self, req: RequestId) -> Result<(), CoreError> {
+        self.shared.send(Cmd::Finish(req))
     }
 
-    /// Forget all live tasks; late completions of their ops are dropped.
-    pub fn reset(&self) -> Result<(), CoreError> {
-        self.inner.send(Cmd::Reset)
+    /// Forget every live task without reporting it; late completions of their ops are dropped
+    /// and their futures resolve with [`CoreError::DroppedByReset`]. Returns at once with a
+    /// fence that holds once every engine-memory op that was out at the reset (zombies
+    /// included) has returned: reuse no engine block before it holds. Requests already passed
+    /// to [`DriverHandle::finish`] are not forgotten: each is still reported in
+    /// [`Finished::released`] once its own engine-memory ops have returned.
+    pub fn reset(&self) -> Result<FenceHandle, CoreError> {
+        let slot = Arc::new(FenceSlot::default());
+        self.shared.send(Cmd::Reset(slot.clone()))?;
+        Ok(FenceHandle::new(slot, self.shared.clone()))
     }
 
     /// Everything that finished since the last call. Never blocks.
     pub fn get_finished(&self) -> Finished {
-        std::mem::take(&mut *self.inner.out.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut lock(&self.shared.out).finished)
     }
 
-    /// Block until `task`'s report arrives or `until` passes; the report is taken out of the
-    /// finished set. (Convenience for tests and simple callers.)
+    /// Block until `task`'s report arrives (taken out of the finished set), `until` passes or
+    /// the driver stops (`None`). For tests and simple callers.
     pub fn wait_report(&self, task: TaskId, until: Instant) -> Option<TaskReport> {
-        let mut out = self.inner.out.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = lock(&self.shared.out);
         loop {
-            if let Some(i) = out.reports.iter().position(|r| r.task == task) {
-                return Some(out.reports.remove(i));
+            if let Some(i) = out.finished.reports.iter().position(|r| r.task == task) {
+                return Some(out.finished.reports.remove(i));
             }
             let now = Instant::now();
-            if now >= until {
+            if now >= until || self.shared.stopped.get().is_some() {
                 return None;
             }
-            out = self
-                .inner
-                .out_cv
-                .wait_timeout(out, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            out = wait_timeout(&self.shared.cv, out, until - now);
         }
     }
 
-    /// Tracker counters, and whether the tracker is completely empty.
+    /// Tracker counters as of the driver's last pass, and whether the tracker is completely
+    /// empty with no command of this driver still queued. Never blocks.
     pub fn stats(&self) -> Result<(TrackerStats, bool), CoreError> {
-        let (tx, rx) = mpsc::channel();
-        self.inner.send(Cmd::Stats(tx))?;
-        rx.recv().map_err(|_| CoreError::DriverStopped)
+        self.shared.check()?;
+        let out = lock(&self.shared.out);
+        let current = out.applied == self.shared.sent.load(Ordering::Acquire);
+        Ok((out.stats.clone(), out.empty && current))
+    }
+
+    /// Why the driver stopped and which engine blocks may still be touched; `None` while it
+    /// runs. Never blocks.
+    pub fn stopped(&self) -> Option<Stopped> {
+        self.shared.stopped.get().cloned()
     }
 
     /// Submit a task and get a future of its report (feature `tokio`).
     #[cfg(feature = "tokio")]
     pub fn submit_async(&self, spec: TaskSpec) -> Result<TaskFuture, CoreError> {
-        let id = TaskId(self.inner.next_task.fetch_add(1, Ordering::Relaxed));
-        let (fut, watcher) = TaskFuture::new(id);
-        self.inner.send(Cmd::Submit(id, spec, Some(watcher)))?;
+        let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        let (fut, watcher) = TaskFuture::new(id, self.shared.clone());
+        self.shared.send(Cmd::Submit(id, spec, Some(watcher)))?;
         Ok(fut)
-    }
-}
-
-struct Loop {
-    inner: Arc<Inner>,
-    tracker: Tracker,
-    backends: Vec<Box<dyn Backend>>,
-    fences: Vec<(Fence, Arc<FenceSlot>)>,
-    watchers: FxHashMap<TaskId, Watcher>,
-    completions: Vec<crate::op::OpCompletion>,
-}
-
-fn run(inner: Arc<Inner>, cfg: DriverConfig, mut backends: Vec<Box<dyn Backend>>) {
-    let mut tracker = Tracker::new(cfg.tracker.clone());
-    let me = std::thread::current();
-    for b in backends.iter_mut() {
-        let t = me.clone();
-        b.set_notifier(Notifier::new(move || t.unpark()));
-        tracker.add_backend(b.touches_engine_memory());
-    }
-    let mut l = Loop {
-        inner,
-        tracker,
-        backends,
-        fences: Vec::new(),
-        watchers: FxHashMap::default(),
-        completions: Vec::new(),
-    };
-    while !l.inner.stop.load(Ordering::Acquire) {
-        let busy = l.turn();
-        if !busy {
-            let park = match l.tracker.poll_timeout() {
-                Some(at) => at
-                    .saturating_duration_since(Instant::now())
-                    .min(cfg.max_park),
-                None => cfg.max_park,
-            };
-            if !park.is_zero() {
-                std::thread::park_timeout(park);
-            }
-        }
-    }
-    // Commands that raced with the stop are dropped, so their callers see `DriverStopped`.
-    l.inner
-        .cmds
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clear();
-}
-
-impl Loop {
-    /// One pass: commands, completions, timers, transmits, events. True if anything happened.
-    fn turn(&mut self) -> bool {
-        let mut busy = false;
-        let cmds = std::mem::take(&mut *self.inner.cmds.lock().unwrap_or_else(|e| e.into_inner()));
-        let now = Instant::now();
-        for cmd in cmds {
-            busy = true;
-            self.apply(cmd, now);
-        }
-        for b in self.backends.iter_mut() {
-            b.poll(&mut self.completions);
-        }
-        let now = Instant::now();
-        for c in self.completions.drain(..) {
-            busy = true;
-            self.tracker.handle_completion(c, now);
-        }
-        self.tracker.handle_timeout(Instant::now());
-        while let Some(t) = self.tracker.poll_transmit() {
-            busy = true;
-            match t {
-                Transmit::Submit { backend, op } => {
-                    if let Err(e) = self.backends[backend.0 as usize].submit(op) {
-                        self.tracker.handle_submit_error(e, Instant::now());
-                    }
-                }
-                Transmit::Cancel { backend, op } => self.backends[backend.0 as usize].cancel(op),
-            }
-        }
-        let mut delivered = false;
-        while let Some(ev) = self.tracker.poll_event() {
-            busy = true;
-            let mut out = self.inner.out.lock().unwrap_or_else(|e| e.into_inner());
-            match ev {
-                Event::TaskFinished(r) => match self.watchers.remove(&r.task) {
-                    Some(w) => {
-                        drop(out);
-                        w(r)
-                    }
-                    None => {
-                        out.reports.push(r);
-                        delivered = true;
-                    }
-                },
-                Event::RequestReleased(req) => {
-                    out.released.push(req);
-                    delivered = true;
-                }
-            }
-        }
-        if delivered {
-            self.inner.out_cv.notify_all();
-        }
-        let tracker = &self.tracker;
-        self.fences.retain(|(f, slot)| {
-            if tracker.fence_holds(f) {
-                slot.set();
-                false
-            } else {
-                true
-            }
-        });
-        busy
-    }
-
-    fn apply(&mut self, cmd: Cmd, now: Instant) {
-        match cmd {
-            Cmd::Submit(id, spec, watcher) => {
-                if let Some(w) = watcher {
-                    self.watchers.insert(id, w);
-                }
-                if let Err(e) = self.tracker.submit_as(id, spec, now) {
-                    tracing::error!(%id, error = %e, "driver: task id reused");
-                    self.watchers.remove(&id);
-                }
-            }
-            Cmd::StartStep => self.tracker.start_step(),
-            Cmd::Cancel(t) => self.tracker.cancel(t, now),
-            Cmd::Preempt(req, slot) => {
-                let f = self.tracker.preempt(req, now);
-                self.fences.push((f, slot));
-            }
-            Cmd::FenceBlocks(blocks, slot) => {
-                let f = self.tracker.fence_blocks(&blocks);
-                self.fences.push((f, slot));
-            }
-            Cmd::Finish(req, reply) => {
-                let _ = reply.send(self.tracker.finish(req, now));
-            }
-            Cmd::Reset => {
-                self.tracker.reset(now);
-                self.watchers.clear();
-            }
-            Cmd::Stats(reply) => {
-                let _ = reply.send((self.tracker.stats(), self.tracker.is_empty()));
-            }
-        }
     }
 }

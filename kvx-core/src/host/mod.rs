@@ -16,6 +16,7 @@ use crate::error::CoreError;
 use crate::ids::{Direction, OpId};
 use crate::layout::KvLayout;
 use crate::op::{BlockError, Op, OpCompletion};
+use crate::sync::lock;
 
 /// Settings of the host backend.
 #[derive(Debug, Clone)]
@@ -98,7 +99,7 @@ impl HostBackend {
 fn worker(shared: Arc<Shared>, rx: Arc<Mutex<Receiver<Op>>>) {
     loop {
         let op = {
-            let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+            let rx = lock(&rx);
             match rx.recv() {
                 Ok(op) => op,
                 Err(_) => return,

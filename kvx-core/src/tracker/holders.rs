@@ -106,6 +106,13 @@ impl Holders {
         })
     }
 
+    /// Every block with a holder (sorted).
+    pub(crate) fn blocks(&self) -> Vec<EngineBlockId> {
+        let mut v: Vec<EngineBlockId> = self.lines.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.lines.is_empty()
     }

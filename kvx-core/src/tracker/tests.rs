@@ -3,8 +3,10 @@
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::backend::SubmitError;
 use crate::buffer::{Buf, BufferPool};
-use crate::ids::BlockKey;
+use crate::op::{BlockError, Op, OpCompletion};
+use crate::task::{FailReason, TaskReport, TaskSpec};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -60,8 +62,8 @@ impl World {
     /// Ops handed to backends so far (cancels dropped).
     fn take_ops(&mut self) -> Vec<(BackendId, Op)> {
         let mut out = Vec::new();
-        while let Some(x) = self.t.poll_transmit() {
-            if let Transmit::Submit { backend, op } = x {
+        while let Some(x) = self.t.poll_backend_command() {
+            if let BackendCommand::Submit { backend, op } = x {
                 out.push((backend, op));
             }
         }
@@ -110,6 +112,10 @@ fn submit_then_complete_is_done_with_buffers_back() {
     drop(r);
     assert!(w.pool.is_whole());
     assert!(!w.t.finish(RequestId(1), w.now));
+    assert!(matches!(
+        w.events()[..],
+        [Event::RequestReleased(RequestId(1))]
+    ));
     assert!(w.t.is_empty(), "{:?}", w.t.stats());
 }
 
@@ -171,8 +177,8 @@ fn timeout_quarantines_buffers_until_the_late_completion() {
             .all(|b| b.buf.is_none() && b.result == Err(BlockError::TimedOut))
     );
     assert_eq!(r.blocks[1].engine, Some(EngineBlockId(1)));
-    let cancels: Vec<_> = std::iter::from_fn(|| w.t.poll_transmit()).collect();
-    assert!(matches!(cancels[0], Transmit::Cancel { op: o, .. } if o == op.id));
+    let cancels: Vec<_> = std::iter::from_fn(|| w.t.poll_backend_command()).collect();
+    assert!(matches!(cancels[0], BackendCommand::Cancel { op: o, .. } if o == op.id));
     let st = w.t.stats();
     assert_eq!((st.zombie_ops, st.zombie_bytes), (1, 8192));
     assert_eq!(w.pool.lent(), 2, "the zombie op still owns its buffers");
@@ -444,8 +450,15 @@ fn finish_without_work_frees_at_once() {
     w.complete(op);
     assert_eq!(w.reports()[0].task, t);
     assert!(!w.t.finish(RequestId(1), w.now));
-    assert!(w.events().is_empty());
+    assert!(matches!(
+        w.events()[..],
+        [Event::RequestReleased(RequestId(1))]
+    ));
     assert!(!w.t.finish(RequestId(99), w.now), "unknown request");
+    assert!(
+        matches!(w.events()[..], [Event::RequestReleased(RequestId(99))]),
+        "an unknown request is released too"
+    );
     assert!(w.t.is_empty());
 }
 
@@ -485,7 +498,9 @@ fn reset_drops_late_completions() {
     w.submit(1, Direction::Store, &[0]);
     w.submit(2, Direction::Load, &[1]);
     let ops = w.take_ops();
-    w.t.reset(w.now);
+    let fence = w.t.reset(w.now);
+    assert_eq!(fence.blocks(), [EngineBlockId(0), EngineBlockId(1)]);
+    assert!(!w.t.fence_holds(&fence), "both engine copies are out");
     assert!(w.events().is_empty(), "reset reports nothing");
     assert_eq!(w.t.stats().zombie_ops, 2);
     // The old engine ops still hold their blocks: a new load on block 1 waits.
@@ -496,11 +511,16 @@ fn reset_drops_late_completions() {
     for (_, op) in ops {
         w.complete(op);
     }
+    assert!(w.t.fence_holds(&fence));
     assert!(w.reports().is_empty(), "late completions change nothing");
     let (_, op) = w.take_ops().into_iter().next().unwrap();
     w.complete(op);
     assert_eq!(w.reports().len(), 1);
     assert!(!w.t.finish(RequestId(3), w.now));
+    assert!(matches!(
+        w.events()[..],
+        [Event::RequestReleased(RequestId(3))]
+    ));
     assert!(w.t.is_empty(), "{:?}", w.t.stats());
     assert!(w.pool.is_whole());
 }
@@ -586,4 +606,57 @@ fn many_expiries_pop_in_deadline_order() {
     let reqs: Vec<u64> = r.iter().map(|r| r.request.0).collect();
     assert_eq!(reqs.first(), Some(&49), "earliest deadline first");
     assert_eq!(reqs.last(), Some(&40));
+}
+
+#[test]
+fn reset_still_releases_finished_requests_once_their_copies_return() {
+    let mut w = world();
+    w.submit(1, Direction::Store, &[0]);
+    w.submit(2, Direction::Store, &[1]);
+    let mut ops = w.take_ops();
+    assert!(w.t.finish(RequestId(1), w.now), "its store is out");
+    let fence = w.t.reset(w.now);
+    assert!(w.events().is_empty(), "request 1's copy is still out");
+    let (_, op2) = ops.pop().unwrap();
+    let (_, op1) = ops.pop().unwrap();
+    w.complete(op2);
+    assert!(
+        w.events().is_empty(),
+        "request 2 was never finished: not reported"
+    );
+    assert!(!w.t.fence_holds(&fence));
+    w.complete(op1);
+    assert!(matches!(
+        w.events()[..],
+        [Event::RequestReleased(RequestId(1))]
+    ));
+    assert!(w.t.fence_holds(&fence));
+    assert!(w.take_ops().is_empty(), "only cancel hints were queued");
+    assert!(w.t.is_empty(), "{:?}", w.t.stats());
+}
+
+#[test]
+fn reset_keeps_a_release_already_queued() {
+    let mut w = world();
+    assert!(!w.t.finish(RequestId(5), w.now));
+    let fence = w.t.reset(w.now);
+    assert!(w.t.fence_holds(&fence), "nothing was out");
+    assert!(matches!(
+        w.events()[..],
+        [Event::RequestReleased(RequestId(5))]
+    ));
+}
+
+#[test]
+fn engine_blocks_out_lists_engine_copies_only() {
+    let mut w = world();
+    w.submit(1, Direction::Load, &[3, 1]);
+    let s = w.spec(2, Direction::Load, &[7], vec![w.file, w.engine]);
+    w.t.submit(s, w.now);
+    let _ops = w.take_ops();
+    assert_eq!(
+        w.t.engine_blocks_out(),
+        [EngineBlockId(1), EngineBlockId(3)],
+        "block 7 is with the file backend, which never touches engine memory"
+    );
 }

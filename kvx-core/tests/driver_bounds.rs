@@ -1,0 +1,545 @@
+//! The bounds of the engine-facing driver calls when a backend misbehaves: it panics, it never
+//! completes, or its copies cannot be cancelled. Real driver thread, real clock; every time
+//! margin is one `TICK` plus a stated allowance of at most 50 ms.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvx_core::*;
+
+/// Allowance on top of one tick for a real-time margin on a loaded 2-core machine.
+const ALLOWANCE: Duration = Duration::from_millis(50);
+/// The longest an engine-facing call may take while a backend is stuck.
+const CALL_BOUND: Duration = Duration::from_millis(10);
+
+fn soon(ms: u64) -> Instant {
+    Instant::now() + Duration::from_millis(ms)
+}
+
+fn load(
+    pool: &BufferPool,
+    backend: BackendId,
+    req: u64,
+    block: u32,
+    deadline: Instant,
+) -> TaskSpec {
+    TaskSpec {
+        request: RequestId(req),
+        dir: Direction::Load,
+        route: vec![backend],
+        blocks: vec![OpBlock {
+            key: BlockKey(block as u128),
+            engine: Some(EngineBlockId(block)),
+            buf: Buf::Owned(pool.take().expect("pool has a buffer")),
+        }],
+        deadline,
+        deferred: false,
+    }
+}
+
+/// Time one call; fail if it took longer than `CALL_BOUND`.
+fn timed<R>(what: &str, worst: &mut Duration, f: impl FnOnce() -> R) -> R {
+    let t0 = Instant::now();
+    let r = f();
+    let took = t0.elapsed();
+    assert!(took <= CALL_BOUND, "{what} took {took:?}");
+    *worst = (*worst).max(took);
+    r
+}
+
+// ---------------------------------------------------------------------------------------------
+// A backend that panics.
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PanicIn {
+    /// The Nth `submit` panics.
+    Submit,
+    /// `poll` panics once N ops were submitted.
+    Poll,
+}
+
+/// Holds every op it is given (never completes one) and panics on its Nth op.
+struct Exploding {
+    nth: usize,
+    at: PanicIn,
+    held: Vec<Op>,
+}
+
+impl Backend for Exploding {
+    fn name(&self) -> &str {
+        "exploding"
+    }
+    fn touches_engine_memory(&self) -> bool {
+        true
+    }
+    fn set_notifier(&mut self, _: Notifier) {}
+    fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
+        self.held.push(op);
+        if self.at == PanicIn::Submit && self.held.len() == self.nth {
+            panic!("exploding backend: op {} in submit", self.nth);
+        }
+        Ok(())
+    }
+    fn poll(&mut self, _: &mut Vec<OpCompletion>) {
+        if self.at == PanicIn::Poll && self.held.len() >= self.nth {
+            panic!("exploding backend: op {} in poll", self.nth);
+        }
+    }
+    fn cancel(&mut self, _: OpId) {}
+    fn wait(&mut self, _: &[OpId], _: Instant) -> WaitOutcome {
+        WaitOutcome::TimedOut
+    }
+}
+
+fn panic_stops_the_driver_and_every_call_errs(at: PanicIn) {
+    // With RUST_BACKTRACE set, the default hook symbolizes a backtrace on the driver thread
+    // before the panic unwinds, which alone can take longer than the bound under test; the
+    // bound is the driver's, so the hook prints only the message.
+    std::panic::set_hook(Box::new(|info| eprintln!("{info}")));
+    // The future (feature `tokio`) takes one op more before the one that explodes.
+    let nth = if cfg!(feature = "tokio") { 4 } else { 3 };
+    let mut b = DriverBuilder::new(DriverConfig::default());
+    let be = b.backend(Box::new(Exploding {
+        nth,
+        at,
+        held: Vec::new(),
+    }));
+    let driver = b.spawn().unwrap();
+    let h = driver.handle();
+    let pool = BufferPool::new(8, 4096, DEFAULT_ALIGN).unwrap();
+
+    // Two loads out with the backend, a fence on the first, waiters on both.
+    let _t1 = h.submit(load(&pool, be, 1, 0, soon(10_000))).unwrap();
+    let t2 = h.submit(load(&pool, be, 2, 1, soon(10_000))).unwrap();
+    let fence = h.preempt(RequestId(1)).unwrap();
+    let waiter_report = {
+        let h = h.clone();
+        std::thread::spawn(move || h.wait_report(t2, soon(10_000)))
+    };
+    let waiter_fence = {
+        let f = fence.clone();
+        std::thread::spawn(move || f.wait(soon(10_000)))
+    };
+    #[cfg(feature = "tokio")]
+    let fut = h.submit_async(load(&pool, be, 4, 4, soon(10_000))).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(h.stopped().is_none(), "two ops out: nothing exploded yet");
+    assert!(!fence.is_ready(), "the load's copy is still out");
+
+    // The last op explodes.
+    let t0 = Instant::now();
+    h.submit(load(&pool, be, 3, 2, soon(10_000))).unwrap();
+    let stopped = loop {
+        if let Some(s) = h.stopped() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(100),
+            "no stop within 100 ms"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let place = if at == PanicIn::Submit {
+        "submit"
+    } else {
+        "poll"
+    };
+    let expected = format!("exploding backend: op {nth} in {place}");
+    assert!(
+        stopped.reason.contains(&expected),
+        "reason: {}",
+        stopped.reason
+    );
+    let at_risk = stopped.blocks_at_risk.expect("the driver could tell");
+    for b in [0, 1, 2, 4].into_iter().take(nth) {
+        assert!(
+            at_risk.contains(&EngineBlockId(b)),
+            "block {b} had an op out: {at_risk:?}"
+        );
+    }
+
+    // Every later call errs at once, with the message.
+    let mut worst = Duration::ZERO;
+    let is_stopped = |e: CoreError| matches!(e, CoreError::DriverStopped { reason } if reason.contains(&expected));
+    assert!(is_stopped(
+        timed("submit", &mut worst, || h.submit(load(
+            &pool,
+            be,
+            5,
+            5,
+            soon(1000)
+        )))
+        .unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("finish", &mut worst, || h.finish(RequestId(1))).unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("stats", &mut worst, || h.stats()).unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("start_step", &mut worst, || h.start_step()).unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("cancel", &mut worst, || h.cancel(t2)).unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("preempt", &mut worst, || h.preempt(RequestId(2))).unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("fence_blocks", &mut worst, || h
+            .fence_blocks(&[EngineBlockId(7)]))
+        .unwrap_err()
+    ));
+    assert!(is_stopped(
+        timed("reset", &mut worst, || h.reset()).unwrap_err()
+    ));
+    let f = timed("get_finished", &mut worst, || h.get_finished());
+    assert!(
+        f.reports
+            .iter()
+            .all(|r| r.request == RequestId(1) && r.state == TaskState::Cancelled),
+        "only the preempted load reported"
+    );
+    // The fence never claims the blocks are safe.
+    assert!(!fence.is_ready());
+    assert!(is_stopped(fence.poll().unwrap_err()));
+    assert!(!timed("fence wait", &mut worst, || fence.wait(soon(5_000))));
+    assert!(timed("wait_report", &mut worst, || h.wait_report(t2, soon(5_000))).is_none());
+
+    // The waiters that were blocked before the panic returned too.
+    let end = t0 + Duration::from_millis(100);
+    while !(waiter_report.is_finished() && waiter_fence.is_finished()) {
+        assert!(
+            Instant::now() < end,
+            "a waiter still blocks 100 ms after the panic"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(waiter_report.join().unwrap().is_none());
+    assert!(!waiter_fence.join().unwrap());
+    #[cfg(feature = "tokio")]
+    {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let r = rt.block_on(fut);
+        assert!(
+            matches!(r, Err(CoreError::DriverStopped { reason }) if reason.contains(&expected))
+        );
+    }
+    let t_drop = Instant::now();
+    drop(driver);
+    assert!(
+        t_drop.elapsed() < Duration::from_millis(100),
+        "the driver thread had already exited"
+    );
+}
+
+#[test]
+fn a_backend_panic_in_submit_stops_the_driver_and_every_call_errs() {
+    panic_stops_the_driver_and_every_call_errs(PanicIn::Submit);
+}
+
+#[test]
+fn a_backend_panic_in_poll_stops_the_driver_and_every_call_errs() {
+    panic_stops_the_driver_and_every_call_errs(PanicIn::Poll);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A backend whose ops never complete and whose cancel does nothing.
+
+#[derive(Default)]
+struct StuckState {
+    held: Mutex<Vec<Op>>,
+    thawed: AtomicBool,
+    notifier: Mutex<Option<Notifier>>,
+}
+
+/// Holds every op until the test thaws it; `cancel` does nothing.
+struct Stuck(Arc<StuckState>);
+
+impl Stuck {
+    fn thaw(state: &StuckState) {
+        state.thawed.store(true, Ordering::Release);
+        if let Some(n) = lock(&state.notifier).as_ref() {
+            n.notify();
+        }
+    }
+}
+
+impl Backend for Stuck {
+    fn name(&self) -> &str {
+        "stuck"
+    }
+    fn touches_engine_memory(&self) -> bool {
+        true
+    }
+    fn set_notifier(&mut self, n: Notifier) {
+        *lock(&self.0.notifier) = Some(n);
+    }
+    fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
+        lock(&self.0.held).push(op);
+        Ok(())
+    }
+    fn poll(&mut self, out: &mut Vec<OpCompletion>) {
+        if self.0.thawed.load(Ordering::Acquire) {
+            out.extend(
+                lock(&self.0.held)
+                    .drain(..)
+                    .map(|op| OpCompletion::all(op, Ok(()))),
+            );
+        }
+    }
+    fn cancel(&mut self, _: OpId) {}
+    fn wait(&mut self, _: &[OpId], _: Instant) -> WaitOutcome {
+        WaitOutcome::TimedOut
+    }
+}
+
+#[test]
+fn a_stuck_backend_never_slows_a_call_and_loads_still_time_out() {
+    let state = Arc::new(StuckState::default());
+    let mut b = DriverBuilder::new(DriverConfig::default());
+    let be = b.backend(Box::new(Stuck(state.clone())));
+    let driver = b.spawn().unwrap();
+    let h = driver.handle();
+    let pool = BufferPool::new(1100, 512, DEFAULT_ALIGN).unwrap();
+
+    // 1,000 engine steps: submit a load (20 ms deadline), poll, finish an old request, read
+    // stats. Loads on the same 64 blocks queue behind the stuck copies and time out too.
+    const LAG: u64 = 100;
+    let mut seen = Seen::default();
+    let mut worst = [Duration::ZERO; 4];
+    for i in 0..1000u64 {
+        let deadline = soon(20);
+        let spec = load(&pool, be, i, (i % 64) as u32, deadline);
+        let task = timed("submit", &mut worst[0], || h.submit(spec)).unwrap();
+        seen.deadlines.insert(task, deadline);
+        let f = timed("get_finished", &mut worst[1], || h.get_finished());
+        seen.take(f);
+        // The request of 100 steps ago (its load timed out long since; finishing a request
+        // cancels its loads, so a fresh one would be cancelled instead).
+        if let Some(old) = i.checked_sub(LAG) {
+            timed("finish", &mut worst[2], || h.finish(RequestId(old))).unwrap();
+        }
+        let (st, empty) = timed("stats", &mut worst[3], || h.stats()).unwrap();
+        assert!(!empty, "copies are stuck: the tracker cannot be empty");
+        assert!(
+            st.zombie_ops <= 64,
+            "one stuck copy per block at most: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The last loads reach their deadlines.
+    let end = soon(20) + TICK + ALLOWANCE;
+    while seen.timed_out < 1000 && Instant::now() < end {
+        seen.take(h.get_finished());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(seen.timed_out, 1000, "every load got its verdict");
+    for old in 1000 - LAG..1000 {
+        h.finish(RequestId(old)).unwrap();
+    }
+    let end = soon(100);
+    while seen.released.len() < 1000 - 64 && Instant::now() < end {
+        seen.take(h.get_finished());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let zombies = h.stats().unwrap().0.zombie_ops;
+    assert_eq!(zombies, 64, "each block has its stuck copy");
+    assert_eq!(
+        seen.released.len(),
+        1000 - 64,
+        "requests with a stuck copy are not released"
+    );
+    eprintln!(
+        "worst call times: submit {:?}, get_finished {:?}, finish {:?}, stats {:?}",
+        worst[0], worst[1], worst[2], worst[3]
+    );
+
+    // A preemption fence over a stuck copy holds only once the backend returns it.
+    let t = h.submit(load(&pool, be, 5000, 100, soon(10_000))).unwrap();
+    let fence = h.preempt(RequestId(5000)).unwrap();
+    let rep = h
+        .wait_report(t, soon(1000))
+        .expect("the preempted load is reported");
+    assert_eq!(rep.state, TaskState::Cancelled);
+    assert!(
+        !fence.wait(soon(50)),
+        "the copy into block 100 is still out"
+    );
+    assert_eq!(fence.poll(), Ok(false));
+    let thawed = Instant::now();
+    Stuck::thaw(&state);
+    assert!(
+        fence.wait(thawed + TICK + ALLOWANCE),
+        "the fence holds once the copies returned"
+    );
+    h.finish(RequestId(5000)).unwrap();
+    let end = soon(1000);
+    while seen.released.len() < 1001 && Instant::now() < end {
+        seen.take(h.get_finished());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        seen.released.len(),
+        1001,
+        "every finished request is released once"
+    );
+    let (st, empty) = h.stats().unwrap();
+    assert!(empty, "the tracker drained: {st:?}");
+    assert!(pool.is_whole());
+}
+
+/// What the stuck-backend test saw come out of the driver.
+#[derive(Default)]
+struct Seen {
+    deadlines: std::collections::HashMap<TaskId, Instant>,
+    timed_out: usize,
+    released: std::collections::HashSet<RequestId>,
+}
+
+impl Seen {
+    /// Check a batch: every load timed out no earlier than its deadline and was reported no
+    /// later than one tick plus the allowance after it; no request is released twice.
+    fn take(&mut self, f: Finished) {
+        let now = Instant::now();
+        for r in f.reports {
+            assert_eq!(r.state, TaskState::TimedOut, "{} got {:?}", r.task, r.state);
+            let deadline = self.deadlines[&r.task];
+            assert!(
+                r.finished_at >= deadline,
+                "{} ended before its deadline",
+                r.task
+            );
+            assert!(
+                now <= deadline + TICK + ALLOWANCE,
+                "{} reported {:?} after its deadline",
+                r.task,
+                now - deadline
+            );
+            self.timed_out += 1;
+        }
+        for req in f.released {
+            assert!(self.released.insert(req), "{req} released twice");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reset during a load copy with the real host backend.
+
+/// The real host backend with a cancel that arrives too late: every copy it accepted runs.
+struct NoCancel(HostBackend);
+
+impl Backend for NoCancel {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn touches_engine_memory(&self) -> bool {
+        self.0.touches_engine_memory()
+    }
+    fn set_notifier(&mut self, n: Notifier) {
+        self.0.set_notifier(n)
+    }
+    fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
+        self.0.submit(op)
+    }
+    fn poll(&mut self, out: &mut Vec<OpCompletion>) {
+        self.0.poll(out)
+    }
+    fn cancel(&mut self, _: OpId) {}
+    fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
+        self.0.wait(ops, until)
+    }
+}
+
+#[test]
+fn no_engine_block_is_written_after_the_reset_fence_holds() {
+    const BLOCK: usize = 2048;
+    const COPY: Duration = Duration::from_millis(60);
+    let mut arena = HostArena::contiguous(BLOCK, 16).unwrap();
+    for b in 0..16 {
+        arena.write_block(EngineBlockId(b), &[0x11; BLOCK]).unwrap();
+    }
+    let pool = BufferPool::new(8, BLOCK, DEFAULT_ALIGN).unwrap();
+    let mut b = DriverBuilder::new(DriverConfig::default());
+    // SAFETY: the arena outlives the driver (dropped first, below); the test touches a block
+    // only after the fence over it held.
+    let host = unsafe {
+        HostBackend::new(
+            arena.layout().clone(),
+            HostBackendConfig {
+                threads: 1,
+                delay: COPY,
+            },
+        )
+    }
+    .unwrap();
+    let be = b.backend(Box::new(NoCancel(host)));
+    let driver = b.spawn().unwrap();
+    let h = driver.handle();
+
+    // Two loads (blocks 5 and 6, one worker: copies land at ~60 and ~120 ms) and a store of
+    // request 9 that the engine already finished.
+    for (req, block) in [(1, 5), (2, 6)] {
+        let mut spec = load(&pool, be, req, block, soon(5_000));
+        if let Buf::Owned(buf) = &mut spec.blocks[0].buf {
+            buf.as_mut_slice().fill(0xAB);
+        }
+        h.submit(spec).unwrap();
+    }
+    let mut store = load(&pool, be, 9, 7, soon(5_000));
+    store.dir = Direction::Store;
+    h.submit(store).unwrap();
+    h.finish(RequestId(9)).unwrap();
+
+    let t0 = Instant::now();
+    let fence = h.reset().unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(!fence.is_ready(), "the copies are still running");
+    assert!(
+        !h.get_finished().released.contains(&RequestId(9)),
+        "request 9's store still reads block 7"
+    );
+    assert!(
+        fence.wait(t0 + 3 * COPY + TICK + ALLOWANCE),
+        "the fence holds once the three copies returned"
+    );
+    // The copies really ran after the reset: the fence was needed.
+    assert_eq!(
+        arena.read_block(EngineBlockId(5)).unwrap(),
+        vec![0xAB; BLOCK]
+    );
+    assert_eq!(
+        arena.read_block(EngineBlockId(6)).unwrap(),
+        vec![0xAB; BLOCK]
+    );
+    // The engine reuses the blocks: canaries.
+    for b in [5, 6, 7] {
+        arena.write_block(EngineBlockId(b), &[0xC5; BLOCK]).unwrap();
+    }
+    let mut released = h.get_finished().released;
+    let end = soon(100);
+    while released.is_empty() && Instant::now() < end {
+        released = h.get_finished().released;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        released,
+        [RequestId(9)],
+        "the finished request is still reported"
+    );
+    std::thread::sleep(2 * COPY);
+    drop(driver);
+    for b in [5, 6, 7] {
+        assert_eq!(
+            arena.read_block(EngineBlockId(b)).unwrap(),
+            vec![0xC5; BLOCK],
+            "block {b} written after the fence"
+        );
+    }
+    assert!(pool.is_whole());
+}
