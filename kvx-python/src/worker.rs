@@ -184,6 +184,39 @@ impl WorkerHalf {
         })
     }
 
+    /// Counters: the driver's tracker (tasks, zombies, timeouts, late completions) and the file
+    /// tier's (blocks loaded, stored, corrupt, rejected by an open breaker, I/Os in flight).
+    fn stats(&self) -> PyResult<Vec<(&'static str, u64)>> {
+        self.with(|r| {
+            let (t, _) = r
+                .driver
+                .stats()
+                .map_err(|e| KvxError::new_err(e.to_string()))?;
+            let mut out = vec![
+                ("live_tasks", t.live_tasks as u64),
+                ("active_ops", t.active_ops as u64),
+                ("zombie_ops", t.zombie_ops as u64),
+                ("zombie_bytes", t.zombie_bytes),
+                ("late_completions", t.late_completions),
+                ("timed_out", t.timed_out),
+                ("host_blocks", r.worker.host_blocks() as u64),
+            ];
+            if let Some(f) = &r.files {
+                let p = f.stats();
+                out.extend([
+                    ("file_blocks", f.len() as u64),
+                    ("file_in_flight", p.in_flight as u64),
+                    ("file_written_off", p.written_off as u64),
+                    ("file_loaded", p.loaded),
+                    ("file_stored", p.stored),
+                    ("file_corrupt", p.corrupt),
+                    ("file_rejected", p.rejected),
+                ]);
+            }
+            Ok(out)
+        })
+    }
+
     /// Blocks held in the host tier.
     fn host_blocks(&self) -> PyResult<usize> {
         self.with(|r| Ok(r.worker.host_blocks()))

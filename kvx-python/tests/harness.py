@@ -6,6 +6,7 @@ token-derived bytes into a CPU paged KV tensor, so every block kvx loads is chec
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,7 @@ class Engine:
         self.recv_reported: set[str] = set()
         self.send_reported: list[str] = []
         self.steps = 0
+        self.meta_sizes: list[int] = []
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Tracked:
@@ -271,6 +273,10 @@ class Engine:
             if t.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and t.entered_wait is None:
                 t.entered_wait = now
                 t.load_blocks.append(list(self.scheduler.kv_cache_manager.get_block_ids(t.request.request_id)[0]))
+        # What crosses from the scheduler process to the worker is pickled, as in vLLM.
+        wire = pickle.dumps(so.kv_connector_metadata)
+        self.meta_sizes.append(len(wire))
+        so.kv_connector_metadata = pickle.loads(wire)
         if so.total_num_scheduled_tokens == 0:
             out = self.driver.no_forward(so)
         else:
@@ -280,6 +286,8 @@ class Engine:
             out.kv_connector_output = self.driver.post_forward(so.finished_req_ids)
         kvo = out.kv_connector_output
         now = time.monotonic()
+        if kvo is not None and kvo.kv_connector_worker_meta is not None:
+            kvo.kv_connector_worker_meta = pickle.loads(pickle.dumps(kvo.kv_connector_worker_meta))
         if kvo is not None:
             if kvo.invalid_block_ids:
                 self.invalid_reported.append(set(kvo.invalid_block_ids))

@@ -34,6 +34,10 @@ def test_host_tier_hit(tmp_path):
         assert e.recv_reported == {"b"}
         assert e.verified_blocks == 4
         assert e.invalid_reported == []
+        # Pickled step metadata stays compact: a 4-block load or store step is under 200
+        # bytes (16-byte keys, varint ids), an idle step under a hundred.
+        assert max(e.meta_sizes) <= 200, e.meta_sizes
+        assert min(e.meta_sizes) <= 100, e.meta_sizes
     finally:
         e.close()
 
@@ -55,6 +59,9 @@ def test_file_tier_hit_after_restart(tmp_path):
         e.run()
         st = e.conn.stats()
         assert (st["host_hit_blocks"], st["file_hit_blocks"]) == (0, 5)
+        ws = e.worker.stats()
+        assert (ws["file_loaded"], ws["file_corrupt"], ws["live_tasks"], ws["zombie_ops"]) == (5, 0, 0, 0)
+        assert ws["host_blocks"] == 5  # promoted from the file tier
         assert e.tracked["b"].finished_status == DONE
         assert e.verified_blocks == 5
         assert e.invalid_reported == []

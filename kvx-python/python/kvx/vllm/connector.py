@@ -136,10 +136,13 @@ class KvxConnector(KVConnectorBase_V1):
 
     # -- kvx -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters of this side (scheduler: lookups, hits per tier, loads, stores)."""
+        """Counters of this side. Scheduler: lookups, hit tokens and blocks per tier, loads,
+        store jobs, preemptions, failed loads. Worker: kvx's tracker (live tasks, zombie ops and
+        bytes, timeouts, late completions), host-tier blocks, and the file tier's counters."""
         if self._sched is not None:
             return dict(vars(self._sched.stats))
-        return {}
+        half = self._worker.half
+        return dict(half.stats()) if half is not None else {}
 
     def state_counts(self) -> dict[str, int]:
         """Everything this side still tracks about requests and transfers (zeros when idle)."""

@@ -42,10 +42,10 @@ class KvxWorkerMetadata(KVConnectorWorkerMetadata):
         self.jobs = jobs
 
     def __getstate__(self):
-        return self.jobs
+        return (self.jobs,)
 
     def __setstate__(self, state):
-        self.jobs = state
+        (self.jobs,) = state
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Both workers' outcomes, in order."""
