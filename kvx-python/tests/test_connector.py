@@ -160,6 +160,58 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
         mount.close()
 
 
+def test_abort_while_loading_frees_blocks_once_the_load_ends(tmp_path):
+    reason = FrozenMount.unavailable()
+    if reason is not None:
+        print(f"skip: test_abort_while_loading_frees_blocks_once_the_load_ends: {reason}")
+        pytest.skip(reason)
+    backing = file_dir(tmp_path, "backing")
+    mnt = file_dir(tmp_path, "mnt")
+    mount = FrozenMount(str(mnt), str(backing))
+    extra = {"host_blocks": 16, "file_dirs": [str(mnt)], "load_deadline_ms": 200, "store_deadline_ms": 200}
+    p = prompt(50, 3 * BLOCK + 2)
+    try:
+        e = Engine(tmp_path, extra)
+        try:
+            e.add("w", p)
+            e.run()
+        finally:
+            e.close()
+        e = Engine(tmp_path, extra)
+        try:
+            delays = []
+            inner = e.conn.request_finished
+            e.conn.request_finished = lambda r, b: delays.append(inner(r, b)[0]) or (delays[-1], None)
+            mount.freeze()
+            t = e.add("r", p)
+            e.run(timeout=5, until=lambda: t.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+            held = t.load_blocks[0][:3]
+            assert len(held) == 3
+            e.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+            # The connector does not delay the free of a loading request (vLLM itself holds
+            # its blocks until the load is reported) ...
+            assert delays == [False]
+            pool = e.scheduler.kv_cache_manager.block_pool
+            def load_reported():
+                if "r" in e.recv_reported:
+                    return True
+                assert "r" in e.scheduler.requests
+                assert all(pool.blocks[b].ref_cnt > 0 for b in held)
+                return False
+
+            e.run(timeout=5, until=load_reported)
+            # ... and reports it in finished_recving once the load ended (here: timed out), once.
+            assert "r" not in e.scheduler.requests
+            mount.thaw()
+            e.run(timeout=10)
+            assert e.invalid_reported == []  # an abandoned load's blocks belong to nobody now
+        finally:
+            mount.close()
+            e.close()
+    finally:
+        mount.close()
+
+
 def test_preempted_request_is_flushed_and_reloads(tmp_path):
     # 16 usable blocks; two requests that each grow to 9 blocks: one is preempted.
     e = Engine(tmp_path, {"host_blocks": 64}, num_blocks=17, max_batched_tokens=256)
@@ -195,15 +247,19 @@ def test_finish_with_stores_in_flight_keeps_blocks_until_finished_sending(tmp_pa
         e.conn.request_finished = spy
         p = prompt(30, 4 * BLOCK + 2)
         e.add("a", p, max_tokens=1)  # finishes in the step that computed (and saved) it
-        while not delays:
-            e.step()
+        e.run(timeout=5, until=lambda: bool(delays))
         (req_id, delayed, blocks), = delays
         assert (req_id, delayed) == ("a", True)
+        assert len(blocks) >= 4
         pool = e.scheduler.kv_cache_manager.block_pool
-        while "a" not in e.send_reported:
+        def sent():
+            if "a" in e.send_reported:
+                return True
             assert "a" in e.scheduler.requests
             assert all(pool.blocks[b].ref_cnt > 0 for b in blocks)
-            e.step()
+            return False
+
+        e.run(timeout=5, until=sent)
         assert e.send_reported.count("a") == 1
         assert "a" not in e.scheduler.requests
         e.run()
