@@ -50,6 +50,7 @@ fn step(c: &mut Criterion) {
             host_blocks: 200_000,
             file_blocks: None,
             eviction: EvictionKind::Lru,
+            ..SchedulerConfig::default()
         })
         .unwrap();
         let mut round = 0u64;
@@ -83,7 +84,7 @@ fn step(c: &mut Criterion) {
                 out.jobs.push(JobResult {
                     job: l.job,
                     request: l.request,
-                    kind: JobKind::Load,
+                    part: JobPart::Load,
                     ok: l.blocks.iter().map(|b| b.key).collect(),
                     failed: vec![],
                     promoted: vec![],
@@ -93,7 +94,7 @@ fn step(c: &mut Criterion) {
                 out.jobs.push(JobResult {
                     job: st.job,
                     request: st.request,
-                    kind: JobKind::StoreHost,
+                    part: JobPart::StoreHost,
                     ok: st.blocks.iter().map(|b| b.0).collect(),
                     failed: vec![],
                     promoted: vec![],

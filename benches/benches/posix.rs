@@ -11,6 +11,8 @@ use kvx_posix::bench::{BenchRig, bench_keys};
 use kvx_posix::{EngineKind, PosixConfig};
 
 const PER_ITER: usize = 64 << 20;
+/// Deadline of each benchmark op.
+const DEADLINE: Duration = Duration::from_secs(30);
 
 fn dir() -> PathBuf {
     let base = std::env::var_os("KVX_BENCH_DIR")
@@ -35,7 +37,10 @@ fn posix(c: &mut Criterion) {
                     let mut rig = BenchRig::new(cfg, size).expect("open store");
                     let keys = bench_keys(size as u64, PER_ITER / size);
                     if dir_kind == Direction::Load {
-                        rig.run(Direction::Store, &keys).expect("fill");
+                        assert!(
+                            rig.run(Direction::Store, &keys, DEADLINE).is_clean(),
+                            "fill"
+                        );
                     }
                     g.throughput(Throughput::Bytes(PER_ITER as u64));
                     let id = BenchmarkId::new(format!("{engine}/{}KiB", size >> 10), qd);
@@ -43,7 +48,9 @@ fn posix(c: &mut Criterion) {
                         b.iter_custom(|iters| {
                             let mut t = Duration::ZERO;
                             for _ in 0..iters {
-                                t += rig.run(dir_kind, &keys).expect("run").elapsed;
+                                let p = rig.run(dir_kind, &keys, DEADLINE);
+                                assert!(p.is_clean(), "{:?}", p.first_error);
+                                t += p.elapsed;
                             }
                             t
                         })

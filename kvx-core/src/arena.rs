@@ -1,8 +1,4 @@
 //! `HostArena`: an engine KV pool in host memory, owned by Rust code.
-//!
-//! CPU engines, tests and the replay tool use it as "engine memory". Ownership rule: while an op
-//! that touches a block is outstanding, only that op may access the block; the arena's owner
-//! reads or writes a block only after its task ended and any fence on it holds.
 
 use crate::buffer::AlignedBuf;
 use crate::error::CoreError;
@@ -10,6 +6,10 @@ use crate::ids::EngineBlockId;
 use crate::layout::{KvLayout, MemoryKind, Region};
 
 /// Engine memory in host RAM: `num_blocks` blocks laid out per layer or cross-layer.
+///
+/// CPU engines, tests and the replay tool use it as "engine memory". Ownership rule: while an op
+/// that touches a block is outstanding, only that op may access the block; the arena's owner
+/// reads or writes a block only after its task ended and any fence on it holds.
 pub struct HostArena {
     /// Owns the memory the layout's regions point into (accessed through raw segment pointers).
     _mem: AlignedBuf,

@@ -1,17 +1,4 @@
 //! The one trait every hardware backend implements.
-//!
-//! Contract, in short:
-//! - `submit` takes ownership of an op (and its buffers) and returns at once, even when the
-//!   device behind it is stuck: no blocking syscall on the caller's thread. If it refuses, the op
-//!   comes back inside [`SubmitError`] so no buffer is lost.
-//! - Every accepted op completes exactly once through `poll`, with its buffers, however late:
-//!   after a cancel, after its task timed out, after the device thaws. Until then the buffers
-//!   belong to the op (quarantine).
-//! - `cancel` is a best-effort hint; the op still completes later.
-//! - `wait` blocks the caller until the named ops completed or `until` passed (fences use it).
-//! - After queueing completions a backend calls its [`Notifier`] so the driver wakes up.
-//! - A backend that reads or writes engine memory says so in `touches_engine_memory`; such a
-//!   backend must only run bounded operations (memcpy, a device copy), never I/O that can hang.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -79,6 +66,19 @@ pub enum WaitOutcome {
 }
 
 /// A device that executes ops: host memcpy, files, remote reads, GPU copies.
+///
+/// Contract, in short:
+/// - `submit` takes ownership of an op (and its buffers) and returns at once, even when the
+///   device behind it is stuck: no blocking syscall on the caller's thread. If it refuses, the op
+///   comes back inside [`SubmitError`] so no buffer is lost.
+/// - Every accepted op completes exactly once through `poll`, with its buffers, however late:
+///   after a cancel, after its task timed out, after the device thaws. Until then the buffers
+///   belong to the op (quarantine).
+/// - `cancel` is a best-effort hint; the op still completes later.
+/// - `wait` blocks the caller until the named ops completed or `until` passed (fences use it).
+/// - After queueing completions a backend calls its [`Notifier`] so the driver wakes up.
+/// - A backend that reads or writes engine memory says so in `touches_engine_memory`; such a
+///   backend must only run bounded operations (memcpy, a device copy), never I/O that can hang.
 pub trait Backend: Send {
     /// Short name for logs and errors (e.g. `host`, `posix:/mnt/kv`).
     fn name(&self) -> &str;

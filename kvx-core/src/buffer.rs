@@ -1,9 +1,4 @@
 //! Owned, aligned buffers and the pool that lends them to ops.
-//!
-//! The ownership rule (tokio-uring's model): a buffer moved into an [`crate::Op`] belongs to that
-//! op until the backend hands the op back in its completion. A [`PoolBuf`] returns itself to its
-//! pool only when dropped, so a buffer held by an outstanding (or zombie) op can never be in the
-//! pool at the same time.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
@@ -135,6 +130,11 @@ struct PoolInner {
 }
 
 /// A fixed set of equal, aligned buffers. Cloning gives another handle to the same pool.
+///
+/// The ownership rule (tokio-uring's model): a buffer moved into an [`crate::Op`] belongs to that
+/// op until the backend hands the op back in its completion. A [`PoolBuf`] returns itself to its
+/// pool only when dropped, so a buffer held by an outstanding (or zombie) op can never be in the
+/// pool at the same time.
 #[derive(Clone)]
 pub struct BufferPool {
     inner: Arc<PoolInner>,

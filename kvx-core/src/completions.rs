@@ -1,10 +1,4 @@
 //! `CompletionBoard`: the completion routing every backend needs, written once.
-//!
-//! A backend marks an op pending when it accepts it, its worker (thread, ring reaper, CUDA
-//! event waiter, network task) posts the op's completion when the device really returned the
-//! buffers, `poll` drains what is done, `wait` blocks until named ops are done, and the driver's
-//! notifier is called after each completion. Each pending op may carry backend state `P`
-//! (a cancel flag, a cancel token).
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -22,6 +16,12 @@ struct Board<P> {
 }
 
 /// Pending ops, finished ops, and the wake-ups between a backend and its workers.
+///
+/// A backend marks an op pending when it accepts it, its worker (thread, ring reaper, CUDA
+/// event waiter, network task) posts the op's completion when the device really returned the
+/// buffers, `poll` drains what is done, `wait` blocks until named ops are done, and the driver's
+/// notifier is called after each completion. Each pending op may carry backend state `P`
+/// (a cancel flag, a cancel token).
 pub struct CompletionBoard<P = ()> {
     board: Mutex<Board<P>>,
     cv: Condvar,

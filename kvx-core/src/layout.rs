@@ -1,8 +1,4 @@
 //! The engine's KV pool, described once: regions, memory kind, block stride.
-//!
-//! Per-layer engines register one region per layer (and K/V), block `i` at `base + i * stride`
-//! in each; cross-layer engines register one region where a block is one contiguous run. A
-//! block's bytes, as kvx stores them, are its segments concatenated in region order.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +28,10 @@ pub struct Region {
 }
 
 /// The registered layout of the engine's KV pool.
+///
+/// Per-layer engines register one region per layer (and K/V), block `i` at `base + i * stride`
+/// in each; cross-layer engines register one region where a block is one contiguous run. A
+/// block's bytes, as kvx stores them, are its segments concatenated in region order.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct KvLayout {
     regions: Vec<Region>,

@@ -38,27 +38,33 @@
 //!     deadline: deadline(), deferred: false,
 //! }).unwrap();
 //! assert!(driver.wait_report(load, deadline()).unwrap().is_ok());
+//! // Finishing never blocks: the request comes back as released once nothing of it is out.
 //! driver.finish(RequestId(1)).unwrap();
+//! let (mut released, until) = (Vec::new(), Instant::now() + Duration::from_secs(1));
+//! while released.is_empty() && Instant::now() < until {
+//!     released = driver.get_finished().released;
+//! }
+//! assert_eq!(released, [RequestId(1)]);
 //! drop(driver);
 //! assert_eq!(arena.read_block(EngineBlockId(3)).unwrap(), vec![7u8; 4096]);
 //! assert!(pool.is_whole());
 //! ```
 #![warn(missing_docs)]
 
-pub mod arena;
-pub mod backend;
-pub mod buffer;
-pub mod completions;
-pub mod driver;
-pub mod error;
-pub mod host;
-pub mod ids;
-pub mod layout;
+mod arena;
+mod backend;
+mod buffer;
+mod completions;
+mod driver;
+mod error;
+mod host;
+mod ids;
+mod layout;
 pub mod metrics;
-pub mod op;
-pub mod sync;
-pub mod task;
-pub mod tracker;
+mod op;
+mod sync;
+mod task;
+mod tracker;
 
 pub use arena::HostArena;
 pub use backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
@@ -74,6 +80,6 @@ pub use host::{HostBackend, HostBackendConfig};
 pub use ids::*;
 pub use layout::{KvLayout, MemoryKind, Region};
 pub use op::{BlockError, Op, OpBlock, OpCompletion};
-pub use sync::lock;
+pub use sync::{lock, wait_timeout};
 pub use task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
 pub use tracker::{BackendCommand, Event, Fence, Tracker, TrackerConfig, TrackerStats};

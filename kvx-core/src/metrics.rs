@@ -130,14 +130,15 @@ pub fn record_fence_wait(waited: Duration, held: bool) {
     metrics::histogram!(FENCE_WAIT_SECONDS, "held" => held).record(waited.as_secs_f64());
 }
 
-/// Record one offload job's verdict on a tier: blocks by outcome, bytes moved, and its latency.
+/// Record one offload job's verdict on a tier: blocks by outcome, bytes moved, and (when known)
+/// its latency from submission to verdict.
 pub fn record_tier_job(
     tier: &'static str,
     dir: Direction,
     ok_blocks: u64,
     failed_blocks: u64,
     bytes: u64,
-    took: Duration,
+    took: Option<Duration>,
 ) {
     let d = dir_label(dir);
     if ok_blocks > 0 {
@@ -151,7 +152,9 @@ pub fn record_tier_job(
     if bytes > 0 {
         metrics::counter!(TIER_BYTES, "tier" => tier, "dir" => d).increment(bytes);
     }
-    metrics::histogram!(TIER_SECONDS, "tier" => tier, "dir" => d).record(took.as_secs_f64());
+    if let Some(took) = took {
+        metrics::histogram!(TIER_SECONDS, "tier" => tier, "dir" => d).record(took.as_secs_f64());
+    }
 }
 
 /// The gauge value of a breaker state.

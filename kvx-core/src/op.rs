@@ -36,7 +36,7 @@ pub struct Op {
 
 impl Op {
     /// Bytes held in this op's buffers (what stays quarantined if it becomes a zombie).
-    pub fn buffer_bytes(&self) -> u64 {
+    pub(crate) fn buffer_bytes(&self) -> u64 {
         self.blocks.iter().map(|b| b.buf.capacity() as u64).sum()
     }
 }

@@ -3,6 +3,7 @@
 use kvx_core::{CoreError, RequestId};
 
 use crate::tier::Tier;
+use crate::worker::PreemptionFence;
 
 /// What went wrong in kvx-offload.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -30,14 +31,41 @@ pub enum OffloadError {
         /// Engine blocks given.
         blocks: usize,
     },
-    /// A preemption fence did not hold in time: these requests' blocks must not be reused yet
-    /// (an engine copy may still write them); preempt them again next step.
-    #[error("preemption fence did not hold for {0:?}: do not reuse their blocks yet")]
-    FenceNotHeld(Vec<RequestId>),
-    /// Bad configuration.
-    #[error("invalid offload config: {0}")]
-    Config(String),
+    /// The step was started, but the fence of the requests it preempted did not hold within
+    /// `preempt_wait`: reuse none of their blocks until the fence handed back here holds.
+    #[error("preemption fence not held yet for {:?}: poll it before reusing their blocks", .0.requests())]
+    FenceNotHeld(PreemptionFence),
+    /// Bad configuration: `field` names the setting (dotted for nested ones, e.g. `file.blocks`).
+    #[error("invalid offload config: {field}: {reason}")]
+    Config {
+        /// The setting.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Engine blocks were given for a known request that has no lookup waiting for them (its
+    /// last lookup found nothing, or was already allocated).
+    #[error("{0}: engine blocks given but no lookup is waiting for them")]
+    NoPendingLookup(RequestId),
+    /// Setting up a tier failed (opening the file store, starting the driver, allocating).
+    #[error("cannot set up the {what}: {reason}")]
+    Setup {
+        /// What was being set up.
+        what: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
     /// The kvx-core driver failed.
     #[error(transparent)]
     Core(#[from] CoreError),
+}
+
+impl OffloadError {
+    /// A [`OffloadError::Config`] error for `field`.
+    pub fn config(field: impl Into<String>, reason: impl std::fmt::Display) -> OffloadError {
+        OffloadError::Config {
+            field: field.into(),
+            reason: reason.to_string(),
+        }
+    }
 }

@@ -6,63 +6,96 @@
 //! reports a [`WorkerOutput`] back. Tiers compose through the kvx-core `Backend` trait only:
 //! engine memory → host tier (kvx-owned buffers) → file tier (written through).
 //!
+//! [`OffloadBuilder`] sets all of it up from an [`OffloadConfig`] (code, TOML or JSON):
+//!
 //! ```
-//! use std::time::{Duration, Instant};
-//! use kvx_core::*;
-//! use kvx_offload::*;
+//! use std::time::Duration;
+//! use kvx_core::{BlockKey, EngineBlockId, HostArena, RequestId};
+//! use kvx_offload::{EngineMemory, FileTierConfig, Offload, OffloadBuilder, OffloadConfig};
 //!
-//! let mut arena = HostArena::contiguous(4096, 8).unwrap();
-//! arena.write_block(EngineBlockId(0), &[42; 4096]).unwrap();
-//! let mut b = DriverBuilder::new(DriverConfig::default());
-//! // SAFETY: the arena outlives the driver; blocks are read only after fences/finished loads.
-//! let engine = b.backend(Box::new(unsafe {
-//!     HostBackend::new(arena.layout().clone(), HostBackendConfig::default()).unwrap()
-//! }));
-//! let driver = b.spawn().unwrap();
-//! let mut sched = SchedulerSide::new(SchedulerConfig {
-//!     block_tokens: 16, host_blocks: 4, file_blocks: None, eviction: EvictionKind::Lru,
-//! }).unwrap();
-//! let mut worker = WorkerSide::new(
-//!     driver.handle(),
-//!     TierRoutes { engine, file: None },
-//!     BufferPool::new(8, 4096, DEFAULT_ALIGN).unwrap(),
-//!     None,
-//!     WorkerConfig { block_tokens: 16, timeouts: Default::default(), policy: Default::default() },
-//! );
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let kv_dir = dir.path();
+//! let mut arena = HostArena::contiguous(4096, 8)?; // stands in for the engine's KV cache
+//! let cfg = OffloadConfig {
+//!     host_blocks: 4,
+//!     file: Some(FileTierConfig::new(kv_dir, 1024)), // or OffloadConfig::from_toml(text)?
+//!     ..OffloadConfig::default()
+//! };
+//! // SAFETY: the arena outlives the runtime, and the engine touches a block only when no load
+//! // or store on it is outstanding.
+//! let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+//! let Offload { scheduler: mut sched, mut worker, runtime } =
+//!     OffloadBuilder::new(cfg, memory).build()?;
+//!
+//! // Request 1 computed engine block 0 and saves it; the store runs at the next step.
+//! arena.write_block(EngineBlockId(0), &[42; 4096])?;
 //! let key = BlockKey::chain(None, b"prompt tokens");
-//!
-//! // Step 1: request 1 computed block 0; save it. Step 2 submits the queued store.
 //! sched.save_blocks(RequestId(1), &[(key, EngineBlockId(0))]);
-//! worker.start_step(sched.build_meta()).unwrap();
-//! worker.start_step(sched.build_meta()).unwrap();
-//! let out = worker.drain(Duration::from_secs(5));
+//! sched.request_finished(RequestId(1));
+//! worker.start_step(sched.build_meta())?;
+//! let out = worker.drain(Duration::from_secs(5))?;
 //! sched.update_from_worker(&out);
 //!
 //! // Request 2 has the same prefix: 16 tokens can be loaded into its engine block 5.
 //! assert_eq!(sched.get_num_new_matched_tokens(RequestId(2), &[key], 0), Some(16));
-//! sched.update_state_after_alloc(RequestId(2), &[EngineBlockId(5)]).unwrap();
-//! worker.start_step(sched.build_meta()).unwrap();
-//! let out = worker.drain(Duration::from_secs(5));
+//! sched.update_state_after_alloc(RequestId(2), &[EngineBlockId(5)])?;
+//! worker.start_step(sched.build_meta())?;
+//! let out = worker.drain(Duration::from_secs(5))?;
 //! assert_eq!(out.finished_recving, vec![RequestId(2)]);
 //! assert!(out.invalid_blocks.is_empty());
-//! drop(worker);
-//! drop(driver);
-//! assert_eq!(arena.read_block(EngineBlockId(5)).unwrap(), vec![42; 4096]);
+//! runtime.shutdown();
+//! assert_eq!(arena.read_block(EngineBlockId(5))?, vec![42; 4096]);
+//! # Ok(()) }
 //! ```
+//!
+//! # How long each call takes
+//!
+//! The [`SchedulerSide`] is bookkeeping only: no lock, no I/O, no driver; each call costs
+//! time linear in the blocks and jobs it names.
+//!
+//! No [`WorkerSide`] call waits for a backend or for the driver thread beyond the time the
+//! caller gives it. Each queues commands on the driver or reads what the driver published,
+//! under the driver's short locks (microseconds, see `kvx_core::driver`), plus work linear in
+//! the jobs it names:
+//!
+//! - [`WorkerSide::start_step`]: that, plus at most [`WorkerConfig::preempt_wait`] (default
+//!   1 ms) when its metadata preempts requests; a fence that does not hold by then is handed
+//!   back in [`OffloadError::FenceNotHeld`] to poll;
+//! - [`WorkerSide::get_finished`] and [`WorkerSide::reset`]: no waiting at all (`reset` hands
+//!   back a fence);
+//! - [`WorkerSide::handle_preemptions`]: at most its `budget`; [`WorkerSide::drain`]: at most
+//!   its `timeout`.
+//!
+//! So a step costs around a millisecond when nothing is stuck, and the same when a backend
+//! hangs or never completes: a task ends at its deadline plus one [`kvx_core::TICK`], a load's
+//! verdict follows within a few milliseconds, and a copy that may still write engine blocks is
+//! fenced and its blocks listed in [`WorkerOutput::blocks_in_use`], never waited for. If the
+//! driver stops (a backend panicked), every worker call returns
+//! [`kvx_core::CoreError::DriverStopped`] with the panic message at once, and
+//! [`WorkerSide::stopped`] names the engine blocks an op may still touch.
 #![warn(missing_docs)]
 
-pub mod error;
-pub mod eviction;
-pub mod manager;
-pub mod meta;
-pub mod scheduler;
-pub mod tier;
-pub mod worker;
+mod builder;
+mod config;
+mod error;
+mod eviction;
+mod file_hook;
+mod manager;
+mod meta;
+mod scheduler;
+mod tier;
+mod worker;
 
+pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime};
+pub use config::{FileTierConfig, IoEngine, OffloadConfig};
 pub use error::OffloadError;
-pub use eviction::{ArcOrder, EvictionKind, EvictionOrder, LruOrder};
+pub use eviction::EvictionKind;
+pub use file_hook::FileTierHook;
 pub use manager::{Lookup, OffloadManager, StoreDecision};
-pub use meta::{JobId, JobKind, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
+pub use meta::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 pub use scheduler::{SchedulerConfig, SchedulerSide};
-pub use tier::{StorePlan, Tier, TierIndex};
-pub use worker::{FileTierHook, TierRoutes, WorkerConfig, WorkerSide};
+pub use tier::Tier;
+pub use worker::{
+    DEFAULT_PREEMPT_WAIT, PreemptionFence, TierRoutes, WorkerConfig, WorkerReset, WorkerSide,
+};

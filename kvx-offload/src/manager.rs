@@ -69,14 +69,36 @@ impl OffloadManager {
         }
     }
 
-    /// The host tier's index.
-    pub fn host(&self) -> &TierIndex {
-        &self.host
+    fn tier(&self, tier: Tier) -> Option<&TierIndex> {
+        match tier {
+            Tier::Host => Some(&self.host),
+            Tier::File => self.file.as_ref(),
+        }
     }
 
-    /// The file tier's index, if there is one.
-    pub fn file(&self) -> Option<&TierIndex> {
-        self.file.as_ref()
+    /// True when `key` is fully stored in `tier`.
+    pub fn is_stored(&self, tier: Tier, key: BlockKey) -> bool {
+        self.tier(tier).is_some_and(|t| t.is_stored(key))
+    }
+
+    /// True when a store of `key` into `tier` is in flight.
+    pub fn is_storing(&self, tier: Tier, key: BlockKey) -> bool {
+        self.tier(tier).is_some_and(|t| t.is_storing(key))
+    }
+
+    /// Blocks `tier` holds or is storing (0 for an absent file tier).
+    pub fn blocks(&self, tier: Tier) -> usize {
+        self.tier(tier).map_or(0, |t| t.len())
+    }
+
+    /// Capacity of `tier` in blocks (`None` for an absent file tier).
+    pub fn capacity(&self, tier: Tier) -> Option<usize> {
+        self.tier(tier).map(|t| t.capacity())
+    }
+
+    /// Keys stored in `tier`.
+    pub fn stored_keys(&self, tier: Tier) -> Vec<BlockKey> {
+        self.tier(tier).map_or_else(Vec::new, |t| t.stored_keys())
     }
 
     /// Adopt blocks already in the file tier (from its startup scan).
@@ -304,7 +326,7 @@ mod tests {
         let (promote, evicted) = m.prepare_load(&[k(1), k(2), k(3)], &tiers);
         assert!(evicted.is_empty(), "evicted {evicted:?} of the load itself");
         assert_eq!(promote, vec![false, false, false], "no room: no promotion");
-        assert!(m.host().is_stored(k(1)) && m.host().is_stored(k(3)));
+        assert!(m.is_stored(Tier::Host, k(1)) && m.is_stored(Tier::Host, k(3)));
     }
 
     #[test]

@@ -66,13 +66,13 @@ pub struct StepMeta {
     pub evict_file: Vec<BlockKey>,
     /// After a reset: the only host-tier keys to keep.
     pub retain_host: Option<Vec<BlockKey>>,
-    /// No request remains: submit everything queued now.
-    pub flush: bool,
+    /// No request is left to start another step: submit the queued stores in this step.
+    pub submit_stores_now: bool,
 }
 
-/// What a finished job was.
+/// Which part of a job a [`JobResult`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobKind {
+pub enum JobPart {
     /// A load into engine memory.
     Load,
     /// The host-tier part of a store.
@@ -88,8 +88,8 @@ pub struct JobResult {
     pub job: JobId,
     /// Request.
     pub request: RequestId,
-    /// Which part.
-    pub kind: JobKind,
+    /// Which part of the job.
+    pub part: JobPart,
     /// Keys that made it.
     pub ok: Vec<BlockKey>,
     /// Keys that did not, and why.
@@ -112,6 +112,12 @@ pub struct WorkerOutput {
     pub decisions: Vec<(RequestId, LoadDecision)>,
     /// Job outcomes, for the scheduler half.
     pub jobs: Vec<JobResult>,
+    /// Engine blocks of loads reported here whose cut-short copy may still write them (the
+    /// device did not answer): keep them out of use — do not free, reuse or compute into
+    /// them — until they come back in `blocks_released`.
+    pub blocks_in_use: Vec<EngineBlockId>,
+    /// Blocks of an earlier `blocks_in_use` that no copy can write any more.
+    pub blocks_released: Vec<EngineBlockId>,
 }
 
 impl WorkerOutput {
@@ -120,7 +126,10 @@ impl WorkerOutput {
         self.finished_sending.is_empty()
             && self.finished_recving.is_empty()
             && self.invalid_blocks.is_empty()
+            && self.decisions.is_empty()
             && self.jobs.is_empty()
+            && self.blocks_in_use.is_empty()
+            && self.blocks_released.is_empty()
     }
 
     /// Append another output.
@@ -130,5 +139,7 @@ impl WorkerOutput {
         self.invalid_blocks.extend(o.invalid_blocks);
         self.decisions.extend(o.decisions);
         self.jobs.extend(o.jobs);
+        self.blocks_in_use.extend(o.blocks_in_use);
+        self.blocks_released.extend(o.blocks_released);
     }
 }

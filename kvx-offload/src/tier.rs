@@ -25,15 +25,15 @@ struct Entry {
 
 /// What `prepare_store` decided.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct StorePlan {
+pub(crate) struct StorePlan {
     /// Keys to store now (they were absent; now marked "being stored").
-    pub new: Vec<BlockKey>,
+    pub(crate) new: Vec<BlockKey>,
     /// Keys evicted to make room (already gone from the index).
-    pub evicted: Vec<BlockKey>,
+    pub(crate) evicted: Vec<BlockKey>,
 }
 
 /// Index of one tier.
-pub struct TierIndex {
+pub(crate) struct TierIndex {
     tier: Tier,
     capacity: usize,
     entries: FxHashMap<BlockKey, Entry>,
@@ -42,7 +42,7 @@ pub struct TierIndex {
 
 impl TierIndex {
     /// An empty tier of `capacity` blocks.
-    pub fn new(tier: Tier, capacity: usize, kind: EvictionKind) -> TierIndex {
+    pub(crate) fn new(tier: Tier, capacity: usize, kind: EvictionKind) -> TierIndex {
         TierIndex {
             tier,
             capacity,
@@ -52,48 +52,38 @@ impl TierIndex {
     }
 
     /// Capacity in blocks.
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
     /// Blocks held or being stored.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// True when `key` is fully stored here.
-    pub fn is_stored(&self, key: BlockKey) -> bool {
+    pub(crate) fn is_stored(&self, key: BlockKey) -> bool {
         self.entries.get(&key).is_some_and(|e| e.stored)
     }
 
     /// True when a store of `key` into this tier is in flight.
-    pub fn is_storing(&self, key: BlockKey) -> bool {
+    pub(crate) fn is_storing(&self, key: BlockKey) -> bool {
         self.entries.get(&key).is_some_and(|e| !e.stored)
     }
 
-    /// Pins held on `key` by loads.
-    pub fn pins(&self, key: BlockKey) -> u32 {
-        self.entries.get(&key).map_or(0, |e| e.pins)
-    }
-
     /// Total pins (0 when no load is in flight).
-    pub fn total_pins(&self) -> u64 {
+    pub(crate) fn total_pins(&self) -> u64 {
         self.entries.values().map(|e| e.pins as u64).sum()
     }
 
     /// Blocks being stored.
-    pub fn storing(&self) -> usize {
+    pub(crate) fn storing(&self) -> usize {
         self.entries.values().filter(|e| !e.stored).count()
     }
 
     /// Mark absent keys as being stored, evicting unpinned stored blocks if needed. Atomic:
     /// if there is not enough room, nothing changes and an error says how much was missing.
-    pub fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<StorePlan, OffloadError> {
+    pub(crate) fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<StorePlan, OffloadError> {
         let mut seen = FxHashSet::default();
         let new: Vec<BlockKey> = keys
             .iter()
@@ -136,7 +126,7 @@ impl TierIndex {
 
     /// A store of `keys` ended: they become visible on success, vanish on failure. Keys that
     /// are not being stored (e.g. after a reset) are ignored.
-    pub fn complete_store(&mut self, keys: &[BlockKey], success: bool) {
+    pub(crate) fn complete_store(&mut self, keys: &[BlockKey], success: bool) {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k)
                 && !e.stored
@@ -153,7 +143,7 @@ impl TierIndex {
     }
 
     /// Pin stored keys against eviction (a load reads them).
-    pub fn pin(&mut self, keys: &[BlockKey]) {
+    pub(crate) fn pin(&mut self, keys: &[BlockKey]) {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins += 1;
@@ -163,7 +153,7 @@ impl TierIndex {
     }
 
     /// Release pins taken by `pin`.
-    pub fn unpin(&mut self, keys: &[BlockKey]) {
+    pub(crate) fn unpin(&mut self, keys: &[BlockKey]) {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins = e.pins.saturating_sub(1);
@@ -172,7 +162,7 @@ impl TierIndex {
     }
 
     /// Mark keys recently used.
-    pub fn touch(&mut self, keys: &[BlockKey]) {
+    pub(crate) fn touch(&mut self, keys: &[BlockKey]) {
         for k in keys {
             if self.is_stored(*k) {
                 self.order.touch(*k);
@@ -182,7 +172,7 @@ impl TierIndex {
 
     /// Drop a stored, unpinned `key` (e.g. it failed verification on load); true if removed.
     /// Blocks being stored or still pinned by another load stay.
-    pub fn remove(&mut self, key: BlockKey) -> bool {
+    pub(crate) fn remove(&mut self, key: BlockKey) -> bool {
         match self.entries.get(&key) {
             Some(e) if e.stored && e.pins == 0 => {
                 self.entries.remove(&key);
@@ -195,7 +185,7 @@ impl TierIndex {
 
     /// Insert already-stored keys (a startup scan of a file tier), up to capacity; returns how
     /// many were taken.
-    pub fn adopt(&mut self, keys: impl IntoIterator<Item = BlockKey>) -> usize {
+    pub(crate) fn adopt(&mut self, keys: impl IntoIterator<Item = BlockKey>) -> usize {
         let mut n = 0;
         for k in keys {
             if self.entries.len() >= self.capacity {
@@ -220,7 +210,7 @@ impl TierIndex {
     }
 
     /// Every stored key.
-    pub fn stored_keys(&self) -> Vec<BlockKey> {
+    pub(crate) fn stored_keys(&self) -> Vec<BlockKey> {
         self.entries
             .iter()
             .filter(|(_, e)| e.stored)
@@ -229,7 +219,7 @@ impl TierIndex {
     }
 
     /// Forget in-flight stores and pins (after a reset); stored blocks stay.
-    pub fn reset_in_flight(&mut self) {
+    pub(crate) fn reset_in_flight(&mut self) {
         self.entries.retain(|_, e| e.stored);
         for e in self.entries.values_mut() {
             e.pins = 0;

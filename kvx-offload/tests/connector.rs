@@ -31,17 +31,20 @@ fn preempt_flush_then_reload() {
     r.save(1, &ks, &blocks).expect("a store job");
     r.step(); // the store is queued (deferred to the next step)
     r.sched.request_preempted(RequestId(1));
-    let t0 = Instant::now();
-    r.step(); // submits the queued store, then flushes and fences it before returning
+    r.step(); // submits the queued store, flushes it, and hands back the fence
+    let fence = r.fences.pop().expect("the 40 ms store is still running");
+    assert_eq!(fence.requests(), &[RequestId(1)]);
+    assert!(!fence.is_ready());
     assert!(
-        t0.elapsed() >= Duration::from_millis(40),
-        "start_step returned before the store ran"
+        fence.wait(Instant::now() + T),
+        "the fence holds once the store ran"
     );
+    r.step();
     let host_done: usize = r
         .out
         .jobs
         .iter()
-        .filter(|j| j.kind == JobKind::StoreHost)
+        .filter(|j| j.part == JobPart::StoreHost)
         .map(|j| j.ok.len())
         .sum();
     assert_eq!(
@@ -135,7 +138,10 @@ fn reuse_fence() {
     let b_keys = keys(3, 0, 3, 1);
     r.compute(&b_keys, &[40]);
     r.save(2, &b_keys, &[40]);
-    assert!(r.settle(Duration::from_secs(10)) || r.sched.request_count() > 0);
+    assert!(
+        r.step_until(T, |r| r.sched.manager().is_stored(Tier::Host, b_keys[0])),
+        "request 2's block was stored"
+    );
     // Request 1 computed block 7 and saves it; it finishes while the store is queued.
     let a_keys = keys(4, 0, 4, 1);
     r.compute(&a_keys, &[7]);
@@ -170,23 +176,35 @@ fn complete_store_per_job() {
     // Run both stores for real, but hold their results back from the scheduler.
     let meta = r.sched.build_meta();
     r.w().start_step(meta).unwrap();
-    let mut outs = r.w().drain(T);
+    let mut outs = r.w().drain(T).unwrap();
     assert_eq!(
         outs.jobs
             .iter()
-            .filter(|j| j.kind == JobKind::StoreHost)
+            .filter(|j| j.part == JobPart::StoreHost)
             .count(),
         2
     );
     // Deliver job 2's results first: only its keys become loadable.
     let (first, rest): (Vec<_>, Vec<_>) = outs.jobs.drain(..).partition(|j| j.job == j2);
+    let host_part = |v: &[JobResult], keys: &[BlockKey]| {
+        v.iter()
+            .any(|j| j.part == JobPart::StoreHost && j.ok.as_slice() == keys)
+    };
+    assert!(
+        host_part(&first, &ks[2..]),
+        "job 2 stored its keys: {first:?}"
+    );
+    assert!(
+        rest.iter().all(|j| j.job == j1) && host_part(&rest, &ks[..2]),
+        "the other results are job 1's, with its keys: {rest:?}"
+    );
     r.sched.update_from_worker(&WorkerOutput {
         jobs: first,
         ..Default::default()
     });
     let m = r.sched.manager();
-    assert!(m.host().is_stored(ks[2]) && m.host().is_stored(ks[3]));
-    assert!(m.host().is_storing(ks[0]) && m.host().is_storing(ks[1]));
+    assert!(m.is_stored(Tier::Host, ks[2]) && m.is_stored(Tier::Host, ks[3]));
+    assert!(m.is_storing(Tier::Host, ks[0]) && m.is_storing(Tier::Host, ks[1]));
     assert_eq!(
         m.lookup(&ks),
         Lookup::Retry,
@@ -196,14 +214,9 @@ fn complete_store_per_job() {
         jobs: rest,
         ..Default::default()
     });
-    assert!(rest_is_j1(j1));
     assert_eq!(r.sched.manager().lookup(&ks).blocks(), 4);
     r.finish(1);
     assert!(r.settle(T));
-}
-
-fn rest_is_j1(j: JobId) -> bool {
-    j.0 > 0
 }
 
 fn corrupt_third_block(policy: LoadFailurePolicy) -> (Rig, tempfile::TempDir, Vec<BlockKey>) {
@@ -257,7 +270,7 @@ fn load_failure_recompute() {
         "blocks before the bad one are valid"
     );
     assert!(
-        !r.sched.manager().file().unwrap().is_stored(ks[3]),
+        !r.sched.manager().is_stored(Tier::File, ks[3]),
         "the corrupt block left the index"
     );
     r.finish(9);
@@ -319,7 +332,11 @@ fn reset_drops_stale() {
     r.save(1, &ks, &seq(4, 0));
     r.step();
     r.step(); // stores in flight (slow engine copies)
-    r.w().reset().unwrap();
+    let reset = r.w().reset().unwrap();
+    assert!(
+        reset.fence.wait(Instant::now() + T),
+        "the reset's fence holds"
+    );
     r.sched.reset();
     r.out = WorkerOutput::default();
     std::thread::sleep(Duration::from_millis(150));
@@ -353,19 +370,19 @@ fn idle_flush_submits_queued_stores_at_once() {
     // No request remains: this single step submits the queued store without waiting for
     // another step.
     let meta = r.sched.build_meta();
-    assert!(meta.flush);
+    assert!(meta.submit_stores_now);
     r.w().start_step(meta).unwrap();
     // Only poll from now on (no further step).
     let end = Instant::now() + T;
     let mut out = WorkerOutput::default();
     while Instant::now() < end && !out.finished_sending.contains(&RequestId(1)) {
-        out.merge(r.w().get_finished());
+        out.merge(r.w().get_finished().unwrap());
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(
         out.jobs
             .iter()
-            .any(|j| j.kind == JobKind::StoreHost && j.ok.len() == 2)
+            .any(|j| j.part == JobPart::StoreHost && j.ok.len() == 2)
     );
     assert!(out.finished_sending.contains(&RequestId(1)));
 }

@@ -1,6 +1,12 @@
 //! A closed-loop driver of a [`PosixStore`] for benchmarks (`kvx bench posix`, criterion): keeps
 //! `queue_depth` single-block ops in flight, stores or loads a set of keys, and measures
 //! throughput and per-op latency.
+//!
+//! Every op has a deadline. An op past it is cancelled, counted as timed out and never waited
+//! for again (its buffer comes back whenever the filesystem answers); when no buffer is left
+//! for the next op and none comes back within [`STARVED`], the phase ends and the keys it could
+//! not start are reported as not started. So a phase on a frozen mount ends within its deadline
+//! plus [`STARVED`] of the freeze.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -9,21 +15,38 @@ use kvx_core::{
     Backend, BlockKey, Buf, BufferPool, DEFAULT_ALIGN, Direction, Notifier, Op, OpBlock,
     OpCompletion, OpId, RequestId, TaskId,
 };
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::PosixConfig;
 use crate::error::PosixError;
-use crate::store::{PosixHandle, PosixStore};
+use crate::handle::PosixHandle;
+use crate::store::PosixStore;
+
+/// How long a phase waits for a buffer to come back from a timed-out op before it gives up
+/// on the keys it has not started.
+pub const STARVED: Duration = Duration::from_millis(200);
 
 /// The result of one phase (all stores, or all loads).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Phase {
-    /// Payload bytes moved.
+    /// Payload bytes moved by the ops that succeeded.
     pub bytes: u64,
-    /// Wall time from the first submit to the last completion.
+    /// Wall time from the first submit to the end of the phase.
     pub elapsed: Duration,
-    /// Per-op latency (submit to completion seen), sorted.
+    /// Per-op latency (submit to completion seen) of the ops that succeeded, sorted.
     pub latencies: Vec<Duration>,
+    /// Keys whose op succeeded.
+    pub ok: Vec<BlockKey>,
+    /// Ops cancelled at their deadline.
+    pub timed_out: usize,
+    /// Ops that completed with an error.
+    pub failed: usize,
+    /// Ops the store refused at submit (busy, breaker open).
+    pub refused: usize,
+    /// Keys never started: no staging buffer came back from timed-out ops.
+    pub not_started: usize,
+    /// The first error seen, for the report.
+    pub first_error: Option<String>,
 }
 
 impl Phase {
@@ -40,6 +63,11 @@ impl Phase {
         let i = ((p / 100.0) * (self.latencies.len() - 1) as f64).round() as usize;
         self.latencies[i.min(self.latencies.len() - 1)].as_secs_f64() * 1e6
     }
+
+    /// True when every key's op succeeded.
+    pub fn is_clean(&self) -> bool {
+        self.timed_out + self.failed + self.refused + self.not_started == 0
+    }
 }
 
 /// A store with a staging pool of `queue_depth` buffers, driven in a closed loop.
@@ -50,6 +78,8 @@ pub struct BenchRig {
     queue_depth: usize,
     wake: Arc<(Mutex<bool>, Condvar)>,
     next_op: u64,
+    /// Ops given up on at their deadline, still holding a buffer.
+    abandoned: FxHashSet<OpId>,
 }
 
 impl BenchRig {
@@ -82,6 +112,7 @@ impl BenchRig {
             queue_depth,
             wake,
             next_op: 1,
+            abandoned: FxHashSet::default(),
         })
     }
 
@@ -90,27 +121,28 @@ impl BenchRig {
         self.store.handle()
     }
 
-    fn park(&self) {
+    fn park(&self, at_most: Duration) {
         let (m, cv) = &*self.wake;
         let mut woken = m.lock().unwrap_or_else(|e| e.into_inner());
         if !*woken {
             woken = cv
-                .wait_timeout(woken, Duration::from_millis(20))
+                .wait_timeout(woken, at_most.min(Duration::from_millis(20)))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
         *woken = false;
     }
 
-    /// Store (or load) every key once, `queue_depth` single-block ops in flight; fails on the
-    /// first block that does not succeed.
-    pub fn run(&mut self, dir: Direction, keys: &[BlockKey]) -> Result<Phase, PosixError> {
-        let mut inflight: FxHashMap<OpId, Instant> = FxHashMap::default();
-        let mut latencies = Vec::with_capacity(keys.len());
+    /// Store (or load) every key once, `queue_depth` single-block ops in flight, each with
+    /// `deadline`; see the module docs for what a phase does with ops that do not finish.
+    pub fn run(&mut self, dir: Direction, keys: &[BlockKey], deadline: Duration) -> Phase {
+        let mut inflight: FxHashMap<OpId, (Instant, BlockKey)> = FxHashMap::default();
+        let mut phase = Phase::default();
         let mut out: Vec<OpCompletion> = Vec::new();
         let mut next = 0;
+        let mut starved_since: Option<Instant> = None;
         let t0 = Instant::now();
-        while latencies.len() < keys.len() {
+        loop {
             while inflight.len() < self.queue_depth && next < keys.len() {
                 let Some(mut buf) = self.pool.take() else {
                     break;
@@ -124,44 +156,81 @@ impl BenchRig {
                     task: TaskId(id.0),
                     request: RequestId(0),
                     dir,
-                    deadline: now + Duration::from_secs(120),
+                    deadline: now + deadline,
                     blocks: vec![OpBlock {
                         key: keys[next],
                         engine: None,
                         buf: Buf::Owned(buf),
                     }],
                 };
+                match self.store.submit(op) {
+                    Ok(()) => {
+                        inflight.insert(id, (now, keys[next]));
+                    }
+                    Err(e) => {
+                        phase.refused += 1;
+                        phase.first_error.get_or_insert_with(|| e.kind.to_string());
+                    }
+                }
                 next += 1;
-                self.store
-                    .submit(op)
-                    .map_err(|e| PosixError::Bench(format!("submit refused: {}", e.kind)))?;
-                inflight.insert(id, now);
             }
             self.store.poll(&mut out);
-            if out.is_empty() {
-                self.park();
-                continue;
-            }
             let now = Instant::now();
             for c in out.drain(..) {
-                if let Some(start) = inflight.remove(&c.op.id) {
-                    latencies.push(now - start);
+                if self.abandoned.remove(&c.op.id) {
+                    continue; // a late completion of a timed-out op: its buffer is back
                 }
-                if let Some(Err(e)) = c.results.iter().find(|r| r.is_err()) {
-                    return Err(PosixError::Bench(format!(
-                        "{dir} of {} failed: {e}",
-                        c.op.blocks[0].key
-                    )));
+                let Some((start, key)) = inflight.remove(&c.op.id) else {
+                    continue;
+                };
+                match c.results.iter().find_map(|r| r.as_ref().err()) {
+                    None => {
+                        phase.latencies.push(now - start);
+                        phase.ok.push(key);
+                    }
+                    Some(e) => {
+                        phase.failed += 1;
+                        phase
+                            .first_error
+                            .get_or_insert_with(|| format!("{dir} of {key} failed: {e}"));
+                    }
                 }
             }
+            let overdue: Vec<OpId> = inflight
+                .iter()
+                .filter(|(_, (start, _))| now >= *start + deadline)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in overdue {
+                inflight.remove(&id);
+                self.store.cancel(id);
+                self.abandoned.insert(id);
+                phase.timed_out += 1;
+            }
+            if next >= keys.len() && inflight.is_empty() {
+                break;
+            }
+            if inflight.is_empty() && self.pool.available() == 0 {
+                // Every buffer is held by an op given up on: wait a little for one to return.
+                let since = *starved_since.get_or_insert(now);
+                if now >= since + STARVED {
+                    phase.not_started = keys.len() - next;
+                    break;
+                }
+            } else {
+                starved_since = None;
+            }
+            let until_due = inflight
+                .values()
+                .map(|(start, _)| (*start + deadline).saturating_duration_since(now))
+                .min()
+                .unwrap_or(STARVED);
+            self.park(until_due);
         }
-        let elapsed = t0.elapsed();
-        latencies.sort_unstable();
-        Ok(Phase {
-            bytes: (keys.len() * self.block_size) as u64,
-            elapsed,
-            latencies,
-        })
+        phase.elapsed = t0.elapsed();
+        phase.latencies.sort_unstable();
+        phase.bytes = (phase.ok.len() * self.block_size) as u64;
+        phase
     }
 }
 

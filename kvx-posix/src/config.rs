@@ -70,8 +70,13 @@ pub struct PosixConfig {
     /// Rings, each with its own thread (uring only); default 1.
     pub rings: usize,
     /// Most I/Os written off as stuck (past their deadline or cancelled but still in the
-    /// kernel) before new ops are refused with `Busy`; default 256.
+    /// kernel) before new ops are refused with `Busy`; default 256. psync runs at most
+    /// `queue_depth + max_stuck` load and store threads (plus 4 for removes) and keeps
+    /// `queue_depth` of them live after any stall.
     pub max_stuck: usize,
+    /// Loads and stores queued for the engine, not yet started, before new ops are refused
+    /// with `Busy` (default 16384; removes have their own queue and never count here).
+    pub max_queued: usize,
     /// Try O_DIRECT (default true); a root whose filesystem refuses it falls back to buffered
     /// I/O with one warning.
     pub direct: bool,
@@ -96,6 +101,7 @@ impl PosixConfig {
             queue_depth: 32,
             rings: 1,
             max_stuck: 256,
+            max_queued: 16384,
             direct: true,
             fdatasync: false,
             breaker: BreakerConfig::default(),
@@ -121,8 +127,17 @@ impl PosixConfig {
                 self.rings
             )));
         }
-        if self.max_stuck == 0 {
-            return Err(PosixError::BadConfig("max_stuck must be at least 1".into()));
+        if self.max_stuck == 0 || self.max_stuck > 8192 {
+            return Err(PosixError::BadConfig(format!(
+                "max_stuck must be 1..=8192, got {}",
+                self.max_stuck
+            )));
+        }
+        if self.max_queued == 0 || self.max_queued > 1 << 20 {
+            return Err(PosixError::BadConfig(format!(
+                "max_queued must be 1..=1048576, got {}",
+                self.max_queued
+            )));
         }
         self.breaker
             .validate()

@@ -50,13 +50,23 @@ pub enum PosixError {
         /// The first bytes found.
         found: [u8; 8],
     },
-    /// The header names a format version this build does not read.
-    #[error("{path}: unsupported format version {found}")]
-    WrongVersion {
+    /// The block was written by another format version: a miss here, never deleted.
+    #[error("{path}: format version {found} is not readable by this version")]
+    NotReadable {
         /// Block file.
         path: PathBuf,
         /// Version found.
         found: u32,
+    },
+    /// A read returned fewer bytes than the file holds (an I/O error; the file is left alone).
+    #[error("{path}: short read: {read} of {expected} bytes")]
+    ShortRead {
+        /// Block file.
+        path: PathBuf,
+        /// Bytes the read returned.
+        read: usize,
+        /// Bytes asked for.
+        expected: usize,
     },
     /// The header's own checksum does not match.
     #[error("{path}: header checksum mismatch")]
@@ -107,13 +117,16 @@ pub enum PosixError {
 }
 
 impl PosixError {
-    /// The per-block error this becomes when it fails one block of an op.
+    /// The per-block error this becomes when it fails one block of an op: checksum, key,
+    /// magic and length mismatches are `Corrupt`; another format version is a miss
+    /// (`NotFound`); a short read is `Io`.
     pub fn to_block_error(&self) -> BlockError {
         match self {
             PosixError::BufferTooSmall { .. } => BlockError::Invalid(self.to_string()),
+            PosixError::NotReadable { .. } => BlockError::NotFound,
+            PosixError::ShortRead { .. } => BlockError::Io(self.to_string()),
             PosixError::ShortHeader { .. }
             | PosixError::WrongMagic { .. }
-            | PosixError::WrongVersion { .. }
             | PosixError::HeaderChecksum { .. }
             | PosixError::WrongKey { .. }
             | PosixError::ShortPayload { .. }

@@ -3,23 +3,49 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvx_core::metrics::{self, BreakerGauge};
 use kvx_policy::{Admission, Breaker, BreakerConfig, BreakerState};
 
 use crate::error::PosixError;
 
 /// The breakers of all roots.
 #[derive(Debug)]
-pub struct Health {
+pub(crate) struct Health {
     breakers: Mutex<Vec<Breaker>>,
+    /// The roots' paths: the `target` label of the breaker metrics.
+    names: Vec<String>,
 }
 
 impl Health {
-    /// A closed breaker per root.
-    pub fn new(roots: usize, cfg: BreakerConfig) -> Result<Health, PosixError> {
+    /// A closed breaker per root, named by the root's path.
+    pub(crate) fn new(
+        roots: &[std::path::PathBuf],
+        cfg: BreakerConfig,
+    ) -> Result<Health, PosixError> {
         let b = Breaker::new(cfg).map_err(|e| PosixError::BadConfig(e.to_string()))?;
+        let names: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+        for n in &names {
+            metrics::record_breaker(n, BreakerGauge::Closed);
+        }
         Ok(Health {
-            breakers: Mutex::new(vec![b; roots]),
+            breakers: Mutex::new(vec![b; roots.len()]),
+            names,
         })
+    }
+
+    /// Publish `root`'s breaker state when an op changed it.
+    fn publish(&self, root: usize, before: BreakerState, after: BreakerState) {
+        if std::mem::discriminant(&before) == std::mem::discriminant(&after) {
+            return;
+        }
+        let gauge = match after {
+            BreakerState::Closed => BreakerGauge::Closed,
+            BreakerState::Open { .. } => BreakerGauge::Open,
+            BreakerState::HalfOpen { .. } => BreakerGauge::HalfOpen,
+        };
+        if let Some(name) = self.names.get(root) {
+            metrics::record_breaker(name, gauge);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<Breaker>> {
@@ -27,32 +53,50 @@ impl Health {
     }
 
     /// May an op start on `root` now?
-    pub fn admit(&self, root: usize, now: Instant) -> Admission {
-        self.lock()
-            .get_mut(root)
-            .map_or(Admission::Rejected, |b| b.admit(now))
+    pub(crate) fn admit(&self, root: usize, now: Instant) -> Admission {
+        let mut breakers = self.lock();
+        let Some(b) = breakers.get_mut(root) else {
+            return Admission::Rejected;
+        };
+        let before = b.state();
+        let admission = b.admit(now);
+        let after = b.state();
+        drop(breakers);
+        self.publish(root, before, after);
+        admission
     }
 
     /// An op on `root` succeeded after `latency`.
-    pub fn success(&self, root: usize, now: Instant, latency: Duration) {
-        if let Some(b) = self.lock().get_mut(root) {
+    pub(crate) fn success(&self, root: usize, now: Instant, latency: Duration) {
+        let mut breakers = self.lock();
+        if let Some(b) = breakers.get_mut(root) {
+            let before = b.state();
             b.record_success(now, latency);
+            let after = b.state();
+            drop(breakers);
+            self.publish(root, before, after);
         }
     }
 
     /// An op on `root` failed or timed out.
-    pub fn failure(&self, root: usize, now: Instant) {
-        if let Some(b) = self.lock().get_mut(root) {
-            let was_open = b.is_open();
+    pub(crate) fn failure(&self, root: usize, now: Instant) {
+        let mut breakers = self.lock();
+        if let Some(b) = breakers.get_mut(root) {
+            let before = b.state();
             b.record_failure(now);
-            if !was_open && b.is_open() {
+            let after = b.state();
+            drop(breakers);
+            if !matches!(before, BreakerState::Open { .. })
+                && matches!(after, BreakerState::Open { .. })
+            {
                 tracing::warn!(root, "posix: breaker opened; ops on this root fail at once");
             }
+            self.publish(root, before, after);
         }
     }
 
     /// State of `root`'s breaker.
-    pub fn state(&self, root: usize) -> Option<BreakerState> {
+    pub(crate) fn state(&self, root: usize) -> Option<BreakerState> {
         self.lock().get(root).map(Breaker::state)
     }
 }

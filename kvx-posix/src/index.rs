@@ -12,7 +12,7 @@ use crate::paths::{Entry, Layout, classify};
 
 /// Keys of the blocks the store holds.
 #[derive(Debug, Default)]
-pub struct Index {
+pub(crate) struct Index {
     keys: RwLock<FxHashSet<BlockKey>>,
 }
 
@@ -26,56 +26,56 @@ impl Index {
     }
 
     /// How many of `keys`, from the first, are present.
-    pub fn lookup(&self, keys: &[BlockKey]) -> usize {
+    pub(crate) fn lookup(&self, keys: &[BlockKey]) -> usize {
         let k = self.read();
         keys.iter().take_while(|key| k.contains(key)).count()
     }
 
     /// Whether `key` is present.
-    pub fn contains(&self, key: BlockKey) -> bool {
+    pub(crate) fn contains(&self, key: BlockKey) -> bool {
         self.read().contains(&key)
     }
 
     /// Blocks present.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.read().len()
     }
 
     /// True when no block is present.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Record `key` as present.
-    pub fn insert(&self, key: BlockKey) {
+    pub(crate) fn insert(&self, key: BlockKey) {
         self.write().insert(key);
     }
 
     /// Forget `key`; true if it was present.
-    pub fn remove(&self, key: BlockKey) -> bool {
+    pub(crate) fn remove(&self, key: BlockKey) -> bool {
         self.write().remove(&key)
     }
 
     /// Record many keys.
-    pub fn extend(&self, keys: impl IntoIterator<Item = BlockKey>) {
+    pub(crate) fn extend(&self, keys: impl IntoIterator<Item = BlockKey>) {
         self.write().extend(keys);
     }
 
     /// Every key (for tests and tools).
-    pub fn keys(&self) -> Vec<BlockKey> {
+    pub(crate) fn keys(&self) -> Vec<BlockKey> {
         self.read().iter().copied().collect()
     }
 }
 
 /// What the startup scan found.
 #[derive(Debug, Default)]
-pub struct Scan {
+pub(crate) struct Scan {
     /// Block files found.
-    pub keys: Vec<BlockKey>,
+    pub(crate) keys: Vec<BlockKey>,
     /// Leaf directories that exist: (root, 16-bit key prefix).
-    pub dirs: Vec<(usize, u16)>,
+    pub(crate) dirs: Vec<(usize, u16)>,
     /// Stale temporary files removed.
-    pub removed_temps: usize,
+    pub(crate) removed_temps: usize,
 }
 
 fn hex2(name: &str) -> Option<u8> {
@@ -108,7 +108,7 @@ fn io_err(path: &Path, source: std::io::Error) -> PosixError {
 
 /// Walk every root: collect block keys and leaf directories, and remove temporary files left by
 /// a process that no longer runs here, or older than `stale_age` (never this process's own).
-pub fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixError> {
+pub(crate) fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixError> {
     let me = std::process::id();
     let now = SystemTime::now();
     let mut out = Scan::default();

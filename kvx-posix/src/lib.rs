@@ -12,8 +12,13 @@
 //! gives them back, so a timed-out op's buffer is quarantined, never reused under the kernel.
 //! A health breaker per root fails new ops at once while a root is known to hang.
 //!
+//! Removes (evictions, cleanups) run on a lane of their own: they have no deadline, are never
+//! written off and never take a load's or a store's place. A block of another format version
+//! is a miss, never deleted.
+//!
 //! [`PosixStore`] is a kvx [`Backend`](kvx_core::Backend); a file load is routed
-//! `[posix, host]`: file → staging buffer → engine memory.
+//! `[posix, host]`: file → staging buffer → engine memory. Feature `bench` adds `bench`, the
+//! closed-loop rig behind `kvx bench posix` and the criterion benchmarks.
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -56,18 +61,23 @@
 // Jobs stay boxed everywhere: the kernel holds pointers into them, so they must never move.
 #![allow(clippy::vec_box)]
 
+#[cfg(feature = "bench")]
 pub mod bench;
 mod config;
 mod error;
 pub mod format;
+mod handle;
 mod health;
 mod index;
 mod io;
 mod job;
-pub mod paths;
+mod paths;
 mod probe;
 mod store;
+#[cfg(test)]
+mod tests;
 
 pub use config::{Capabilities, EngineKind, PosixConfig};
 pub use error::PosixError;
-pub use store::{PosixHandle, PosixStats, PosixStore};
+pub use handle::{PosixHandle, PosixStats};
+pub use store::PosixStore;

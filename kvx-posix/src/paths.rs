@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvx_core::BlockKey;
 
 /// Suffix of a block file.
-pub const BLOCK_SUFFIX: &str = ".kvb";
+pub(crate) const BLOCK_SUFFIX: &str = ".kvb";
 /// Suffix of a temporary file being written.
-pub const TEMP_SUFFIX: &str = ".kvb.tmp";
+pub(crate) const TEMP_SUFFIX: &str = ".kvb.tmp";
 
 /// The directory tree of a store.
 #[derive(Debug)]
-pub struct Layout {
+pub(crate) struct Layout {
     roots: Vec<PathBuf>,
     pid: u32,
     seq: AtomicU64,
@@ -23,15 +23,17 @@ pub struct Layout {
 
 /// The names one block job needs, as C strings for the kernel.
 #[derive(Debug)]
-pub struct BlockPaths {
+pub(crate) struct BlockPaths {
+    /// Index of the root that holds the block.
+    pub(crate) root: usize,
     /// `root/ab`.
-    pub dir1: CString,
+    pub(crate) dir1: CString,
     /// `root/ab/cd`.
-    pub dir2: CString,
+    pub(crate) dir2: CString,
     /// `root/ab/cd/<hex>.kvb`.
-    pub block: CString,
+    pub(crate) block: CString,
     /// A fresh temporary name beside it (stores only).
-    pub temp: Option<CString>,
+    pub(crate) temp: Option<CString>,
 }
 
 fn cstr(p: &Path) -> CString {
@@ -41,7 +43,7 @@ fn cstr(p: &Path) -> CString {
 
 impl Layout {
     /// A layout over `roots` (non-empty, without NUL bytes).
-    pub fn new(roots: Vec<PathBuf>) -> Layout {
+    pub(crate) fn new(roots: Vec<PathBuf>) -> Layout {
         Layout {
             roots,
             pid: std::process::id(),
@@ -49,19 +51,33 @@ impl Layout {
         }
     }
 
+    /// A fresh write nonce: unique to this process's stores, and (mixed with the pid and the
+    /// clock) across processes and nodes with overwhelming probability.
+    pub(crate) fn nonce(&self) -> u64 {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mut z = clock ^ (u64::from(self.pid) << 40) ^ seq.rotate_left(20);
+        // splitmix64 finalizer: spreads nearby inputs over the whole range.
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)).max(1)
+    }
+
     /// The roots.
-    pub fn roots(&self) -> &[PathBuf] {
+    pub(crate) fn roots(&self) -> &[PathBuf] {
         &self.roots
     }
 
     /// Index of the root that holds `key`.
-    pub fn root_of(&self, key: BlockKey) -> usize {
+    pub(crate) fn root_of(&self, key: BlockKey) -> usize {
         let mixed = (key.0 as u64) ^ ((key.0 >> 64) as u64).rotate_left(17);
         (mixed % self.roots.len() as u64) as usize
     }
 
     /// `root/ab/cd` for `key`.
-    pub fn dir_of(&self, key: BlockKey) -> PathBuf {
+    pub(crate) fn dir_of(&self, key: BlockKey) -> PathBuf {
         let hex = key.to_hex();
         self.roots[self.root_of(key)]
             .join(&hex[0..2])
@@ -69,13 +85,13 @@ impl Layout {
     }
 
     /// Final path of `key`'s block file.
-    pub fn block_path(&self, key: BlockKey) -> PathBuf {
+    pub(crate) fn block_path(&self, key: BlockKey) -> PathBuf {
         self.dir_of(key)
             .join(format!("{}{BLOCK_SUFFIX}", key.to_hex()))
     }
 
     /// The C paths of a job on `key`; with a fresh temporary name when `temp`.
-    pub fn paths(&self, key: BlockKey, temp: bool) -> BlockPaths {
+    pub(crate) fn paths(&self, key: BlockKey, temp: bool) -> BlockPaths {
         let dir2 = self.dir_of(key);
         let dir1 = dir2.parent().map(Path::to_path_buf).unwrap_or_default();
         let hex = key.to_hex();
@@ -84,6 +100,7 @@ impl Layout {
             cstr(&dir2.join(format!("{hex}.{}-{seq}{TEMP_SUFFIX}", self.pid)))
         });
         BlockPaths {
+            root: self.root_of(key),
             dir1: cstr(&dir1),
             block: cstr(&dir2.join(format!("{hex}{BLOCK_SUFFIX}"))),
             dir2: cstr(&dir2),
@@ -94,7 +111,7 @@ impl Layout {
 
 /// What a file name in a leaf directory is.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Entry {
+pub(crate) enum Entry {
     /// A block file of this key.
     Block(BlockKey),
     /// A temporary file written by process `pid`.
@@ -107,7 +124,7 @@ pub enum Entry {
 }
 
 /// Classify a file name found in `ab/cd/`.
-pub fn classify(name: &str, ab: &str, cd: &str) -> Entry {
+pub(crate) fn classify(name: &str, ab: &str, cd: &str) -> Entry {
     if let Some(stem) = name.strip_suffix(TEMP_SUFFIX) {
         let Some((hex, tag)) = stem.split_once('.') else {
             return Entry::Other;

@@ -18,7 +18,7 @@ fn root_err(path: &Path, source: std::io::Error) -> PosixError {
 
 /// Create `root` if needed and return whether an aligned O_DIRECT write works there. A
 /// filesystem that refuses O_DIRECT (tmpfs answers EINVAL) gets `false` and one warning.
-pub fn probe_root(root: &Path, want_direct: bool) -> Result<bool, PosixError> {
+pub(crate) fn probe_root(root: &Path, want_direct: bool) -> Result<bool, PosixError> {
     std::fs::create_dir_all(root).map_err(|e| root_err(root, e))?;
     let probe = root.join(format!(".kvx-probe-{}", std::process::id()));
     let mut buf = AlignedBuf::new(HEADER_LEN, HEADER_LEN)

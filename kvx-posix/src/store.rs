@@ -1,176 +1,27 @@
-//! [`PosixStore`]: the file block store as a kvx [`Backend`], and [`PosixHandle`], its
-//! thread-safe side (lookup, remove, health, counters).
+//! [`PosixStore`]: the file block store as a kvx [`Backend`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use kvx_core::{
     Backend, BlockError, BlockKey, Buf, Direction, EngineBlockId, Notifier, Op, OpCompletion, OpId,
     SubmitError, SubmitErrorKind, WaitOutcome,
 };
-use kvx_policy::{Admission, BreakerState};
+use kvx_policy::Admission;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::{Capabilities, EngineKind, PosixConfig};
 use crate::error::PosixError;
+use crate::handle::{Counters, PosixHandle, Shared};
 use crate::health::Health;
 use crate::index::{Index, scan};
+use crate::io::fault::Faults;
 use crate::io::psync::PsyncEngine;
 use crate::io::{IoEngine, Sink};
-use crate::job::{BlockJob, JobKind, JobParams, header_buf};
+use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
 use crate::probe::probe_root;
-
-/// Counters of a store (all since it opened).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PosixStats {
-    /// Block I/Os accepted by the engine and not yet returned.
-    pub in_flight: usize,
-    /// Of those, I/Os written off as stuck (cancelled or past their deadline).
-    pub written_off: usize,
-    /// Blocks loaded and verified.
-    pub loaded: u64,
-    /// Blocks stored and renamed into place.
-    pub stored: u64,
-    /// Blocks that failed verification.
-    pub corrupt: u64,
-    /// Blocks failed at once because their root's breaker was open.
-    pub rejected: u64,
-    /// Renames undone because they landed after the deadline or a cancel.
-    pub undone: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    loaded: AtomicU64,
-    stored: AtomicU64,
-    corrupt: AtomicU64,
-    rejected: AtomicU64,
-    undone: AtomicU64,
-}
-
-struct Shared {
-    index: Index,
-    health: Health,
-    layout: Layout,
-    engine: Box<dyn IoEngine>,
-    sink: Arc<Sink>,
-    caps: Capabilities,
-    counters: Counters,
-}
-
-impl Shared {
-    fn remove_job(&self, key: BlockKey) -> Result<Box<BlockJob>, BlockError> {
-        let root = self.layout.root_of(key);
-        Ok(Box::new(BlockJob::new(
-            OpId(0),
-            0,
-            root,
-            JobKind::Remove,
-            key,
-            None,
-            header_buf()?,
-            self.layout.paths(key, false),
-            JobParams {
-                direct: false,
-                fdatasync: false,
-                make_dirs: false,
-                deadline: Instant::now(),
-                cancel: Arc::new(AtomicBool::new(false)),
-                margin: Duration::ZERO,
-            },
-        )))
-    }
-
-    /// Unlink `key`'s file in the background (a cache entry: losing it only costs a reload).
-    fn unlink(&self, key: BlockKey) {
-        match self.remove_job(key) {
-            Ok(job) => {
-                if let Err(r) = self.engine.submit(job) {
-                    tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
-                }
-            }
-            Err(e) => tracing::error!(%key, error = %e, "posix: cannot remove a block"),
-        }
-    }
-}
-
-/// The thread-safe side of a store: lookups, removal, health and counters. Cheap to clone.
-#[derive(Clone)]
-pub struct PosixHandle {
-    shared: Arc<Shared>,
-}
-
-impl PosixHandle {
-    /// How many of `keys`, from the first, the store holds.
-    pub fn lookup(&self, keys: &[BlockKey]) -> usize {
-        self.shared.index.lookup(keys)
-    }
-
-    /// Whether the store holds `key`.
-    pub fn contains(&self, key: BlockKey) -> bool {
-        self.shared.index.contains(key)
-    }
-
-    /// Blocks held.
-    pub fn len(&self) -> usize {
-        self.shared.index.len()
-    }
-
-    /// True when no block is held.
-    pub fn is_empty(&self) -> bool {
-        self.shared.index.is_empty()
-    }
-
-    /// Every key held.
-    pub fn keys(&self) -> Vec<BlockKey> {
-        self.shared.index.keys()
-    }
-
-    /// Forget `key` at once and unlink its file through the engine (never blocks); true if the
-    /// store held it.
-    pub fn remove(&self, key: BlockKey) -> bool {
-        let had = self.shared.index.remove(key);
-        self.shared.unlink(key);
-        had
-    }
-
-    /// Where `key`'s block file lives.
-    pub fn block_path(&self, key: BlockKey) -> std::path::PathBuf {
-        self.shared.layout.block_path(key)
-    }
-
-    /// What the store found out when it opened.
-    pub fn capabilities(&self) -> &Capabilities {
-        &self.shared.caps
-    }
-
-    /// State of the breaker of root `root`.
-    pub fn breaker_state(&self, root: usize) -> Option<BreakerState> {
-        self.shared.health.state(root)
-    }
-
-    /// The root that holds `key`.
-    pub fn root_of(&self, key: BlockKey) -> usize {
-        self.shared.layout.root_of(key)
-    }
-
-    /// Counters.
-    pub fn stats(&self) -> PosixStats {
-        let c = &self.shared.counters;
-        let e = self.shared.engine.counters();
-        PosixStats {
-            in_flight: e.in_flight(),
-            written_off: e.written_off(),
-            loaded: c.loaded.load(Ordering::Relaxed),
-            stored: c.stored.load(Ordering::Relaxed),
-            corrupt: c.corrupt.load(Ordering::Relaxed),
-            rejected: c.rejected.load(Ordering::Relaxed),
-            undone: c.undone.load(Ordering::Relaxed),
-        }
-    }
-}
 
 struct BlockSlot {
     key: BlockKey,
@@ -210,6 +61,14 @@ impl PosixStore {
     /// remove stale temporary files, and start the engine. Blocks while it scans: open a store
     /// before its mount is in the engine's critical path.
     pub fn open(cfg: PosixConfig) -> Result<PosixStore, PosixError> {
+        PosixStore::open_with(cfg, None)
+    }
+
+    /// [`PosixStore::open`] with faults injected around the engine (tests).
+    pub(crate) fn open_with(
+        cfg: PosixConfig,
+        faults: Option<Arc<Faults>>,
+    ) -> Result<PosixStore, PosixError> {
         cfg.validate()?;
         for r in &cfg.roots {
             if r.as_os_str().as_encoded_bytes().contains(&0) {
@@ -230,14 +89,18 @@ impl PosixStore {
             EngineKind::Psync => Box::new(PsyncEngine::new(
                 cfg.queue_depth,
                 cfg.max_stuck,
+                cfg.max_queued,
                 sink.clone(),
+                faults,
             )?),
             #[cfg(target_os = "linux")]
             EngineKind::Uring => Box::new(crate::io::uring::UringEngine::new(
                 cfg.rings,
                 cfg.queue_depth,
                 cfg.max_stuck,
+                cfg.max_queued,
                 sink.clone(),
+                faults,
             )?),
             #[cfg(not(target_os = "linux"))]
             EngineKind::Uring => {
@@ -256,7 +119,7 @@ impl PosixStore {
         };
         let index = Index::default();
         index.extend(found.keys);
-        let health = Health::new(cfg.roots.len(), cfg.breaker)?;
+        let health = Health::new(&cfg.roots, cfg.breaker)?;
         let name = format!(
             "posix:{}",
             cfg.roots
@@ -317,7 +180,7 @@ impl PosixStore {
     fn absorb(&mut self, jobs: Vec<Box<BlockJob>>) {
         let now = Instant::now();
         for mut job in jobs {
-            if job.kind == JobKind::Remove {
+            if job.action == FileOp::Remove {
                 if let Err(e) = &job.result {
                     tracing::warn!(key = %job.key, error = %e, "posix: remove failed");
                 }
@@ -332,8 +195,8 @@ impl PosixStore {
             }
             let mut result = std::mem::replace(&mut job.result, Ok(()));
             let c = &self.shared.counters;
-            match (job.kind, &result) {
-                (JobKind::Store, Ok(())) => {
+            match (job.action, &result) {
+                (FileOp::Store, Ok(())) => {
                     let cancelled = st.cancel.load(Ordering::Acquire);
                     if cancelled || now + self.cfg.visibility_margin >= st.op.deadline {
                         // The tracker may already have ended the task: never leave it visible.
@@ -343,25 +206,32 @@ impl PosixStore {
                             BlockError::TimedOut
                         });
                         c.undone.fetch_add(1, Ordering::Relaxed);
-                        self.shared.unlink(job.key);
+                        self.shared.unlink(job.key, job.nonce());
                     } else {
                         c.stored.fetch_add(1, Ordering::Relaxed);
                         self.shared.index.insert(job.key);
                     }
                 }
-                (JobKind::Load, Ok(())) => {
-                    c.loaded.fetch_add(1, Ordering::Relaxed);
+                (FileOp::Load, Ok(())) => {
                     self.shared.index.insert(job.key);
+                    if st.cancel.load(Ordering::Acquire) {
+                        result = Err(BlockError::Cancelled);
+                    } else if now >= st.op.deadline {
+                        // The read finished, but after the deadline: not in time.
+                        result = Err(BlockError::TimedOut);
+                    } else {
+                        c.loaded.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
-                (JobKind::Load, Err(BlockError::NotFound)) => {
+                (FileOp::Load, Err(BlockError::NotFound)) => {
                     self.shared.index.remove(job.key);
                 }
-                (JobKind::Load, Err(BlockError::Corrupt(m))) => {
+                (FileOp::Load, Err(BlockError::Corrupt(m))) => {
                     tracing::warn!(key = %job.key, error = %m, "posix: corrupt block");
                     c.corrupt.fetch_add(1, Ordering::Relaxed);
                     self.shared.index.remove(job.key);
                 }
-                (JobKind::Store, Err(BlockError::TimedOut | BlockError::Cancelled))
+                (FileOp::Store, Err(BlockError::TimedOut | BlockError::Cancelled))
                     if job.undone =>
                 {
                     c.undone.fetch_add(1, Ordering::Relaxed);
@@ -444,6 +314,7 @@ impl PosixStore {
             deadline,
             cancel: cancel.clone(),
             margin: self.cfg.visibility_margin,
+            nonce: (dir == Direction::Store).then(|| self.shared.layout.nonce()),
         }
     }
 }
@@ -463,16 +334,30 @@ impl Backend for PosixStore {
     }
 
     fn submit(&mut self, mut op: Op) -> Result<(), SubmitError> {
-        let stuck = self.shared.engine.counters().written_off();
+        let engine = &self.shared.engine;
+        let stuck = engine.snapshot().written_off;
         if stuck >= self.cfg.max_stuck {
             return Err(SubmitError {
                 op,
                 kind: SubmitErrorKind::Busy(format!(
-                    "{} ({} engine): {stuck} I/Os stuck in the kernel (limit {})",
+                    "busy: {} ({} engine): {stuck} I/Os stuck in the kernel (limit {})",
                     self.name,
-                    self.shared.engine.name(),
+                    engine.name(),
                     self.cfg.max_stuck
                 )),
+            });
+        }
+        let room = engine.room();
+        if op.blocks.len() > room {
+            return Err(SubmitError {
+                kind: SubmitErrorKind::Busy(format!(
+                    "busy: {} ({} engine): job queue full ({} blocks, room for {room}, max_queued {})",
+                    self.name,
+                    engine.name(),
+                    op.blocks.len(),
+                    self.cfg.max_queued
+                )),
+                op,
             });
         }
         let now = Instant::now();
@@ -533,29 +418,18 @@ impl Backend for PosixStore {
                 slots.push(slot);
                 continue;
             }
-            let header = match header_buf() {
-                Ok(h) => h,
-                Err(e) => {
-                    slot.buf = Some(b.buf);
-                    slot.result = Some(Err(e));
-                    slots.push(slot);
-                    continue;
-                }
-            };
-            let kind = match op.dir {
-                Direction::Load => JobKind::Load,
-                Direction::Store => JobKind::Store,
+            let action = match op.dir {
+                Direction::Load => FileOp::Load,
+                Direction::Store => FileOp::Store,
             };
             let params = self.params(root, b.key, op.dir, op.deadline, &cancel);
-            let paths = layout.paths(b.key, kind == JobKind::Store);
+            let paths = layout.paths(b.key, action == FileOp::Store);
             jobs.push(Box::new(BlockJob::new(
                 op.id,
                 i,
-                root,
-                kind,
+                action,
                 b.key,
                 Some(b.buf),
-                header,
                 paths,
                 params,
             )));
@@ -618,7 +492,7 @@ impl Backend for PosixStore {
                 self.shared.health.failure(root, now);
             }
         }
-        self.shared.engine.kick();
+        self.shared.engine.write_off_overdue();
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {

@@ -1,11 +1,18 @@
 //! The store on a real directory (no FUSE): round trips through the driver with both engines,
-//! lookup/remove, the startup scan, several roots and the O_DIRECT fallback on tmpfs.
+//! lookup/remove, the startup scan, several roots, the O_DIRECT fallback on ramfs, zero padding
+//! of O_DIRECT writes from shared buffers, and blocks of a newer format version.
+//!
+//! Tests that cannot run here (no ramfs mount, a disk without O_DIRECT) print one `skip:` line
+//! and are counted as ignored.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::*;
+use kvx_posix::format::HEADER_LEN;
 use kvx_posix::{EngineKind, PosixConfig, PosixHandle, PosixStore};
+use libtest_mimic::{Arguments, Trial};
 
 const ENGINES: [EngineKind; 2] = [EngineKind::Uring, EngineKind::Psync];
 
@@ -113,7 +120,6 @@ fn files_with_suffix(dir: &Path, suffix: &str) -> Vec<std::path::PathBuf> {
     out
 }
 
-#[test]
 fn round_trip_lookup_remove_both_engines() {
     for engine in ENGINES {
         let dir = tempfile::tempdir().unwrap();
@@ -155,7 +161,6 @@ fn round_trip_lookup_remove_both_engines() {
     }
 }
 
-#[test]
 fn scan_rebuilds_the_index_over_several_roots() {
     let a = tempfile::tempdir().unwrap();
     let b = tempfile::tempdir().unwrap();
@@ -187,37 +192,43 @@ fn scan_rebuilds_the_index_over_several_roots() {
     assert!(rep.is_ok());
 }
 
-/// Unmounts a ramfs mounted by the test.
-struct Ramfs(std::path::PathBuf);
+/// A ramfs mounted for the fallback test; unmounted on drop.
+struct Ramfs {
+    dir: tempfile::TempDir,
+}
 
-impl Drop for Ramfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
+impl Ramfs {
+    /// Mount one, or say why not.
+    fn mount() -> Result<Ramfs, String> {
+        let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "ramfs", "ramfs"])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount -t ramfs failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(Ramfs { dir })
     }
 }
 
-#[test]
-fn direct_io_on_disk_and_buffered_fallback_on_ramfs() {
-    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let s = PosixStore::open(PosixConfig::new(disk.path())).unwrap();
-    let on_disk = s.capabilities().direct;
-    drop(s);
-    // ramfs has no direct I/O at all: open(O_DIRECT) answers EINVAL. (tmpfs accepts O_DIRECT
-    // since Linux 6.6, so it no longer shows the fallback.)
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "ramfs", "ramfs"])
-        .arg(dir.path())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
-        println!("skip: cannot mount ramfs here (disk direct = {on_disk})");
-        return;
+impl Drop for Ramfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.dir.path())
+            .status();
     }
-    let _guard = Ramfs(dir.path().to_path_buf());
+}
+
+/// ramfs has no direct I/O at all (open with O_DIRECT answers EINVAL), so the store falls back
+/// to buffered I/O there. (tmpfs takes O_DIRECT since Linux 6.6.)
+fn buffered_fallback_on_ramfs(ramfs: &Path) {
     for engine in ENGINES {
-        let root = dir.path().join(engine.as_str());
+        let root = ramfs.join(engine.as_str());
         let mut cfg = PosixConfig::new(&root);
         cfg.engine = engine;
         let r = rig(cfg, 4, 8192);
@@ -231,4 +242,155 @@ fn direct_io_on_disk_and_buffered_fallback_on_ramfs() {
             &expected(k[0], 5000)[..]
         );
     }
+}
+
+/// A directory on the real disk (the target directory), where O_DIRECT works if the disk
+/// takes it.
+fn disk_dir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+/// Whether the disk under the target directory takes O_DIRECT.
+fn disk_takes_direct() -> bool {
+    let d = disk_dir();
+    PosixStore::open(PosixConfig::new(d.path())).is_ok_and(|s| s.capabilities().direct)
+}
+
+/// An O_DIRECT store of a payload that does not fill its last sector, from a *shared* buffer
+/// whose bytes past the payload are not zero: the padding on disk is zeros, and the block loads
+/// back exactly.
+fn write_through_padding_is_zeros(engine: EngineKind) {
+    let dir = disk_dir();
+    let mut cfg = PosixConfig::new(dir.path());
+    cfg.engine = engine;
+    let r = rig(cfg, 4, 16 << 10);
+    assert!(r.files.capabilities().direct);
+    let k = key(11);
+    let len = 10_000;
+    let mut buf = r.pool.take().unwrap();
+    buf.as_mut_full().fill(0xAB); // stale bytes past the payload
+    fill(&mut buf, k, len);
+    let rep = r.run(
+        Direction::Store,
+        vec![OpBlock {
+            key: k,
+            engine: None,
+            buf: Buf::Shared(Arc::new(buf)),
+        }],
+    );
+    assert!(rep.is_ok(), "{engine}: {:?}", rep.blocks[0].result);
+    drop(rep);
+    let file = std::fs::read(r.files.block_path(k)).unwrap();
+    let padded = len.div_ceil(HEADER_LEN) * HEADER_LEN;
+    assert_eq!(
+        file.len(),
+        HEADER_LEN + padded,
+        "{engine}: padded to a sector"
+    );
+    assert_eq!(&file[HEADER_LEN..HEADER_LEN + len], &expected(k, len)[..]);
+    assert!(
+        file[HEADER_LEN + len..].iter().all(|b| *b == 0),
+        "{engine}: the padding is zeros"
+    );
+    let rep = r.load(&[k]);
+    assert!(rep.is_ok());
+    assert_eq!(
+        rep.blocks[0].buf.as_ref().unwrap().as_slice(),
+        &expected(k, len)[..]
+    );
+}
+
+/// A block whose header names a newer format version is a miss here, and stays on disk even
+/// when the caller then asks the store to remove it (as the connector does after a miss).
+fn newer_format_version_is_a_miss_and_stays(engine: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = PosixConfig::new(dir.path());
+    cfg.engine = engine;
+    let r = rig(cfg, 8, 8192);
+    let keys = [key(21), key(22)];
+    assert!(r.store(&keys, 8192).is_ok());
+    let newer = r.files.block_path(keys[0]);
+    let mut bytes = std::fs::read(&newer).unwrap();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    std::fs::write(&newer, &bytes).unwrap();
+    let rep = r.load(&keys);
+    assert_eq!(rep.blocks[0].result, Err(BlockError::NotFound), "{engine}");
+    assert!(rep.blocks[1].result.is_ok());
+    assert_eq!(r.files.stats().corrupt, 0, "not corrupt");
+    assert!(!r.files.contains(keys[0]), "a miss leaves the index");
+    drop(rep);
+    r.files.remove(keys[0]);
+    r.files.remove(keys[1]);
+    let gone = wait(|| !r.files.block_path(keys[1]).exists() && r.files.stats().maintenance == 0);
+    assert!(gone, "the removes ran");
+    assert_eq!(
+        std::fs::read(&newer).unwrap(),
+        bytes,
+        "{engine}: left on disk, untouched"
+    );
+}
+
+fn wait(mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut trials = vec![
+        Trial::test("round_trip_lookup_remove_both_engines", || {
+            round_trip_lookup_remove_both_engines();
+            Ok(())
+        }),
+        Trial::test("scan_rebuilds_the_index_over_several_roots", || {
+            scan_rebuilds_the_index_over_several_roots();
+            Ok(())
+        }),
+    ];
+    let direct = disk_takes_direct();
+    if !direct {
+        println!(
+            "skip: write_through_padding_is_zeros: the disk under the target directory refuses O_DIRECT"
+        );
+    }
+    for e in ENGINES {
+        trials.push(
+            Trial::test(format!("write_through_padding_is_zeros_{e}"), move || {
+                write_through_padding_is_zeros(e);
+                Ok(())
+            })
+            .with_ignored_flag(!direct),
+        );
+        trials.push(Trial::test(
+            format!("newer_format_version_is_a_miss_and_stays_{e}"),
+            move || {
+                newer_format_version_is_a_miss_and_stays(e);
+                Ok(())
+            },
+        ));
+    }
+    let ramfs = match Ramfs::mount() {
+        Ok(r) => Some(r),
+        Err(why) => {
+            println!("skip: buffered_fallback_on_ramfs: {why}");
+            None
+        }
+    };
+    let at: Option<PathBuf> = ramfs.as_ref().map(|r| r.dir.path().to_path_buf());
+    trials.push(
+        Trial::test("buffered_fallback_on_ramfs", move || {
+            buffered_fallback_on_ramfs(at.as_deref().ok_or("no ramfs")?);
+            Ok(())
+        })
+        .with_ignored_flag(ramfs.is_none()),
+    );
+    let conclusion = libtest_mimic::run(&args, trials);
+    drop(ramfs);
+    conclusion.exit();
 }

@@ -3,7 +3,7 @@
 //! as worker metadata). Little-endian, LEB128 lengths and ids, 16-byte keys.
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{JobId, JobKind, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, Tier};
+use kvx_offload::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, Tier};
 
 /// Encoding version: the first byte of every message.
 const VERSION: u8 = 1;
@@ -201,7 +201,7 @@ pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
             w.keys(keep);
         }
     }
-    w.u8(u8::from(m.flush));
+    w.u8(u8::from(m.submit_stores_now));
     w.0
 }
 
@@ -258,29 +258,29 @@ pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
         1 => Some(r.keys()?),
         c => return Err(DecodeError(format!("bad retain flag {c}"))),
     };
-    m.flush = match r.u8()? {
+    m.submit_stores_now = match r.u8()? {
         0 => false,
         1 => true,
-        c => return Err(DecodeError(format!("bad flush flag {c}"))),
+        c => return Err(DecodeError(format!("bad submit-now flag {c}"))),
     };
     r.done()?;
     Ok(m)
 }
 
-fn kind_code(k: JobKind) -> u8 {
+fn part_code(k: JobPart) -> u8 {
     match k {
-        JobKind::Load => 0,
-        JobKind::StoreHost => 1,
-        JobKind::StoreFile => 2,
+        JobPart::Load => 0,
+        JobPart::StoreHost => 1,
+        JobPart::StoreFile => 2,
     }
 }
 
-fn kind_of(c: u8) -> Result<JobKind, DecodeError> {
+fn part_of(c: u8) -> Result<JobPart, DecodeError> {
     match c {
-        0 => Ok(JobKind::Load),
-        1 => Ok(JobKind::StoreHost),
-        2 => Ok(JobKind::StoreFile),
-        _ => Err(DecodeError(format!("unknown job kind {c}"))),
+        0 => Ok(JobPart::Load),
+        1 => Ok(JobPart::StoreHost),
+        2 => Ok(JobPart::StoreFile),
+        _ => Err(DecodeError(format!("unknown job part {c}"))),
     }
 }
 
@@ -322,7 +322,7 @@ pub fn encode_jobs(jobs: &[JobResult]) -> Vec<u8> {
     for j in jobs {
         w.var(j.job.0);
         w.var(j.request.0);
-        w.u8(kind_code(j.kind));
+        w.u8(part_code(j.part));
         w.keys(&j.ok);
         w.var(j.failed.len() as u64);
         for (k, e) in &j.failed {
@@ -342,7 +342,7 @@ pub fn decode_jobs(buf: &[u8]) -> Result<Vec<JobResult>, DecodeError> {
     for _ in 0..n {
         let job = JobId(r.var()?);
         let request = RequestId(r.var()?);
-        let kind = kind_of(r.u8()?)?;
+        let part = part_of(r.u8()?)?;
         let ok = r.keys()?;
         let nf = r.count(18)?;
         let mut failed = Vec::with_capacity(nf);
@@ -354,7 +354,7 @@ pub fn decode_jobs(buf: &[u8]) -> Result<Vec<JobResult>, DecodeError> {
         out.push(JobResult {
             job,
             request,
-            kind,
+            part,
             ok,
             failed,
             promoted,

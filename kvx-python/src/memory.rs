@@ -2,7 +2,8 @@
 //! strides, element size, device) becomes one kvx-core [`KvLayout`], and the host backend over
 //! it. The only unsafe code of the crate is here.
 
-use kvx_core::{HostBackend, HostBackendConfig, KvLayout, MemoryKind, Region};
+use kvx_core::{KvLayout, MemoryKind, Region};
+use kvx_offload::EngineMemory;
 
 /// Most regions one engine may register (layers × K/V planes).
 const MAX_REGIONS: usize = 1 << 16;
@@ -148,28 +149,17 @@ pub fn describe(tensors: &[TensorDesc], num_blocks: u32) -> Result<KvLayout, Lay
     KvLayout::new(regions, num_blocks).map_err(|e| err(first, e.to_string()))
 }
 
-/// The host backend over `layout`.
+/// The engine memory kvx-offload's builder copies blocks in and out of (host backend).
 ///
 /// # Safety
 /// `layout` must come from [`describe`] over tensors whose storage the caller keeps alive (and
-/// never reallocates) until the returned backend — and the driver that owns it — is dropped.
-pub unsafe fn host_backend(
-    layout: KvLayout,
-    threads: usize,
-) -> Result<HostBackend, kvx_core::CoreError> {
+/// never reallocates) until the runtime built over it has shut down.
+pub unsafe fn engine_memory(layout: KvLayout) -> EngineMemory {
     // SAFETY: ownership rule: the engine (vLLM) keeps its KV cache tensors alive for the whole
     // life of the connector, and `WorkerHalf` additionally holds a reference to every tensor
-    // object it described until after its driver (which owns this backend and joins its copy
-    // threads) has been dropped. kvx touches a block only inside a task the engine asked for,
-    // and the engine reuses a block only after the task's report or a fence, per kvx-offload's
-    // contract.
-    unsafe {
-        HostBackend::new(
-            layout,
-            HostBackendConfig {
-                threads,
-                ..Default::default()
-            },
-        )
-    }
+    // object it described until after its runtime (whose driver owns the host backend and joins
+    // its copy threads) has been dropped. kvx touches a block only inside a task the engine
+    // asked for, and the engine reuses a block only after the task's report, a preemption fence
+    // or `finished_sending`, per kvx-offload's contract.
+    unsafe { EngineMemory::host(layout) }
 }

@@ -91,9 +91,10 @@ impl SchedulerHalf {
             host_blocks,
             file_blocks: file_dirs.as_ref().and(file_blocks),
             eviction,
+            ..SchedulerConfig::default()
         })
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        side.manager_mut().adopt_file_blocks(found);
+        side.adopt_file_blocks(found);
         Ok(SchedulerHalf {
             inner: Mutex::new(side),
             block_tokens: u64::from(block_tokens),
@@ -185,7 +186,7 @@ impl SchedulerHalf {
         let jobs = codec::decode_jobs(jobs).map_err(|e| KvxError::new_err(e.to_string()))?;
         let failed_loads = jobs
             .iter()
-            .filter(|j| j.kind == kvx_offload::JobKind::Load && !j.failed.is_empty())
+            .filter(|j| j.part == kvx_offload::JobPart::Load && !j.failed.is_empty())
             .map(|j| {
                 let keys: Vec<u8> = j.failed.iter().flat_map(|(k, _)| k.to_be_bytes()).collect();
                 (j.request.0, PyBytes::new(py, &keys))
@@ -218,6 +219,6 @@ impl SchedulerHalf {
     fn tier_sizes(&self) -> (usize, usize) {
         let s = self.side();
         let m = s.manager();
-        (m.host().len(), m.file().map_or(0, |f| f.len()))
+        (m.blocks(Tier::Host), m.blocks(Tier::File))
     }
 }

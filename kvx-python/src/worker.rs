@@ -1,43 +1,47 @@
-//! `WorkerHalf`: kvx-offload's worker side for Python (each vLLM worker), wired to the engine's
-//! KV tensors (host backend), a host tier and an optional file tier (kvx-posix).
+//! `WorkerHalf`: kvx-offload's worker side for Python (each vLLM worker), built by
+//! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host backend), a host tier and
+//! an optional file tier (kvx-posix).
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use kvx_core::{
-    BlockKey, BufferPool, DEFAULT_ALIGN, Driver, DriverBuilder, DriverConfig, KvLayout,
+use kvx_core::KvLayout;
+use kvx_offload::{
+    FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadError, OffloadRuntime,
+    WorkerSide,
 };
-use kvx_offload::{FileTierHook, TierRoutes, WorkerConfig, WorkerSide};
 use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
-use kvx_posix::{EngineKind, PosixConfig, PosixHandle, PosixStore};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::memory::{self, TensorDesc};
-use crate::scheduler::check_file_dirs;
+use crate::scheduler::{check_file_dirs, eviction_kind};
 use crate::{KvxError, codec, keys_from_bytes};
 
-/// Staging buffers beyond the host tier (file loads that are not promoted, stores in flight).
-const STAGING_BUFFERS: usize = 64;
-
-/// Host backend copy threads.
-const COPY_THREADS: usize = 2;
-
-struct Hook(PosixHandle);
-
-impl FileTierHook for Hook {
-    fn remove(&self, key: BlockKey) {
-        self.0.remove(key);
-    }
-}
-
-/// The running parts. Field order is drop order: the worker half, then the driver (which joins
-/// its backends' threads), then the file handle.
+/// The running parts. Field order is drop order: the worker half, then the runtime (its driver
+/// joins the backends' threads).
 struct Running {
     worker: WorkerSide,
-    driver: Driver,
-    files: Option<PosixHandle>,
+    runtime: OffloadRuntime,
+    store_timeout: Duration,
+    /// Engine blocks of each request's load in flight.
+    loading: HashMap<u64, Vec<u32>>,
+    /// Engine blocks a cut-short copy may still write (kvx's `blocks_in_use`).
+    in_use: HashSet<u32>,
+    /// Ended loads held back until none of their blocks is in use.
+    parked: Vec<Parked>,
+}
+
+/// A load that ended, reported once no copy can write its blocks any more.
+struct Parked {
+    req: u64,
+    blocks: Vec<u32>,
+    invalid: Vec<u32>,
+    /// Reported to the engine in finished_recving (false: abandoned, an ended load only).
+    to_engine: bool,
 }
 
 /// The worker half over the engine's KV tensors.
@@ -63,7 +67,15 @@ impl WorkerHalf {
     }
 }
 
+fn kvx_err(e: impl ToString) -> PyErr {
+    KvxError::new_err(e.to_string())
+}
+
 type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);
+
+/// What `get_finished` hands to Python: (finished_sending, finished_recving, invalid engine
+/// blocks, encoded job outcomes (empty when none), requests whose load ended unreported).
+type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>);
 
 #[pymethods]
 impl WorkerHalf {
@@ -72,7 +84,7 @@ impl WorkerHalf {
     /// held until `close`.
     #[new]
     #[pyo3(signature = (tensors, owners, num_blocks, block_tokens, host_blocks, load_ms, store_ms,
-                        io_engine, file_dirs=None))]
+                        io_engine, eviction="lru", file_dirs=None, file_blocks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -84,7 +96,9 @@ impl WorkerHalf {
         load_ms: u64,
         store_ms: u64,
         io_engine: &str,
+        eviction: &str,
         file_dirs: Option<Vec<PathBuf>>,
+        file_blocks: Option<usize>,
     ) -> PyResult<WorkerHalf> {
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
@@ -101,56 +115,136 @@ impl WorkerHalf {
             .collect();
         let layout = memory::describe(&descs, num_blocks)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let engine_kind: EngineKind = io_engine
-            .parse()
-            .map_err(|e| PyValueError::new_err(format!("io_engine: {e}")))?;
-        if let Some(d) = &file_dirs {
-            check_file_dirs(d)?;
-        }
+        let io_engine = match io_engine {
+            "uring" => IoEngine::Uring,
+            "psync" => IoEngine::Psync,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "io_engine: unknown engine {other:?} (expected \"uring\" or \"psync\")"
+                )));
+            }
+        };
+        let file = match file_dirs {
+            Some(dirs) => {
+                check_file_dirs(&dirs)?;
+                let mut f = FileTierConfig::new(dirs[0].clone(), file_blocks.unwrap_or(0));
+                f.roots = dirs;
+                f.io_engine = io_engine;
+                Some(f)
+            }
+            None => None,
+        };
+        let cfg = OffloadConfig {
+            block_tokens,
+            host_blocks,
+            eviction: eviction_kind(eviction)?,
+            timeouts: TimeoutConfig { load_ms, store_ms },
+            // The exact failed blocks go to the engine; its own policy decides.
+            load_failure: LoadFailurePolicy::Fail,
+            file,
+            ..OffloadConfig::default()
+        };
+        cfg.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let lay = layout.clone();
-        let running = py
-            .detach(move || {
-                start(
-                    lay,
-                    block_tokens,
-                    host_blocks,
-                    load_ms,
-                    store_ms,
-                    engine_kind,
-                    file_dirs,
-                )
-            })
-            .map_err(PyValueError::new_err)?;
+        let built = py.detach(move || {
+            // SAFETY: the layout describes the tensors `WorkerHalf` holds in `tensors` until
+            // after this runtime is dropped (see `memory::engine_memory`).
+            let memory = unsafe { memory::engine_memory(lay) };
+            OffloadBuilder::new(cfg, memory).build()
+        });
+        let built = built.map_err(|e| PyValueError::new_err(e.to_string()))?;
+        drop(built.scheduler); // the scheduler half lives in vLLM's scheduler process
         Ok(WorkerHalf {
-            running: Mutex::new(Some(running)),
+            running: Mutex::new(Some(Running {
+                worker: built.worker,
+                runtime: built.runtime,
+                store_timeout: Duration::from_millis(store_ms),
+                loading: HashMap::new(),
+                in_use: HashSet::new(),
+                parked: Vec::new(),
+            })),
             tensors: Mutex::new(owners),
             layout,
         })
     }
 
     /// Start a step with the scheduler half's encoded instructions: drop evicted blocks, start
-    /// loads, queue stores, flush and fence preempted requests (waits at most the store
-    /// deadline for that), pass finished requests on.
+    /// loads, queue stores, flush and fence preempted requests (waiting at most the store
+    /// deadline for that fence), pass finished requests on.
     fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
-        let meta = codec::decode_meta(meta).map_err(|e| KvxError::new_err(e.to_string()))?;
+        let meta = codec::decode_meta(meta).map_err(kvx_err)?;
         py.detach(|| {
             self.with(|r| {
-                r.worker
-                    .start_step(meta)
-                    .map_err(|e| KvxError::new_err(e.to_string()))
+                for l in &meta.loads {
+                    r.loading
+                        .insert(l.request.0, l.blocks.iter().map(|b| b.engine.0).collect());
+                }
+                match r.worker.start_step(meta) {
+                    Ok(()) => Ok(()),
+                    // The forward may overwrite the preempted requests' blocks right after
+                    // this call: wait for the fence here (their stores' deadline bounds it).
+                    Err(OffloadError::FenceNotHeld(fence)) => {
+                        if fence.wait(Instant::now() + r.store_timeout) {
+                            Ok(())
+                        } else {
+                            Err(KvxError::new_err(format!(
+                                "preemption fence of {:?} did not hold within the store \
+                                 deadline: their blocks may still be written",
+                                fence.requests()
+                            )))
+                        }
+                    }
+                    Err(e) => Err(kvx_err(e)),
+                }
             })
         })
     }
 
-    /// What finished since the last call (never blocks): (finished_sending,
-    /// finished_recving, invalid engine blocks, encoded job outcomes for the scheduler half
-    /// (empty when none), requests whose load job ended — abandoned ones included).
-    #[allow(clippy::type_complexity)]
-    fn get_finished<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>)> {
-        let out = self.with(|r| Ok(r.worker.get_finished()))?;
+    /// What finished since the last call (never blocks). A load whose blocks a cut-short copy
+    /// may still write is held back (with its invalid blocks) until kvx releases them.
+    fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Finished<'py>> {
+        let (out, recving, invalid, ended) = self.with(|r| {
+            let out = r.worker.get_finished().map_err(kvx_err)?;
+            r.in_use.extend(out.blocks_in_use.iter().map(|b| b.0));
+            for b in &out.blocks_released {
+                r.in_use.remove(&b.0);
+            }
+            let reported: HashSet<u64> = out.finished_recving.iter().map(|q| q.0).collect();
+            let mut unclaimed: HashSet<u32> = out.invalid_blocks.iter().map(|b| b.0).collect();
+            for j in out.jobs.iter().filter(|j| j.part == JobPart::Load) {
+                let req = j.request.0;
+                let blocks = r.loading.remove(&req).unwrap_or_default();
+                let inv: Vec<u32> = blocks
+                    .iter()
+                    .copied()
+                    .filter(|b| unclaimed.remove(b))
+                    .collect();
+                r.parked.push(Parked {
+                    req,
+                    blocks,
+                    invalid: inv,
+                    to_engine: reported.contains(&req),
+                });
+            }
+            // Invalid blocks of no known load (none expected) go out at once.
+            let mut invalid: Vec<u32> = unclaimed.into_iter().collect();
+            let (mut recving, mut ended) = (Vec::new(), Vec::new());
+            let in_use = &r.in_use;
+            r.parked.retain(|p| {
+                if p.blocks.iter().any(|b| in_use.contains(b)) {
+                    return true;
+                }
+                if p.to_engine {
+                    recving.push(p.req);
+                    invalid.extend_from_slice(&p.invalid);
+                } else {
+                    ended.push(p.req);
+                }
+                false
+            });
+            Ok((out, recving, invalid, ended))
+        })?;
         let jobs = if out.jobs.is_empty() {
             Vec::new()
         } else {
@@ -158,29 +252,26 @@ impl WorkerHalf {
         };
         Ok((
             out.finished_sending.iter().map(|r| r.0).collect(),
-            out.finished_recving.iter().map(|r| r.0).collect(),
-            out.invalid_blocks.iter().map(|b| b.0).collect(),
+            recving,
+            invalid,
             PyBytes::new(py, &jobs),
-            out.jobs
-                .iter()
-                .filter(|j| j.kind == kvx_offload::JobKind::Load)
-                .map(|j| j.request.0)
-                .collect(),
+            ended,
         ))
     }
 
-    /// Jobs and requests in flight here (0 when idle).
+    /// Jobs and requests in flight here, and loads held back (0 when idle).
     fn in_flight(&self) -> PyResult<usize> {
-        self.with(|r| Ok(r.worker.in_flight()))
+        self.with(|r| Ok(r.worker.in_flight() + r.parked.len() + r.loading.len()))
     }
 
     /// True when the driver's tracker holds no task, request, timer or zombie.
     fn tracker_idle(&self) -> PyResult<bool> {
         self.with(|r| {
-            r.driver
-                .stats()
-                .map(|(_, empty)| empty)
-                .map_err(|e| KvxError::new_err(e.to_string()))
+            let d = r
+                .runtime
+                .driver()
+                .ok_or_else(|| kvx_err("driver stopped"))?;
+            d.stats().map(|(_, empty)| empty).map_err(kvx_err)
         })
     }
 
@@ -188,10 +279,11 @@ impl WorkerHalf {
     /// tier's (blocks loaded, stored, corrupt, rejected by an open breaker, I/Os in flight).
     fn stats(&self) -> PyResult<Vec<(&'static str, u64)>> {
         self.with(|r| {
-            let (t, _) = r
-                .driver
-                .stats()
-                .map_err(|e| KvxError::new_err(e.to_string()))?;
+            let d = r
+                .runtime
+                .driver()
+                .ok_or_else(|| kvx_err("driver stopped"))?;
+            let (t, _) = d.stats().map_err(kvx_err)?;
             let mut out = vec![
                 ("live_tasks", t.live_tasks as u64),
                 ("active_ops", t.active_ops as u64),
@@ -201,7 +293,7 @@ impl WorkerHalf {
                 ("timed_out", t.timed_out),
                 ("host_blocks", r.worker.host_blocks() as u64),
             ];
-            if let Some(f) = &r.files {
+            if let Some(f) = r.runtime.files() {
                 let p = f.stats();
                 out.extend([
                     ("file_blocks", f.len() as u64),
@@ -215,11 +307,6 @@ impl WorkerHalf {
             }
             Ok(out)
         })
-    }
-
-    /// Blocks held in the host tier.
-    fn host_blocks(&self) -> PyResult<usize> {
-        self.with(|r| Ok(r.worker.host_blocks()))
     }
 
     /// Buffers lent out of the pool (host tier + staging + in flight).
@@ -243,7 +330,7 @@ impl WorkerHalf {
 
     /// Blocks the file tier holds (0 without one).
     fn file_blocks(&self) -> PyResult<usize> {
-        self.with(|r| Ok(r.files.as_ref().map_or(0, |f| f.len())))
+        self.with(|r| Ok(r.runtime.files().map_or(0, |f| f.len())))
     }
 
     /// Path of the file that holds the block keyed `key` (16 bytes), without a file tier `None`.
@@ -252,66 +339,21 @@ impl WorkerHalf {
         let [k] = k[..] else {
             return Err(PyValueError::new_err("file_block_path: one 16-byte key"));
         };
-        self.with(|r| Ok(r.files.as_ref().map(|f| f.block_path(k))))
+        self.with(|r| Ok(r.runtime.files().map(|f| f.block_path(k))))
     }
 
     /// Stop the driver and its backends, then let go of the tensors. Idempotent.
     fn close(&self, py: Python<'_>) {
         let running = self.lock().take();
-        py.detach(move || drop(running));
+        py.detach(move || {
+            if let Some(r) = running {
+                drop(r.worker);
+                r.runtime.shutdown();
+            }
+        });
         self.tensors
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
     }
-}
-
-fn start(
-    layout: KvLayout,
-    block_tokens: u32,
-    host_blocks: usize,
-    load_ms: u64,
-    store_ms: u64,
-    engine_kind: EngineKind,
-    file_dirs: Option<Vec<PathBuf>>,
-) -> Result<Running, String> {
-    let buf_size = layout.block_bytes().div_ceil(DEFAULT_ALIGN) * DEFAULT_ALIGN;
-    let mut b = DriverBuilder::new(DriverConfig::default());
-    // SAFETY: the layout describes the tensors `WorkerHalf` holds in `tensors` until after this
-    // driver is dropped (see `memory::host_backend`).
-    let host = unsafe { memory::host_backend(layout, COPY_THREADS) }.map_err(|e| e.to_string())?;
-    let engine = b.backend(Box::new(host));
-    let (file, files) = match file_dirs {
-        Some(dirs) => {
-            let mut cfg = PosixConfig::new(dirs[0].clone());
-            cfg.roots = dirs;
-            cfg.engine = engine_kind;
-            let store = PosixStore::open(cfg).map_err(|e| format!("file_dirs: {e}"))?;
-            let handle = store.handle();
-            (Some(b.backend(Box::new(store))), Some(handle))
-        }
-        None => (None, None),
-    };
-    let pool = BufferPool::new(host_blocks + STAGING_BUFFERS, buf_size, DEFAULT_ALIGN)
-        .map_err(|e| format!("host_blocks: {e}"))?;
-    let driver = b.spawn().map_err(|e| e.to_string())?;
-    let worker = WorkerSide::new(
-        driver.handle(),
-        TierRoutes { engine, file },
-        pool,
-        files
-            .clone()
-            .map(|f| Arc::new(Hook(f)) as Arc<dyn FileTierHook>),
-        WorkerConfig {
-            block_tokens,
-            timeouts: TimeoutConfig { load_ms, store_ms },
-            // The exact failed blocks go to the engine; its own policy decides.
-            policy: LoadFailurePolicy::Fail,
-        },
-    );
-    Ok(Running {
-        worker,
-        driver,
-        files,
-    })
 }

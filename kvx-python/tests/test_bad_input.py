@@ -57,7 +57,7 @@ def test_read_only_file_dir_fails_at_construction(tmp_path):
             t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
             WorkerHalf(
                 [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")],
-                [t], 8, BLOCK, 4, 100, 100, "psync", [str(ro)],
+                [t], 8, BLOCK, 4, 100, 100, "psync", file_dirs=[str(ro)], file_blocks=16,
             )
         assert str(ro) in str(e.value)
     finally:

@@ -8,8 +8,8 @@
 //! | (always) | [`core`] = `kvx-core` |
 //! | `policy` (default) | [`policy`] = `kvx-policy` |
 //! | `posix` | `posix` = `kvx-posix` (file block store: io_uring / psync, O_DIRECT, deadlines) |
-//! | `offload` | `offload` = `kvx-offload` (tiered manager + engine connector) |
-//! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA) |
+//! | `offload` | `offload` = `kvx-offload` (tiered manager, engine connector, `OffloadBuilder`) |
+//! | `cuda` | `cuda` = `kvx-cuda` (GPU<->pinned host copies; builds without CUDA; with `offload`, CUDA engine memory in the builder) |
 //! | `rdma` | `rdma` = `kvx-rdma` (remote reads under leases; TCP; `rdma-verbs` adds ibverbs) |
 //! | `prometheus` | `prometheus`: a `/metrics` endpoint for [`core::metrics`] |
 //!

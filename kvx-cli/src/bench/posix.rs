@@ -1,9 +1,15 @@
 //! `kvx bench posix`: store then load blocks through the file block store, and (with `--fio`)
 //! run fio's sequential read and write at the same block size and queue depth on a file of the
 //! same size in the same directory, alternating with kvx, to report kvx/fio ratios.
+//!
+//! Every op has a deadline (`--deadline-ms`, default 30000): on a mount that stops answering,
+//! each phase ends within its deadline plus a fraction of a second, the report says how many
+//! ops timed out, and the benchmark directory is removed in the background (left in place,
+//! with a message, if the mount does not answer within [`CLEANUP_WAIT`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use clap::Args;
 use kvx_core::Direction;
@@ -40,6 +46,65 @@ pub struct PosixArgs {
     /// Print the results as one JSON object on the last line.
     #[arg(long)]
     json: bool,
+    /// Deadline of each op in milliseconds; an op past it is cancelled and counted as timed
+    /// out.
+    #[arg(long, default_value_t = 30_000)]
+    deadline_ms: u64,
+}
+
+/// How long the benchmark waits for its directory to be removed before leaving it in place.
+pub const CLEANUP_WAIT: Duration = Duration::from_millis(300);
+
+/// Remove `dir` on a background thread; false (with a message) if it did not finish within
+/// [`CLEANUP_WAIT`] (a stuck mount): the thread goes on, and the process does not wait for it.
+fn remove_in_background(dir: &Path) -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dir.to_path_buf();
+    let spawned = std::thread::Builder::new()
+        .name("kvx-bench-cleanup".into())
+        .spawn(move || {
+            let _ = tx.send(std::fs::remove_dir_all(&d));
+        });
+    if spawned.is_err() {
+        eprintln!(
+            "kvx bench posix: {} left in place (no cleanup thread)",
+            dir.display()
+        );
+        return false;
+    }
+    match rx.recv_timeout(CLEANUP_WAIT) {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Ok(Err(e)) => {
+            eprintln!("kvx bench posix: could not remove {}: {e}", dir.display());
+            false
+        }
+        Err(_) => {
+            eprintln!(
+                "kvx bench posix: {} left in place: the filesystem did not answer within {CLEANUP_WAIT:?}",
+                dir.display()
+            );
+            false
+        }
+    }
+}
+
+/// One line about a phase's failures, or `None` when every op succeeded.
+fn failures(name: &str, p: &Phase) -> Option<String> {
+    (!p.is_clean()).then(|| {
+        format!(
+            "{name}: {} ok, {} timed out, {} failed, {} refused, {} not started{}",
+            p.ok.len(),
+            p.timed_out,
+            p.failed,
+            p.refused,
+            p.not_started,
+            p.first_error
+                .as_deref()
+                .map(|e| format!(" (first error: {e})"))
+                .unwrap_or_default()
+        )
+    })
 }
 
 /// Parse `1MiB`, `256KiB`, `4M`, `4096`.
@@ -119,11 +184,28 @@ fn one_round(
     let mut rig = BenchRig::new(cfg, args.block_size).map_err(|e| e.to_string())?;
     let direct = rig.handle().capabilities().direct;
     let keys = bench_keys(round as u64, args.blocks);
-    let store = rig
-        .run(Direction::Store, &keys)
-        .map_err(|e| e.to_string())?;
-    let load = rig.run(Direction::Load, &keys).map_err(|e| e.to_string())?;
+    let deadline = Duration::from_millis(args.deadline_ms);
+    let store = rig.run(Direction::Store, &keys, deadline);
+    eprintln!(
+        "round {}: stored {} of {} blocks; loading them",
+        round + 1,
+        store.ok.len(),
+        keys.len()
+    );
+    // Load what was stored.
+    let load = rig.run(Direction::Load, &store.ok, deadline);
     drop(rig);
+    if !store.is_clean() || !load.is_clean() {
+        return Ok((
+            Round {
+                store,
+                load,
+                fio_write: None,
+                fio_read: None,
+            },
+            direct,
+        ));
+    }
     std::fs::remove_dir_all(&root).map_err(|e| format!("cleanup {}: {e}", root.display()))?;
     let size = (args.blocks * args.block_size) as u64;
     let (fio_write, fio_read) = if args.fio {
@@ -154,6 +236,10 @@ pub fn run(args: PosixArgs) -> i32 {
             return 2;
         }
     };
+    if args.deadline_ms == 0 {
+        eprintln!("kvx bench posix: --deadline-ms must be at least 1");
+        return 2;
+    }
     let work = args.dir.join(format!("kvx-bench-{}", std::process::id()));
     if let Err(e) = std::fs::create_dir_all(&work) {
         eprintln!("kvx bench posix: cannot create {}: {e}", work.display());
@@ -163,6 +249,38 @@ pub fn run(args: PosixArgs) -> i32 {
     let mut direct = false;
     for i in 0..args.rounds.max(1) {
         match one_round(&args, engine, &work, i) {
+            Ok((r, _)) if !r.store.is_clean() || !r.load.is_clean() => {
+                // Report at once what did not finish, then clean up without blocking on it.
+                println!(
+                    "kvx bench posix: engine {engine}, deadline {} ms, round {}: ops did not all succeed",
+                    args.deadline_ms,
+                    i + 1
+                );
+                for (name, p) in [("store", &r.store), ("load", &r.load)] {
+                    if let Some(line) = failures(name, p) {
+                        println!("{line}");
+                    }
+                }
+                if args.json {
+                    let phase = |p: &Phase| {
+                        serde_json::json!({
+                            "ok": p.ok.len(), "timed_out": p.timed_out, "failed": p.failed,
+                            "refused": p.refused, "not_started": p.not_started,
+                        })
+                    };
+                    let v = serde_json::json!({
+                        "engine": engine.as_str(),
+                        "deadline_ms": args.deadline_ms,
+                        "store": phase(&r.store),
+                        "load": phase(&r.load),
+                    });
+                    println!("{v}");
+                }
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+                remove_in_background(&work);
+                return 1;
+            }
             Ok((r, d)) => {
                 direct = d;
                 if !args.json {
@@ -181,12 +299,12 @@ pub fn run(args: PosixArgs) -> i32 {
             }
             Err(e) => {
                 eprintln!("kvx bench posix: {e}");
-                let _ = std::fs::remove_dir_all(&work);
+                remove_in_background(&work);
                 return 1;
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&work);
+    remove_in_background(&work);
     let store = median(rounds.iter().map(|r| r.store.gib_s()).collect());
     let load = median(rounds.iter().map(|r| r.load.gib_s()).collect());
     let p50 = median(rounds.iter().map(|r| r.load.percentile_us(50.0)).collect());

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{JobId, JobKind, JobResult, Tier, WorkerOutput};
+use kvx_offload::{JobId, JobPart, JobResult, Tier, WorkerOutput};
 use kvx_policy::LoadDecision;
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -18,7 +18,7 @@ use super::error::ReplayError;
 use super::fault::StallSchedule;
 use super::payload;
 use super::rig::Rig;
-use super::stats::{RunStats, phase_index};
+use super::stats::{Reason, RunStats};
 use super::trace::{TRACE_BLOCK_TOKENS, TraceRequest};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +127,7 @@ impl Engine<'_> {
             }
             last = now;
             self.schedule.apply(now, self.rig.mount.as_ref());
+            self.note_recovery(now);
             let trace_ms = (now - start).as_secs_f64() * 1000.0 * self.s.speedup;
             while next < self.trace.len() && arrival(&self.trace[next]) <= trace_ms {
                 waiting.push_back(next);
@@ -163,6 +164,20 @@ impl Engine<'_> {
         self.stats.wall = start.elapsed();
         self.schedule.end(Instant::now(), self.rig.mount.as_ref());
         Ok(())
+    }
+
+    /// After the last stall, note when the file tier's breaker is closed again.
+    fn note_recovery(&mut self, now: Instant) {
+        if !self.schedule.awaiting_recovery(now) {
+            return;
+        }
+        let closed = self.rig.files.as_ref().is_none_or(|f| {
+            (0..f.capabilities().direct_per_root.len())
+                .all(|root| f.breaker_state(root) == Some(kvx_policy::BreakerState::Closed))
+        });
+        if closed {
+            self.schedule.recovered(now);
+        }
     }
 
     /// Admit waiting requests in arrival order while engine memory lasts.
@@ -244,7 +259,7 @@ impl Engine<'_> {
         }
         let w = self.rig.worker()?;
         w.start_step(meta)?;
-        let out = w.get_finished();
+        let out = w.get_finished()?;
         self.rig.sched.update_from_worker(&out);
         Ok(out)
     }
@@ -253,14 +268,20 @@ impl Engine<'_> {
     /// freed.
     fn absorb(&mut self, out: WorkerOutput) -> Result<(), ReplayError> {
         let now = Instant::now();
+        let phase = self.schedule.phase(now);
         for j in &out.jobs {
-            match j.kind {
-                JobKind::Load => self.load_done(j, &out, now)?,
-                JobKind::StoreHost => {
+            if j.part != JobPart::Load {
+                for (_, e) in &j.failed {
+                    self.stats.store_failure(Reason::of(e), 1, phase);
+                }
+            }
+            match j.part {
+                JobPart::Load => self.load_done(j, &out, now)?,
+                JobPart::StoreHost => {
                     self.stats.stored_host += j.ok.len() as u64;
                     self.stats.store_failed_host += j.failed.len() as u64;
                 }
-                JobKind::StoreFile => {
+                JobPart::StoreFile => {
                     self.stats.stored_file += j.ok.len() as u64;
                     self.stats.store_failed_file += j.failed.len() as u64;
                     self.stats.store_timeouts += j
@@ -358,7 +379,8 @@ impl Engine<'_> {
                 j.failed.len()
             )));
         }
-        let phase = phase_index(self.schedule.phase(started));
+        let phase = self.schedule.phase(started);
+        let pi = phase.index();
         for (i, k) in keys[..valid].iter().enumerate() {
             if !ok.contains(k) {
                 return Err(ReplayError::Accounting(format!(
@@ -369,11 +391,11 @@ impl Engine<'_> {
             match info.tiers.get(i) {
                 Some(Tier::File) => {
                     self.stats.hit_file += 1;
-                    self.stats.file_hits_by_phase[phase] += 1;
+                    self.stats.file_hits_by_phase[pi] += 1;
                 }
                 _ => {
                     self.stats.hit_host += 1;
-                    self.stats.host_hits_by_phase[phase] += 1;
+                    self.stats.host_hits_by_phase[pi] += 1;
                 }
             }
         }
@@ -381,8 +403,7 @@ impl Engine<'_> {
             self.stats.deadline_misses += 1;
         }
         for (_, e) in &j.failed {
-            self.stats.load_failure(e);
-            self.stats.load_failed_by_phase[phase] += 1;
+            self.stats.load_failure(e, phase);
         }
         if failed {
             self.stats.failed_requests += 1;
@@ -418,11 +439,16 @@ impl Engine<'_> {
             let pairs: Vec<(BlockKey, EngineBlockId)> =
                 keys.iter().copied().zip(blocks.iter().copied()).collect();
             self.rig.sched.save_blocks(rid, &pairs);
-            let host = self.rig.sched.manager().host();
-            self.stats.store_dropped += keys
+            let m = self.rig.sched.manager();
+            let dropped = keys
                 .iter()
-                .filter(|k| !host.is_stored(**k) && !host.is_storing(**k))
+                .filter(|k| !m.is_stored(Tier::Host, **k) && !m.is_storing(Tier::Host, **k))
                 .count() as u64;
+            self.stats.store_dropped += dropped;
+            if dropped > 0 {
+                let phase = self.schedule.phase(Instant::now());
+                self.stats.store_failure(Reason::NoRoom, dropped, phase);
+            }
         }
         if !failed {
             let input = self.trace[id].input_length as f64;
@@ -468,13 +494,12 @@ impl Engine<'_> {
             Duration::from_millis(2 * self.s.store_deadline_ms + 2 * self.s.load_deadline_ms)
                 + Duration::from_secs(10);
         loop {
+            self.note_recovery(Instant::now());
             let out = self.step()?;
             self.absorb(out)?;
             let (tracker, empty) = self
                 .rig
-                .driver
-                .as_ref()
-                .ok_or_else(|| ReplayError::Accounting("the driver is gone".into()))?
+                .driver()?
                 .stats()
                 .map_err(|e| ReplayError::Setup(e.to_string()))?;
             let quiet = empty
@@ -545,8 +570,7 @@ impl Engine<'_> {
             .rig
             .sched
             .manager()
-            .host()
-            .stored_keys()
+            .stored_keys(Tier::Host)
             .into_iter()
             .collect();
         let w = self.rig.worker()?;

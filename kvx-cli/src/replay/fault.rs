@@ -48,14 +48,49 @@ pub enum Phase {
     Before,
     /// While a stall is scheduled.
     During,
-    /// After the last stall ended.
+    /// After the last stall ended, until the file tier's breaker was seen closed again.
+    Recovering,
+    /// After that.
     After,
+}
+
+impl Phase {
+    /// Every phase, in order.
+    pub const ALL: [Phase; 4] = [
+        Phase::Before,
+        Phase::During,
+        Phase::Recovering,
+        Phase::After,
+    ];
+
+    /// The phase's index in [`Phase::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Phase::Before => 0,
+            Phase::During => 1,
+            Phase::Recovering => 2,
+            Phase::After => 3,
+        }
+    }
+
+    /// The phase's name in the JSON output.
+    pub fn key(self) -> &'static str {
+        match self {
+            Phase::Before => "before_stall",
+            Phase::During => "during_stall",
+            Phase::Recovering => "after_thaw_until_breaker_closed",
+            Phase::After => "after_recovery",
+        }
+    }
 }
 
 /// Applies the stalls to a mount as the replay clock passes them.
 pub struct StallSchedule {
     windows: Vec<(Instant, Instant)>,
     frozen: bool,
+    ended: bool,
+    /// When the breaker was first seen closed after the last thaw.
+    recovered: Option<Instant>,
     /// Times the mount was frozen and thawed (for the report).
     pub log: Vec<(Duration, &'static str)>,
     start: Instant,
@@ -72,6 +107,8 @@ impl StallSchedule {
         StallSchedule {
             windows,
             frozen: false,
+            ended: false,
+            recovered: None,
             log: Vec::new(),
             start,
         }
@@ -80,6 +117,9 @@ impl StallSchedule {
     /// Freeze or thaw `mount` as `now` requires.
     pub fn apply(&mut self, now: Instant, mount: Option<&StallMount>) {
         let Some(m) = mount else { return };
+        if self.ended {
+            return;
+        }
         let want = self.windows.iter().any(|(a, b)| now >= *a && now < *b);
         if want != self.frozen {
             if want {
@@ -102,7 +142,26 @@ impl StallSchedule {
             self.frozen = false;
             self.log.push((now - self.start, "thaw (end of replay)"));
         }
-        self.windows.clear();
+        self.ended = true;
+    }
+
+    /// True after the last stall, until [`StallSchedule::recovered`] was called.
+    pub fn awaiting_recovery(&self, now: Instant) -> bool {
+        self.recovered.is_none()
+            && self
+                .windows
+                .iter()
+                .map(|w| w.1)
+                .max()
+                .is_some_and(|l| now >= l)
+    }
+
+    /// The file tier's breaker was seen closed at `now`, after the last stall.
+    pub fn recovered(&mut self, now: Instant) {
+        if self.awaiting_recovery(now) {
+            self.recovered = Some(now);
+            self.log.push((now - self.start, "breaker closed"));
+        }
     }
 
     /// The phase of `t`.
@@ -115,10 +174,12 @@ impl StallSchedule {
         };
         if t < first {
             Phase::Before
-        } else if t >= last {
+        } else if t < last {
+            Phase::During
+        } else if self.recovered.is_some_and(|r| t >= r) {
             Phase::After
         } else {
-            Phase::During
+            Phase::Recovering
         }
     }
 }
@@ -158,6 +219,13 @@ mod tests {
         );
         assert_eq!(s.phase(t0 + Duration::from_secs(1)), Phase::Before);
         assert_eq!(s.phase(t0 + Duration::from_secs(6)), Phase::During);
-        assert_eq!(s.phase(t0 + Duration::from_secs(15)), Phase::After);
+        assert_eq!(s.phase(t0 + Duration::from_secs(15)), Phase::Recovering);
+        let mut s = s;
+        assert!(!s.awaiting_recovery(t0 + Duration::from_secs(14)));
+        assert!(s.awaiting_recovery(t0 + Duration::from_secs(16)));
+        s.recovered(t0 + Duration::from_secs(17));
+        assert!(!s.awaiting_recovery(t0 + Duration::from_secs(18)));
+        assert_eq!(s.phase(t0 + Duration::from_secs(16)), Phase::Recovering);
+        assert_eq!(s.phase(t0 + Duration::from_secs(17)), Phase::After);
     }
 }

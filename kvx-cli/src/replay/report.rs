@@ -6,7 +6,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::args::Settings;
-use super::stats::{RunStats, mean, percentile, sorted};
+use super::fault::Phase;
+use super::stats::{ByReason, RunStats, mean, percentile, sorted};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -115,10 +116,28 @@ pub fn to_json(s: &Settings, r: &RunStats, c: &Context) -> Value {
         ("ttft_recompute_ms_p99", json!(percentile(&ttft_r, 99.0))),
         ("file_hits_before_stall", json!(r.file_hits_by_phase[0])),
         ("file_hits_during_stall", json!(r.file_hits_by_phase[1])),
-        ("file_hits_after_stall", json!(r.file_hits_by_phase[2])),
+        (
+            "file_hits_after_stall",
+            json!(r.file_hits_by_phase[2] + r.file_hits_by_phase[3]),
+        ),
+        ("file_hits_after_recovery", json!(r.file_hits_by_phase[3])),
         (
             "load_failed_blocks_during_stall",
             json!(r.load_failed_by_phase[1]),
+        ),
+        (
+            "load_failed_blocks_after_recovery",
+            json!(r.load_failed_by_phase[3]),
+        ),
+        ("store_failures_by_reason", r.store_failures.to_json()),
+        ("load_failures_by_reason", r.load_failures.to_json()),
+        (
+            "store_failures_by_phase",
+            by_phase(s, &r.store_failures_by_phase),
+        ),
+        (
+            "load_failures_by_phase",
+            by_phase(s, &r.load_failures_by_phase),
         ),
         (
             "stalls",
@@ -145,6 +164,19 @@ pub fn to_json(s: &Settings, r: &RunStats, c: &Context) -> Value {
         fields
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+    )
+}
+
+/// With `--fault`: `{"before_stall": {reason: n, ...}, ...}`; without: null.
+fn by_phase(s: &Settings, v: &[ByReason; 4]) -> Value {
+    if s.stalls.is_empty() {
+        return Value::Null;
+    }
+    Value::Object(
+        Phase::ALL
+            .iter()
+            .map(|p| (p.key().to_string(), v[p.index()].to_json()))
             .collect(),
     )
 }
@@ -367,6 +399,16 @@ pub fn summary(s: &Settings, r: &RunStats, c: &Context) -> String {
             ),
         );
     }
+    row(
+        &mut o,
+        "store failures by reason",
+        r.store_failures.describe(),
+    );
+    row(
+        &mut o,
+        "load failures by reason",
+        r.load_failures.describe(),
+    );
     if !s.stalls.is_empty() {
         let log: Vec<String> = r
             .stall_log
@@ -374,27 +416,39 @@ pub fn summary(s: &Settings, r: &RunStats, c: &Context) -> String {
             .map(|(t, what)| format!("{what} at {:.1} s", t.as_secs_f64()))
             .collect();
         row(&mut o, "disk stall", log.join(", "));
+        let four = |v: &[u64; 4]| format!("{} / {} / {} / {}", v[0], v[1], v[2], v[3]);
         row(
             &mut o,
-            "file hits before/in/after",
+            "phases",
+            "before the stall / during / after the thaw until the breaker closed / after".into(),
+        );
+        row(
+            &mut o,
+            "file hits by phase",
             format!(
-                "{} / {} / {} blocks (host: {} / {} / {})",
-                r.file_hits_by_phase[0],
-                r.file_hits_by_phase[1],
-                r.file_hits_by_phase[2],
-                r.host_hits_by_phase[0],
-                r.host_hits_by_phase[1],
-                r.host_hits_by_phase[2]
+                "{} blocks (host: {})",
+                four(&r.file_hits_by_phase),
+                four(&r.host_hits_by_phase)
             ),
         );
         row(
             &mut o,
-            "failed loads before/in/after",
-            format!(
-                "{} / {} / {} blocks",
-                r.load_failed_by_phase[0], r.load_failed_by_phase[1], r.load_failed_by_phase[2]
-            ),
+            "failed loads by phase",
+            format!("{} blocks", four(&r.load_failed_by_phase)),
         );
+        for p in Phase::ALL {
+            let (st, ld) = (
+                &r.store_failures_by_phase[p.index()],
+                &r.load_failures_by_phase[p.index()],
+            );
+            if st.total() + ld.total() > 0 {
+                row(
+                    &mut o,
+                    &format!("  {}", p.key()),
+                    format!("stores: {}; loads: {}", st.describe(), ld.describe()),
+                );
+            }
+        }
     }
     row(
         &mut o,

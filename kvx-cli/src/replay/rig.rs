@@ -4,34 +4,20 @@
 //! connector, driver (no op left on the arena), mount, then the directories.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
 
-use kvx_core::{
-    BlockKey, BufferPool, DEFAULT_ALIGN, Driver, DriverBuilder, DriverConfig, HostArena,
-    HostBackend, HostBackendConfig,
-};
+use kvx_core::{DriverHandle, HostArena};
 use kvx_fusefs::{Backing, StallFs, StallMount, fuse_available};
 use kvx_offload::{
-    FileTierHook, SchedulerConfig, SchedulerSide, TierRoutes, WorkerConfig, WorkerSide,
+    EngineMemory, FileTierConfig, IoEngine, Offload, OffloadBuilder, OffloadConfig, OffloadRuntime,
+    SchedulerSide, WorkerSide,
 };
 use kvx_policy::{BreakerConfig, TimeoutConfig};
-use kvx_posix::{PosixConfig, PosixHandle, PosixStore};
+use kvx_posix::{EngineKind, PosixHandle};
 use tempfile::TempDir;
 
 use super::args::Settings;
 use super::error::ReplayError;
 use super::trace::TRACE_BLOCK_TOKENS;
-
-/// Removes evicted blocks from the file tier (never blocks: kvx-posix unlinks through its
-/// engine).
-struct PosixHook(PosixHandle);
-
-impl FileTierHook for PosixHook {
-    fn remove(&self, key: BlockKey) {
-        self.0.remove(key);
-    }
-}
 
 /// Where the file tier's blocks live.
 pub enum FileDir {
@@ -57,8 +43,8 @@ pub struct Rig {
     pub sched: SchedulerSide,
     /// Worker half (taken on teardown).
     pub worker: Option<WorkerSide>,
-    /// The driver (taken on teardown, after the worker).
-    pub driver: Option<Driver>,
+    /// The driver and the file tier (taken on teardown, after the worker).
+    pub runtime: Option<OffloadRuntime>,
     /// The file tier's handle.
     pub files: Option<PosixHandle>,
     /// Engine memory: must outlive the driver.
@@ -76,10 +62,39 @@ pub struct Rig {
     pub direct: bool,
 }
 
-/// Buffers beyond the host tier: staging for file loads (at most one per engine block) and
-/// write-through buffers still held by file stores after their host block was evicted.
+/// The connector's settings for `s` (the file tier under `root`, if any).
+fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
+    OffloadConfig {
+        block_tokens: TRACE_BLOCK_TOKENS as u32,
+        host_blocks: s.host_blocks,
+        eviction: s.eviction,
+        timeouts: TimeoutConfig {
+            load_ms: s.load_deadline_ms,
+            store_ms: s.store_deadline_ms,
+        },
+        load_failure: s.policy,
+        file: root.map(|root| FileTierConfig {
+            io_engine: match s.io_engine {
+                EngineKind::Uring => IoEngine::Uring,
+                EngineKind::Psync => IoEngine::Psync,
+            },
+            breaker: BreakerConfig {
+                failure_threshold: 3,
+                window_ms: 10_000,
+                cool_down_ms: 1_000,
+                probe_deadline_ms: s.load_deadline_ms,
+            },
+            ..FileTierConfig::new(root, s.file_blocks)
+        }),
+        ..OffloadConfig::default()
+    }
+}
+
+/// Buffers of the worker's pool: the host tier, staging for file loads (at most one per engine
+/// block) and write-through buffers still held by file stores after their host block was
+/// evicted.
 pub fn pool_buffers(s: &Settings, engine_blocks: u32) -> usize {
-    s.host_blocks + engine_blocks as usize + (s.host_blocks / 2).max(256)
+    offload_config(s, None).pool_buffers(engine_blocks)
 }
 
 fn setup(e: impl std::fmt::Display) -> ReplayError {
@@ -89,26 +104,10 @@ fn setup(e: impl std::fmt::Display) -> ReplayError {
 impl Rig {
     /// Build the tiers for `s` with an engine pool of `engine_blocks`.
     pub fn new(s: &Settings, engine_blocks: u32) -> Result<Rig, ReplayError> {
-        let block = s.blocks.block_bytes as usize;
         // K and V regions, as an engine lays out one layer.
-        let arena = HostArena::per_layer(2, block / 2, engine_blocks).map_err(setup)?;
-        let mut b = DriverBuilder::new(DriverConfig::default());
-        // SAFETY: the arena outlives the driver (`Rig` drops the worker and the driver first,
-        // and `arena` is declared after them); the engine model reads or writes an engine block
-        // only when no op on it is outstanding (free blocks, finished loads, fenced requests).
-        let engine = b.backend(Box::new(unsafe {
-            HostBackend::new(
-                arena.layout().clone(),
-                HostBackendConfig {
-                    threads: 2,
-                    delay: Duration::ZERO,
-                },
-            )
-            .map_err(setup)?
-        }));
-        let (mut file, mut files, mut mount, mut mount_dir, mut file_dir) =
-            (None, None, None, None, None);
-        let mut direct = false;
+        let arena = HostArena::per_layer(2, s.blocks.block_bytes as usize / 2, engine_blocks)
+            .map_err(setup)?;
+        let (mut mount, mut mount_dir, mut file_dir, mut root) = (None, None, None, None);
         if s.file_blocks > 0 {
             let dir = match &s.dir {
                 Some(d) => {
@@ -123,7 +122,7 @@ impl Rig {
                         .map_err(|e| setup(format!("cannot create a temp dir: {e}")))?,
                 ),
             };
-            let root = if s.stalls.is_empty() {
+            root = Some(if s.stalls.is_empty() {
                 dir.path().to_owned()
             } else {
                 fuse_available().map_err(ReplayError::NoFuse)?;
@@ -137,62 +136,40 @@ impl Rig {
                 mount = Some(m);
                 mount_dir = Some(at);
                 root
-            };
-            let mut cfg = PosixConfig::new(root);
-            cfg.engine = s.io_engine;
-            cfg.breaker = BreakerConfig {
-                failure_threshold: 3,
-                window_ms: 10_000,
-                cool_down_ms: 1_000,
-                probe_deadline_ms: s.load_deadline_ms,
-            };
-            let store = PosixStore::open(cfg).map_err(setup)?;
-            direct = store.capabilities().direct;
-            files = Some(store.handle());
-            file = Some(b.backend(Box::new(store)));
+            });
             file_dir = Some(dir);
         }
-        let driver = b.spawn().map_err(setup)?;
-        let mut sched = SchedulerSide::new(SchedulerConfig {
-            block_tokens: TRACE_BLOCK_TOKENS as u32,
-            host_blocks: s.host_blocks,
-            file_blocks: (s.file_blocks > 0).then_some(s.file_blocks),
-            eviction: s.eviction,
-        })?;
-        let adopted = files
-            .as_ref()
-            .map_or(0, |f| sched.manager_mut().adopt_file_blocks(f.keys()));
-        let buffers = pool_buffers(s, engine_blocks);
-        let pool = BufferPool::new(buffers, block, DEFAULT_ALIGN).map_err(setup)?;
-        let worker = WorkerSide::new(
-            driver.handle(),
-            TierRoutes { engine, file },
-            pool,
-            files
-                .clone()
-                .map(|f| Arc::new(PosixHook(f)) as Arc<dyn FileTierHook>),
-            WorkerConfig {
-                block_tokens: TRACE_BLOCK_TOKENS as u32,
-                timeouts: TimeoutConfig {
-                    load_ms: s.load_deadline_ms,
-                    store_ms: s.store_deadline_ms,
-                },
-                policy: s.policy,
-            },
-        );
+        // SAFETY: the arena outlives the driver (`Rig` drops the worker and the runtime first,
+        // and `arena` is declared after them); the engine model reads or writes an engine block
+        // only when no op on it is outstanding (free blocks, finished loads, fenced requests).
+        let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+        let cfg = offload_config(s, root.as_deref());
+        let Offload {
+            scheduler,
+            worker,
+            runtime,
+        } = OffloadBuilder::new(cfg, memory).build()?;
         Ok(Rig {
-            sched,
+            sched: scheduler,
             worker: Some(worker),
-            driver: Some(driver),
-            files,
+            files: runtime.files().cloned(),
+            adopted: runtime.adopted_blocks(),
+            direct: runtime.direct_io(),
+            runtime: Some(runtime),
             arena,
             mount,
             mount_dir,
             file_dir,
-            adopted,
             engine_blocks,
-            direct,
         })
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> Result<&DriverHandle, ReplayError> {
+        self.runtime
+            .as_ref()
+            .and_then(|r| r.driver())
+            .ok_or_else(|| ReplayError::Accounting("the driver is gone".into()))
     }
 
     /// The worker half.
@@ -206,7 +183,9 @@ impl Rig {
     /// Returns the file tier's directory if it is left on disk.
     pub fn teardown(mut self, keep: bool) -> Option<PathBuf> {
         self.worker.take();
-        self.driver.take();
+        if let Some(r) = self.runtime.take() {
+            r.shutdown();
+        }
         self.files.take();
         if let Some(m) = self.mount.take() {
             m.thaw();
@@ -231,7 +210,7 @@ impl Rig {
 impl Drop for Rig {
     fn drop(&mut self) {
         self.worker.take();
-        self.driver.take();
+        self.runtime.take();
         if let Some(m) = self.mount.take() {
             m.thaw();
         }

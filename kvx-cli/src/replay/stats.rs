@@ -4,8 +4,135 @@ use std::time::Duration;
 
 use kvx_core::{BlockError, TrackerStats};
 use kvx_posix::PosixStats;
+use serde_json::{Value, json};
 
 use super::fault::Phase;
+
+/// Why a block's store or load failed, as the replay breaks failures down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The deadline passed first.
+    TimedOut,
+    /// The file tier's breaker was open: refused at once.
+    BreakerOpen,
+    /// The file tier refused: too many I/Os stuck, or its job queue full.
+    Busy,
+    /// No tier had room (computed blocks nothing could take).
+    NoRoom,
+    /// No staging or host buffer was free.
+    PoolExhausted,
+    /// The block failed verification.
+    Corrupt,
+    /// The block was not there (or not readable by this version).
+    NotFound,
+    /// Anything else (I/O errors, cancels).
+    Other,
+}
+
+impl Reason {
+    /// Every reason, in report order.
+    pub const ALL: [Reason; 8] = [
+        Reason::TimedOut,
+        Reason::BreakerOpen,
+        Reason::Busy,
+        Reason::NoRoom,
+        Reason::PoolExhausted,
+        Reason::Corrupt,
+        Reason::NotFound,
+        Reason::Other,
+    ];
+
+    /// Its name in the report and the JSON output.
+    pub fn key(self) -> &'static str {
+        match self {
+            Reason::TimedOut => "timed_out",
+            Reason::BreakerOpen => "breaker_open",
+            Reason::Busy => "busy",
+            Reason::NoRoom => "no_room",
+            Reason::PoolExhausted => "pool_exhausted",
+            Reason::Corrupt => "corrupt",
+            Reason::NotFound => "not_found",
+            Reason::Other => "other",
+        }
+    }
+
+    /// The reason of a block error. Refusals arrive as `Unavailable` with the refusing part's
+    /// message: kvx-posix says "breaker open on ..." and "busy: ...", kvx-offload "host pool
+    /// exhausted" and "no <tier>-tier buffer for ...".
+    pub fn of(e: &BlockError) -> Reason {
+        match e {
+            BlockError::TimedOut => Reason::TimedOut,
+            BlockError::Corrupt(_) => Reason::Corrupt,
+            BlockError::NotFound => Reason::NotFound,
+            BlockError::Unavailable(m) => {
+                if m.contains("breaker open") {
+                    Reason::BreakerOpen
+                } else if m.starts_with("busy") || m.contains("stuck in the kernel") {
+                    Reason::Busy
+                } else if m.contains("pool exhausted") || m.contains("-tier buffer") {
+                    Reason::PoolExhausted
+                } else if m.contains("no room") {
+                    Reason::NoRoom
+                } else {
+                    Reason::Other
+                }
+            }
+            BlockError::Io(_)
+            | BlockError::Cancelled
+            | BlockError::Invalid(_)
+            | BlockError::Remote(_) => Reason::Other,
+        }
+    }
+
+    fn index(self) -> usize {
+        Reason::ALL.iter().position(|r| *r == self).unwrap_or(7)
+    }
+}
+
+/// Failed blocks counted by [`Reason`].
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ByReason([u64; 8]);
+
+impl ByReason {
+    /// Count `n` blocks failed for `r`.
+    pub fn add(&mut self, r: Reason, n: u64) {
+        self.0[r.index()] += n;
+    }
+
+    /// Blocks failed for `r`.
+    pub fn get(&self, r: Reason) -> u64 {
+        self.0[r.index()]
+    }
+
+    /// All failed blocks.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// `{"timed_out": n, ...}` with every reason.
+    pub fn to_json(&self) -> Value {
+        Value::Object(
+            Reason::ALL
+                .iter()
+                .map(|r| (r.key().to_string(), json!(self.get(*r))))
+                .collect(),
+        )
+    }
+
+    /// `timed_out 3, busy 1` (the reasons that occurred), or `none`.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = Reason::ALL
+            .iter()
+            .filter(|r| self.get(**r) > 0)
+            .map(|r| format!("{} {}", r.key(), self.get(*r)))
+            .collect();
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
 
 /// Counters of one replay run.
 #[derive(Debug, Default, Clone)]
@@ -71,12 +198,20 @@ pub struct RunStats {
     pub ttft_cache_ms: Vec<f64>,
     /// Modelled time to first token recomputing everything, ms, per request that ran.
     pub ttft_recompute_ms: Vec<f64>,
-    /// File-tier hits by phase of the stall (before, during, after).
-    pub file_hits_by_phase: [u64; 3],
+    /// File-tier hits by phase of the stall ([`Phase::ALL`] order).
+    pub file_hits_by_phase: [u64; 4],
     /// Host-tier hits by phase.
-    pub host_hits_by_phase: [u64; 3],
+    pub host_hits_by_phase: [u64; 4],
     /// Failed load blocks by phase.
-    pub load_failed_by_phase: [u64; 3],
+    pub load_failed_by_phase: [u64; 4],
+    /// Failed store blocks (host and file tier, and computed blocks no tier took) by reason.
+    pub store_failures: ByReason,
+    /// Failed load blocks by reason.
+    pub load_failures: ByReason,
+    /// Failed store blocks by phase (when reported) and reason.
+    pub store_failures_by_phase: [ByReason; 4],
+    /// Failed load blocks by phase (when the load started) and reason.
+    pub load_failures_by_phase: [ByReason; 4],
     /// Reports in `finished_sending`.
     pub sending_reports: u64,
     /// Requests whose freeing `request_finished` delayed.
@@ -93,18 +228,13 @@ pub struct RunStats {
     pub posix: Option<PosixStats>,
 }
 
-/// Index of a phase in the per-phase arrays.
-pub fn phase_index(p: Phase) -> usize {
-    match p {
-        Phase::Before => 0,
-        Phase::During => 1,
-        Phase::After => 2,
-    }
-}
-
 impl RunStats {
-    /// Count a failed load block.
-    pub fn load_failure(&mut self, e: &BlockError) {
+    /// Count a failed load block of a load started in phase `p`.
+    pub fn load_failure(&mut self, e: &BlockError, p: Phase) {
+        let r = Reason::of(e);
+        self.load_failures.add(r, 1);
+        self.load_failures_by_phase[p.index()].add(r, 1);
+        self.load_failed_by_phase[p.index()] += 1;
         match e {
             BlockError::TimedOut => self.deadline_missed_blocks += 1,
             BlockError::Unavailable(m) if m.starts_with("no Host-tier buffer") => {
@@ -114,6 +244,12 @@ impl RunStats {
             BlockError::Corrupt(_) | BlockError::NotFound => self.load_corrupt_blocks += 1,
             _ => self.load_other_failed_blocks += 1,
         }
+    }
+
+    /// Count `n` store blocks failed for `r`, reported in phase `p`.
+    pub fn store_failure(&mut self, r: Reason, n: u64, p: Phase) {
+        self.store_failures.add(r, n);
+        self.store_failures_by_phase[p.index()].add(r, n);
     }
 
     /// Blocks served from the tiers.
@@ -160,5 +296,39 @@ mod tests {
         assert_eq!(percentile(&[], 99.0), 0.0);
         assert_eq!(percentile(&[7.0], 1.0), 7.0);
         assert_eq!(mean(&[1.0, 3.0]), 2.0);
+    }
+
+    #[test]
+    fn reasons_of_block_errors() {
+        let un = |m: &str| BlockError::Unavailable(m.into());
+        let cases = [
+            (BlockError::TimedOut, Reason::TimedOut),
+            (un("breaker open on /mnt/kv"), Reason::BreakerOpen),
+            (
+                un("busy: posix:/kv (uring engine): job queue full"),
+                Reason::Busy,
+            ),
+            (un("posix:/kv: 300 I/Os stuck in the kernel"), Reason::Busy),
+            (un("host pool exhausted"), Reason::PoolExhausted),
+            (un("no File-tier buffer for 0abc"), Reason::PoolExhausted),
+            (un("Host tier has no room: 3 blocks needed"), Reason::NoRoom),
+            (BlockError::Corrupt("x".into()), Reason::Corrupt),
+            (BlockError::NotFound, Reason::NotFound),
+            (BlockError::Io("EIO".into()), Reason::Other),
+            (BlockError::Cancelled, Reason::Other),
+        ];
+        for (e, want) in cases {
+            assert_eq!(Reason::of(&e), want, "{e}");
+        }
+        let mut s = RunStats::default();
+        s.load_failure(&BlockError::TimedOut, Phase::During);
+        s.load_failure(&un("breaker open on r"), Phase::Recovering);
+        s.store_failure(Reason::Busy, 2, Phase::Before);
+        assert_eq!(s.load_failures.get(Reason::TimedOut), 1);
+        assert_eq!(s.load_failures_by_phase[2].get(Reason::BreakerOpen), 1);
+        assert_eq!(s.load_failed_by_phase, [0, 1, 1, 0]);
+        assert_eq!(s.store_failures.total(), 2);
+        assert_eq!(s.store_failures.describe(), "busy 2");
+        assert_eq!(s.store_failures.to_json()["busy"], 2);
     }
 }

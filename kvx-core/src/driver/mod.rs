@@ -1,32 +1,5 @@
 //! The driver: a thread that owns the clock, the backends and the [`Tracker`](crate::Tracker),
 //! and the engine-facing [`DriverHandle`].
-//!
-//! # The tick
-//!
-//! [`TICK`] (1 ms) is the driver's timer granularity: deadlines are kept in millisecond slots
-//! and the thread sleeps exactly until the next one, so a task gets its `TimedOut` verdict no
-//! later than one tick after its deadline (plus the OS's scheduling delay on a loaded machine).
-//!
-//! # The bound every handle call honours
-//!
-//! No [`DriverHandle`] method waits for the driver thread or a backend. A call queues a
-//! command and returns, or reads state the driver thread publishes after every pass: each
-//! takes at most two short locks that the driver thread only holds to swap a queue or copy a
-//! snapshot, never while it runs a backend. A call therefore returns within microseconds, well
-//! under one [`TICK`], whatever a backend does: hangs, never completes, or panics. The only
-//! calls that wait are the explicit waits, [`DriverHandle::wait_report`] and
-//! [`FenceHandle::wait`]: they return by the `until` the caller passes, and at once once the
-//! driver stopped. Answers that need the driver thread come back later: verdicts and released
-//! requests through [`DriverHandle::get_finished`], fences through [`FenceHandle`].
-//!
-//! # When the driver stops
-//!
-//! Every pass of the driver thread, and so every backend call, runs under `catch_unwind`. A
-//! panic stops the driver: it records the panic message, wakes every waiter (fence waits
-//! return false, `wait_report` returns `None`, futures resolve with an error), and every later
-//! call returns [`CoreError::DriverStopped`] with that message. [`DriverHandle::stopped`] says
-//! why and which engine blocks an op that was out may still touch; the engine must not reuse
-//! those. Dropping the [`Driver`] stops it the same way, with the reason `stopped`.
 
 mod fence;
 #[cfg(feature = "tokio")]
@@ -52,7 +25,12 @@ use fence::FenceSlot;
 pub use future::TaskFuture;
 use shared::{Cmd, Shared};
 
-/// The driver's timer granularity: a verdict comes no later than one tick after its deadline.
+/// The driver's timer granularity (1 ms).
+///
+/// The tracker keeps deadlines in slots of one tick and the driver thread sleeps until the
+/// earliest deadline, so a task gets its `TimedOut` verdict no later than one tick after its
+/// deadline (plus the OS's scheduling delay on a loaded machine). It is also the bound of every
+/// [`DriverHandle`] call.
 pub const TICK: Duration = Duration::from_millis(1);
 
 /// Settings of the driver.
@@ -79,9 +57,9 @@ pub struct Finished {
     /// Verdicts of tasks that ended (loads and stores).
     pub reports: Vec<TaskReport>,
     /// Requests passed to [`DriverHandle::finish`] of which no op is out any more: their
-    /// blocks may be freed now. Every finished request comes here exactly once, also when
-    /// nothing of it was out, and also when a reset dropped its tasks (once its engine copies
-    /// returned).
+    /// blocks may be freed now. A finished request comes here once (a second `finish` while
+    /// it is still out adds nothing), also when nothing of it was out, and also when a reset
+    /// dropped its tasks (once its engine copies returned).
     pub released: Vec<RequestId>,
 }
 
@@ -183,8 +161,35 @@ impl Drop for Driver {
     }
 }
 
-/// The engine-facing handle of a driver. See the [module docs](self) for the bound every
-/// method honours.
+/// The engine-facing handle of a driver.
+///
+/// # The bound every call honours
+///
+/// No [`DriverHandle`] method waits for the driver thread or a backend. A call queues a
+/// command and returns, or reads state the driver thread publishes after every pass: each
+/// takes at most two short locks that the driver thread only holds to swap a queue or copy a
+/// snapshot, never while it runs a backend. A call therefore returns within one [`TICK`]
+/// (tens of microseconds in practice) whenever the OS runs the calling thread, whatever a
+/// backend does: hangs, never completes, or panics. The only
+/// calls that wait are the explicit waits, [`DriverHandle::wait_report`] and
+/// [`FenceHandle::wait`]: they return by the `until` the caller passes, and at once once the
+/// driver stopped. Answers that need the driver thread come back later: verdicts and released
+/// requests through [`DriverHandle::get_finished`], fences through [`FenceHandle`].
+///
+/// # When the driver stops
+///
+/// Every pass of the driver thread, and so every backend call, runs under `catch_unwind`. A
+/// panic stops the driver: it records the panic message, wakes every waiter (fence waits
+/// return false, `wait_report` returns `None`, futures resolve with an error), and every later
+/// call returns [`CoreError::DriverStopped`] with that message. [`DriverHandle::stopped`] says
+/// why and which engine blocks an op that was out may still touch; the engine must not reuse
+/// those. Dropping the [`Driver`] stops it the same way, with the reason `stopped`.
+///
+/// The process's panic hook runs first, on the driver thread, before the unwind reaches the
+/// driver: the stop is recorded when the hook returns. Calls stay non-blocking meanwhile (they
+/// are queued and dropped with the stop), but an engine that wants the stop seen within
+/// milliseconds keeps its hook short (the default hook with `RUST_BACKTRACE=1` symbolizes a
+/// backtrace, which can take hundreds of milliseconds).
 #[derive(Clone)]
 pub struct DriverHandle {
     shared: Arc<Shared>,

@@ -33,31 +33,31 @@ pub(super) enum Cmd {
 #[derive(Default)]
 pub(super) struct Outbox {
     /// Results not yet taken by `get_finished` / `wait_report`.
-    pub finished: Finished,
+    pub(super) finished: Finished,
     /// Tracker counters after the pass.
-    pub stats: TrackerStats,
+    pub(super) stats: TrackerStats,
     /// The tracker was empty after the pass.
-    pub empty: bool,
+    pub(super) empty: bool,
     /// Commands applied so far (compared with `Shared::sent`).
-    pub applied: u64,
+    pub(super) applied: u64,
 }
 
 pub(super) struct Shared {
-    pub cmds: Mutex<Vec<Cmd>>,
+    pub(super) cmds: Mutex<Vec<Cmd>>,
     /// Commands queued so far (counted under the `cmds` lock).
-    pub sent: AtomicU64,
-    pub thread: Thread,
-    pub next_task: AtomicU64,
-    pub out: Mutex<Outbox>,
+    pub(super) sent: AtomicU64,
+    pub(super) thread: Thread,
+    pub(super) next_task: AtomicU64,
+    pub(super) out: Mutex<Outbox>,
     /// Notified when reports are delivered, a fence holds, or the driver stops.
-    pub cv: Condvar,
+    pub(super) cv: Condvar,
     /// `Driver` was dropped: the thread leaves its loop after the current pass.
-    pub stop_requested: AtomicBool,
-    pub stopped: OnceLock<Stopped>,
+    pub(super) stop_requested: AtomicBool,
+    pub(super) stopped: OnceLock<Stopped>,
 }
 
 impl Shared {
-    pub fn new(thread: Thread) -> Shared {
+    pub(super) fn new(thread: Thread) -> Shared {
         Shared {
             cmds: Mutex::new(Vec::new()),
             sent: AtomicU64::new(0),
@@ -71,7 +71,7 @@ impl Shared {
     }
 
     /// `DriverStopped` if the driver stopped or is stopping.
-    pub fn check(&self) -> Result<(), CoreError> {
+    pub(super) fn check(&self) -> Result<(), CoreError> {
         if let Some(s) = self.stopped.get() {
             return Err(CoreError::DriverStopped {
                 reason: s.reason.clone(),
@@ -86,7 +86,7 @@ impl Shared {
     }
 
     /// Queue a command and wake the driver thread. Never waits for the thread to act on it.
-    pub fn send(&self, cmd: Cmd) -> Result<(), CoreError> {
+    pub(super) fn send(&self, cmd: Cmd) -> Result<(), CoreError> {
         let mut cmds = lock(&self.cmds);
         // Checked under the lock: `stop` sets the record before it empties the queue, so a
         // command is either refused here or dropped by `stop` (its caller then sees the stop).
@@ -100,13 +100,13 @@ impl Shared {
 
     /// Wake every thread sleeping on `cv`. Taking the lock first orders the wake-up after any
     /// flag the caller set, so a waiter that checked its flag under the lock cannot miss it.
-    pub fn wake_waiters(&self) {
+    pub(super) fn wake_waiters(&self) {
         drop(lock(&self.out));
         self.cv.notify_all();
     }
 
     /// Record the stop (the first record wins), drop queued commands, wake every waiter.
-    pub fn stop(&self, stopped: Stopped) {
+    pub(super) fn stop(&self, stopped: Stopped) {
         let _ = self.stopped.set(stopped);
         let dropped = std::mem::take(&mut *lock(&self.cmds));
         drop(dropped);

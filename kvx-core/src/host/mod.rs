@@ -1,6 +1,4 @@
 //! The host-memory backend: memcpy between engine host memory and kvx-owned buffers, on worker
-//! threads. CPU-only engines use it as their engine tier, and it lets every layer above run on a
-//! machine without a GPU.
 
 mod copy;
 
@@ -44,6 +42,9 @@ struct Shared {
 }
 
 /// Copies blocks between registered engine host memory and op buffers.
+///
+/// threads. CPU-only engines use it as their engine tier, and it lets every layer above run on a
+/// machine without a GPU.
 pub struct HostBackend {
     name: String,
     tx: Option<Sender<Op>>,
@@ -88,11 +89,6 @@ impl HostBackend {
             shared,
             workers,
         })
-    }
-
-    /// Bytes of one engine block.
-    pub fn block_bytes(&self) -> usize {
-        self.shared.layout.block_bytes()
     }
 }
 

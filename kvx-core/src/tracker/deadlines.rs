@@ -1,6 +1,6 @@
-//! Task deadlines in millisecond slots of an ordered map (a timer wheel without wrap-around):
-//! expiring N tasks costs O(N) plus one map step per slot, whatever the number of tasks in
-//! flight; finding the next deadline looks at the first slot only.
+//! Task deadlines in slots of one [`crate::TICK`] (1 ms) in an ordered map (a timer wheel
+//! without wrap-around): expiring N tasks costs O(N) plus one map step per slot, whatever the
+//! number of tasks in flight; finding the next deadline looks at the first slot only.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -22,9 +22,11 @@ pub(crate) struct Deadlines {
 }
 
 impl Deadlines {
+    /// The slot of `at`: ticks since the origin.
     fn slot(&self, at: Instant) -> u64 {
-        self.origin
-            .map_or(0, |o| at.saturating_duration_since(o).as_millis() as u64)
+        self.origin.map_or(0, |o| {
+            (at.saturating_duration_since(o).as_nanos() / crate::TICK.as_nanos()) as u64
+        })
     }
 
     pub(crate) fn push(&mut self, now: Instant, at: Instant, task: TaskId) {

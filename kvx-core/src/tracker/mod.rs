@@ -1,10 +1,5 @@
 //! The sans-IO tracker: tasks, deadlines, zombie ops, fences, per-request bookkeeping.
 //!
-//! Modelled on quinn-proto: it never reads a clock and never blocks. Time comes in as `now`;
-//! work comes out through [`Tracker::poll_backend_command`] (ops to hand to backends, cancels)
-//! and [`Tracker::poll_event`] (task verdicts, released requests). A driver owns the clock and
-//! the backends and shuttles between them (see [`crate::driver`]).
-//!
 //! The files of this module, one idea each: `types` (the public types), `stages` (a task's
 //! stage machine: submit, hand ops out, complete, time out, terminate), `ordering` (who may
 //! touch an engine block when: per-block queues and fences), `lifecycle` (a request's life:
@@ -24,7 +19,7 @@ use rustc_hash::FxHashMap;
 
 use crate::ids::{BackendId, BlockKey, Direction, EngineBlockId, OpId, RequestId, TaskId};
 use crate::op::OpBlock;
-use crate::task::{BlockReport, TaskState};
+use crate::task::BlockReport;
 use deadlines::Deadlines;
 use holders::Holders;
 pub use types::{BackendCommand, Event, Fence, TrackerConfig, TrackerStats};
@@ -89,7 +84,12 @@ struct RequestEntry {
     report_release: bool,
 }
 
-/// The task/deadline/preemption state machine. See the module docs.
+/// The task/deadline/preemption state machine.
+///
+/// Modelled on quinn-proto: it never reads a clock and never blocks. Time comes in as `now`;
+/// work comes out through [`Tracker::poll_backend_command`] (ops to hand to backends, cancels)
+/// and [`Tracker::poll_event`] (task verdicts, released requests). A driver owns the clock and
+/// the backends and shuttles between them (see [`crate::Driver`]).
 pub struct Tracker {
     cfg: TrackerConfig,
     backends: Vec<BackendSlot>,
@@ -160,7 +160,7 @@ impl Tracker {
     }
 
     /// Engine blocks that an op out with a backend may still read or write (sorted).
-    pub fn engine_blocks_out(&self) -> Vec<EngineBlockId> {
+    pub(crate) fn engine_blocks_out(&self) -> Vec<EngineBlockId> {
         let mut blocks: Vec<EngineBlockId> = self
             .ops
             .values()
@@ -187,13 +187,6 @@ impl Tracker {
         }
     }
 
-    /// Zombie ops and bytes of one backend.
-    pub fn zombies_of(&self, backend: BackendId) -> (usize, u64) {
-        self.backends
-            .get(backend.0 as usize)
-            .map_or((0, 0), |b| (b.zombie_ops, b.zombie_bytes))
-    }
-
     /// True when the tracker holds nothing: no task, op, request, timer, holder or queued work.
     pub fn is_empty(&self) -> bool {
         self.tasks.is_empty()
@@ -205,19 +198,6 @@ impl Tracker {
             && self.blocked.is_empty()
             && self.commands.is_empty()
             && self.events.is_empty()
-    }
-
-    /// State of a live task (`None` once it ended).
-    pub fn task_state(&self, task: TaskId) -> Option<TaskState> {
-        self.tasks.get(&task).map(|t| match t.phase {
-            Phase::InFlight(_) => TaskState::InFlight,
-            _ => TaskState::Queued,
-        })
-    }
-
-    /// True if the op is with a backend (active or zombie).
-    pub fn op_outstanding(&self, op: OpId) -> bool {
-        self.ops.contains_key(&op)
     }
 }
 

@@ -26,7 +26,12 @@ impl Tracker {
 
     /// Submit under an id chosen by the caller (a driver hands ids out without a round trip).
     /// Ids must be unique among live tasks.
-    pub fn submit_as(&mut self, id: TaskId, spec: TaskSpec, now: Instant) -> Result<(), CoreError> {
+    pub(crate) fn submit_as(
+        &mut self,
+        id: TaskId,
+        spec: TaskSpec,
+        now: Instant,
+    ) -> Result<(), CoreError> {
         if self.tasks.contains_key(&id) {
             return Err(CoreError::DuplicateTask(id));
         }
@@ -226,7 +231,7 @@ impl Tracker {
     }
 
     /// A backend refused an op: its blocks fail with the backend's reason.
-    pub fn handle_submit_error(&mut self, err: SubmitError, now: Instant) {
+    pub(crate) fn handle_submit_error(&mut self, err: SubmitError, now: Instant) {
         let result = Err(match err.kind {
             crate::backend::SubmitErrorKind::Unavailable(m) => BlockError::Unavailable(m),
             crate::backend::SubmitErrorKind::Busy(m) => BlockError::Unavailable(m),

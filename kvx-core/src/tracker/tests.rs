@@ -6,9 +6,19 @@ use super::*;
 use crate::backend::SubmitError;
 use crate::buffer::{Buf, BufferPool};
 use crate::op::{BlockError, Op, OpCompletion};
-use crate::task::{FailReason, TaskReport, TaskSpec};
+use crate::task::{FailReason, TaskReport, TaskSpec, TaskState};
 
 const MS: Duration = Duration::from_millis(1);
+
+impl Tracker {
+    /// State of a live task (`None` once it ended).
+    fn task_state(&self, task: TaskId) -> Option<TaskState> {
+        self.tasks.get(&task).map(|t| match t.phase {
+            Phase::InFlight(_) => TaskState::InFlight,
+            _ => TaskState::Queued,
+        })
+    }
+}
 
 struct World {
     t: Tracker,

@@ -52,7 +52,8 @@ pub enum Event {
 }
 
 /// A promise about engine blocks: it holds once no op that was reading or writing them when the
-/// fence was made (or was queued to) is still outstanding. Check it with [`Tracker::fence_holds`].
+/// fence was made (or was queued to) is still outstanding. Check it with
+/// [`Tracker::fence_holds`](crate::Tracker::fence_holds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {
     pub(super) blocks: Vec<EngineBlockId>,

@@ -8,7 +8,7 @@ use kvx_core::BlockKey;
 use super::EvictionOrder;
 
 /// ARC order over a tier of `capacity` blocks.
-pub struct ArcOrder {
+pub(crate) struct ArcOrder {
     capacity: usize,
     p: usize,
     t1: LinkedHashMap<BlockKey, ()>,
@@ -19,7 +19,7 @@ pub struct ArcOrder {
 
 impl ArcOrder {
     /// An empty order for a tier of `capacity` blocks.
-    pub fn new(capacity: usize) -> ArcOrder {
+    pub(crate) fn new(capacity: usize) -> ArcOrder {
         ArcOrder {
             capacity: capacity.max(1),
             p: 0,
@@ -31,7 +31,8 @@ impl ArcOrder {
     }
 
     /// Target size of T1 (for tests and metrics).
-    pub fn target_recent(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn target_recent(&self) -> usize {
         self.p
     }
 
@@ -100,6 +101,7 @@ impl EvictionOrder for ArcOrder {
             .collect()
     }
 
+    #[cfg(test)]
     fn len(&self) -> usize {
         self.t1.len() + self.t2.len()
     }

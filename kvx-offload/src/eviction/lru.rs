@@ -7,7 +7,7 @@ use super::EvictionOrder;
 
 /// LRU: the front of the map is the least recently used block.
 #[derive(Default)]
-pub struct LruOrder {
+pub(crate) struct LruOrder {
     map: LinkedHashMap<BlockKey, ()>,
 }
 
@@ -33,6 +33,7 @@ impl EvictionOrder for LruOrder {
             .collect()
     }
 
+    #[cfg(test)]
     fn len(&self) -> usize {
         self.map.len()
     }

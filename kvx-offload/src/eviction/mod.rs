@@ -3,8 +3,8 @@
 mod arc;
 mod lru;
 
-pub use arc::ArcOrder;
-pub use lru::LruOrder;
+use arc::ArcOrder;
+use lru::LruOrder;
 
 use kvx_core::BlockKey;
 use serde::{Deserialize, Serialize};
@@ -21,7 +21,7 @@ pub enum EvictionKind {
 }
 
 /// An eviction order over the stored blocks of one tier.
-pub trait EvictionOrder: Send {
+pub(crate) trait EvictionOrder: Send {
     /// A block became stored.
     fn insert(&mut self, key: BlockKey);
     /// A block was used (looked up, loaded, stored again).
@@ -32,15 +32,12 @@ pub trait EvictionOrder: Send {
     /// Nothing changes until the caller removes them.
     fn victims(&self, n: usize, eligible: &dyn Fn(BlockKey) -> bool) -> Vec<BlockKey>;
     /// Blocks tracked.
+    #[cfg(test)]
     fn len(&self) -> usize;
-    /// True when no block is tracked.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// A boxed order of the given kind for a tier of `capacity` blocks.
-pub fn new_order(kind: EvictionKind, capacity: usize) -> Box<dyn EvictionOrder> {
+pub(crate) fn new_order(kind: EvictionKind, capacity: usize) -> Box<dyn EvictionOrder> {
     match kind {
         EvictionKind::Lru => Box::new(LruOrder::default()),
         EvictionKind::Arc => Box::new(ArcOrder::new(capacity)),

@@ -3,26 +3,22 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::*;
 use kvx_offload::*;
-use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
-use kvx_posix::{PosixConfig, PosixHandle, PosixStore};
+use kvx_policy::{BreakerConfig, LoadFailurePolicy, TimeoutConfig};
+use kvx_posix::PosixHandle;
 
 pub const BLOCK: usize = 8192;
 pub const BT: u32 = 16;
 pub const ENGINE_BLOCKS: u32 = 64;
 
-pub struct Hook(pub PosixHandle);
-
-impl FileTierHook for Hook {
-    fn remove(&self, key: BlockKey) {
-        self.0.remove(key);
-    }
-}
+/// Wraps the engine's real backend in a fault injector.
+pub type WrapEngine = Box<dyn FnOnce(Box<dyn Backend>) -> Box<dyn Backend>>;
 
 pub struct Opts {
     pub host_blocks: usize,
@@ -31,7 +27,9 @@ pub struct Opts {
     pub load_ms: u64,
     pub store_ms: u64,
     pub policy: LoadFailurePolicy,
-    pub posix: Option<PosixConfig>,
+    pub breaker: Option<BreakerConfig>,
+    /// Wraps the real host backend of engine memory (fault injection).
+    pub wrap_engine: Option<WrapEngine>,
 }
 
 impl Default for Opts {
@@ -43,7 +41,30 @@ impl Default for Opts {
             load_ms: 2000,
             store_ms: 2000,
             policy: LoadFailurePolicy::Recompute,
-            posix: None,
+            breaker: None,
+            wrap_engine: None,
+        }
+    }
+}
+
+impl Opts {
+    /// The builder's config for a file tier under `dir`.
+    pub fn config(&self, dir: &Path) -> OffloadConfig {
+        let mut file = FileTierConfig::new(dir, self.file_blocks);
+        if let Some(b) = self.breaker {
+            file.breaker = b;
+        }
+        OffloadConfig {
+            block_tokens: BT,
+            host_blocks: self.host_blocks,
+            extra_buffers: Some(64),
+            timeouts: TimeoutConfig {
+                load_ms: self.load_ms,
+                store_ms: self.store_ms,
+            },
+            load_failure: self.policy,
+            file: Some(file),
+            ..OffloadConfig::default()
         }
     }
 }
@@ -51,16 +72,18 @@ impl Default for Opts {
 pub struct Rig {
     pub sched: SchedulerSide,
     pub worker: Option<WorkerSide>,
-    pub driver: Option<Driver>,
+    pub runtime: Option<OffloadRuntime>,
     pub files: PosixHandle,
     pub arena: HostArena,
     pub out: WorkerOutput,
+    /// Preemption fences `start_step` handed back because they did not hold yet.
+    pub fences: Vec<PreemptionFence>,
 }
 
 impl Drop for Rig {
     fn drop(&mut self) {
         self.worker.take();
-        self.driver.take();
+        self.runtime.take();
     }
 }
 
@@ -95,6 +118,8 @@ pub fn keys(prefix_seed: u64, shared: usize, seq: u64, own: usize) -> Vec<BlockK
     out
 }
 
+/// A builder-made connector over a host arena of `ENGINE_BLOCKS` (each block filled with
+/// 0xAB) and a file tier in `dir`; `o.host_delay` slows every engine copy.
 pub fn rig(dir: &Path, o: Opts) -> Rig {
     let mut arena = HostArena::per_layer(2, BLOCK / 2, ENGINE_BLOCKS).unwrap();
     for b in 0..ENGINE_BLOCKS {
@@ -102,12 +127,9 @@ pub fn rig(dir: &Path, o: Opts) -> Rig {
             .write_block(EngineBlockId(b), &vec![0xAB; BLOCK])
             .unwrap();
     }
-    let store = PosixStore::open(o.posix.unwrap_or_else(|| PosixConfig::new(dir))).unwrap();
-    let files = store.handle();
-    let mut b = DriverBuilder::new(DriverConfig::default());
-    // SAFETY: the arena outlives the driver (Rig drops the driver first); tests touch engine
+    // SAFETY: the arena outlives the driver (Rig drops the runtime first); tests touch engine
     // blocks only when no load or store on them is in flight.
-    let engine = b.backend(Box::new(unsafe {
+    let host = unsafe {
         HostBackend::new(
             arena.layout().clone(),
             HostBackendConfig {
@@ -116,47 +138,36 @@ pub fn rig(dir: &Path, o: Opts) -> Rig {
             },
         )
         .unwrap()
-    }));
-    let file = b.backend(Box::new(store));
-    let driver = b.spawn().unwrap();
-    let mut sched = SchedulerSide::new(SchedulerConfig {
-        block_tokens: BT,
-        host_blocks: o.host_blocks,
-        file_blocks: Some(o.file_blocks),
-        eviction: EvictionKind::Lru,
-    })
-    .unwrap();
-    sched.manager_mut().adopt_file_blocks(files.keys());
-    let worker = WorkerSide::new(
-        driver.handle(),
-        TierRoutes {
-            engine,
-            file: Some(file),
-        },
-        BufferPool::new(o.host_blocks + 64, BLOCK, DEFAULT_ALIGN).unwrap(),
-        Some(Arc::new(Hook(files.clone()))),
-        WorkerConfig {
-            block_tokens: BT,
-            timeouts: TimeoutConfig {
-                load_ms: o.load_ms,
-                store_ms: o.store_ms,
-            },
-            policy: o.policy,
-        },
-    );
+    };
+    let cfg = o.config(dir);
+    let engine: Box<dyn Backend> = match o.wrap_engine {
+        Some(wrap) => wrap(Box::new(host)),
+        None => Box::new(host),
+    };
+    let memory = EngineMemory::backend(engine, BLOCK, ENGINE_BLOCKS);
+    let Offload {
+        scheduler,
+        worker,
+        runtime,
+    } = OffloadBuilder::new(cfg, memory).build().unwrap();
     Rig {
-        sched,
+        sched: scheduler,
         worker: Some(worker),
-        driver: Some(driver),
-        files,
+        files: runtime.files().unwrap().clone(),
+        runtime: Some(runtime),
         arena,
         out: WorkerOutput::default(),
+        fences: Vec::new(),
     }
 }
 
 impl Rig {
     pub fn w(&mut self) -> &mut WorkerSide {
         self.worker.as_mut().unwrap()
+    }
+
+    pub fn driver(&self) -> &DriverHandle {
+        self.runtime.as_ref().unwrap().driver().unwrap()
     }
 
     /// The engine computed `keys` into `blocks`.
@@ -195,8 +206,12 @@ impl Rig {
     /// One engine step: metadata to the worker, its output back to the scheduler.
     pub fn step(&mut self) -> WorkerOutput {
         let meta = self.sched.build_meta();
-        self.w().start_step(meta).unwrap();
-        let out = self.w().get_finished();
+        match self.w().start_step(meta) {
+            Ok(()) => {}
+            Err(OffloadError::FenceNotHeld(f)) => self.fences.push(f),
+            Err(e) => panic!("start_step: {e}"),
+        }
+        let out = self.w().get_finished().unwrap();
         self.sched.update_from_worker(&out);
         self.out.merge(out.clone());
         out
@@ -254,7 +269,7 @@ impl Rig {
         let end = Instant::now() + timeout;
         loop {
             self.step();
-            let (_, empty) = self.driver.as_ref().unwrap().stats().unwrap();
+            let (_, empty) = self.driver().stats().unwrap();
             if empty
                 && self.w().in_flight() == 0
                 && self.sched.request_count() == 0

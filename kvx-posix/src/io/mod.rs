@@ -1,15 +1,20 @@
 //! I/O engines: `uring` and `psync`, side by side behind [`IoEngine`].
 //!
 //! An engine takes boxed [`BlockJob`]s (which own their buffers), runs each job's syscalls and
-//! hands the finished job back through the [`Sink`]. A job whose op was cancelled or passed its
-//! deadline while a syscall of it is still in the kernel is *written off*: it no longer counts
-//! against the engine's queue depth, but it keeps its buffers until that syscall returns.
-//! [`IoEngine::written_off`] is what the store checks against `max_stuck`.
+//! hands the finished job back through the [`Sink`]. Two lanes: loads and stores (bounded by
+//! the queue depth, their queue bounded by `max_queued`) and maintenance (removes: their own
+//! small depth, never counted against loads and stores). A load or store whose op was
+//! cancelled or passed its deadline while a syscall of it is still in the kernel is *written
+//! off*: it no longer counts against the queue depth, but it keeps its buffers until that
+//! syscall returns. [`EngineCounters::written_off`] is what the store checks against
+//! `max_stuck`.
 
-pub mod psync;
-pub mod sys;
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod fault;
+pub(crate) mod psync;
+pub(crate) mod sys;
 #[cfg(target_os = "linux")]
-pub mod uring;
+pub(crate) mod uring;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -19,8 +24,14 @@ use kvx_core::Notifier;
 
 use crate::job::BlockJob;
 
+/// Removes in flight at once per engine (per ring for uring): maintenance never takes more.
+pub(crate) const MAINTENANCE_DEPTH: usize = 4;
+/// Removes queued at most; past that a remove is dropped with a warning (the file stays on
+/// disk and the next startup scan finds it again).
+pub(crate) const MAINTENANCE_QUEUE: usize = 1 << 20;
+
 /// Where engines put finished jobs; the store drains it in `poll`.
-pub struct Sink {
+pub(crate) struct Sink {
     done: Mutex<Vec<Box<BlockJob>>>,
     cv: Condvar,
     notifier: Mutex<Notifier>,
@@ -42,7 +53,7 @@ impl Sink {
     }
 
     /// Queue finished jobs and wake the store's owner.
-    pub fn push(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
+    pub(crate) fn push(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
         let mut d = self.lock();
         let before = d.len();
         d.extend(jobs);
@@ -58,12 +69,12 @@ impl Sink {
     }
 
     /// Take every finished job.
-    pub fn take(&self) -> Vec<Box<BlockJob>> {
+    pub(crate) fn take(&self) -> Vec<Box<BlockJob>> {
         std::mem::take(&mut *self.lock())
     }
 
     /// Take every finished job, waiting up to `timeout` for one when there is none.
-    pub fn take_or_wait(&self, timeout: Duration) -> Vec<Box<BlockJob>> {
+    pub(crate) fn take_or_wait(&self, timeout: Duration) -> Vec<Box<BlockJob>> {
         let mut d = self.lock();
         if d.is_empty() {
             d = self
@@ -76,49 +87,85 @@ impl Sink {
     }
 
     /// Install the notifier.
-    pub fn set_notifier(&self, n: Notifier) {
+    pub(crate) fn set_notifier(&self, n: Notifier) {
         *self.notifier.lock().unwrap_or_else(|e| e.into_inner()) = n;
     }
 }
 
 /// Counters an engine keeps for the store and its handle.
 #[derive(Debug, Default)]
-pub struct EngineCounters {
-    /// Jobs accepted and not yet finished.
-    pub in_flight: AtomicUsize,
+pub(crate) struct EngineCounters {
+    /// Loads and stores accepted and not yet finished.
+    pub(crate) in_flight: AtomicUsize,
     /// Of those, jobs written off as stuck.
-    pub written_off: AtomicUsize,
+    pub(crate) written_off: AtomicUsize,
+    /// Removes accepted and not yet finished.
+    pub(crate) maintenance: AtomicUsize,
+    /// Loads and stores the engine can run at once right now (psync: live worker threads;
+    /// uring: queue-depth slots free of stuck ops).
+    pub(crate) workers: AtomicUsize,
+    /// psync: load and store threads, live and written off (bounded by
+    /// `queue_depth + max_stuck`); uring: 0.
+    pub(crate) threads: AtomicUsize,
 }
 
 impl EngineCounters {
-    /// Jobs written off right now.
-    pub fn written_off(&self) -> usize {
-        self.written_off.load(Ordering::Acquire)
+    fn get(a: &AtomicUsize) -> usize {
+        a.load(Ordering::Acquire)
     }
+}
 
-    /// Jobs accepted and not yet finished.
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
-    }
+/// A snapshot of an engine's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct EngineSnapshot {
+    pub(crate) in_flight: usize,
+    pub(crate) written_off: usize,
+    pub(crate) maintenance: usize,
+    pub(crate) workers: usize,
+    pub(crate) target: usize,
+    pub(crate) queued: usize,
+    pub(crate) threads: usize,
 }
 
 /// Why an engine refused a job.
 #[derive(Debug)]
-pub struct Refused {
+pub(crate) struct Refused {
     /// The job, untouched.
-    pub job: Box<BlockJob>,
+    pub(crate) job: Box<BlockJob>,
     /// Why.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// A way to run block jobs. Every method returns promptly, whatever the filesystem does.
-pub trait IoEngine: Send + Sync {
+pub(crate) trait IoEngine: Send + Sync {
     /// `uring` or `psync`.
     fn name(&self) -> &'static str;
-    /// Start a job; it comes back through the sink, however late.
+    /// Start a job (a remove goes to the maintenance lane); it comes back through the sink,
+    /// however late. A full queue refuses it.
     fn submit(&self, job: Box<BlockJob>) -> Result<(), Refused>;
-    /// Look for jobs that just became overdue (after a cancel) and write them off.
-    fn kick(&self);
+    /// Loads and stores the queue takes right now.
+    fn room(&self) -> usize;
+    /// Write off the loads and stores that became overdue (after a cancel or a deadline) while
+    /// a syscall of them is in the kernel, and keep the engine at its target size.
+    fn write_off_overdue(&self);
     /// The engine's counters.
     fn counters(&self) -> &EngineCounters;
+    /// Loads and stores the engine runs at once when nothing is stuck.
+    fn target(&self) -> usize;
+    /// Loads and stores queued, not yet started.
+    fn queued(&self) -> usize;
+
+    /// A snapshot of the counters.
+    fn snapshot(&self) -> EngineSnapshot {
+        let c = self.counters();
+        EngineSnapshot {
+            in_flight: EngineCounters::get(&c.in_flight),
+            written_off: EngineCounters::get(&c.written_off),
+            maintenance: EngineCounters::get(&c.maintenance),
+            workers: EngineCounters::get(&c.workers),
+            target: self.target(),
+            queued: self.queued(),
+            threads: EngineCounters::get(&c.threads),
+        }
+    }
 }

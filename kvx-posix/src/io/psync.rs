@@ -1,19 +1,23 @@
 //! The psync engine: a pool of threads running each job's syscalls one after another.
 //!
-//! A thread whose job became overdue (cancelled, or past its deadline) while the thread is still
-//! inside a syscall is *written off*: a replacement thread is started so the pool keeps its
-//! size, and the stuck thread exits once its syscall returns and its job is handed back. At most
-//! `max_stuck` threads are written off at once; past that no replacement is started (and the
-//! store refuses new ops with `Busy`).
+//! The pool's target size is the queue depth. A thread whose load or store became overdue
+//! (cancelled, or past its deadline) while it is still inside a syscall is *written off* and a
+//! replacement starts, so the pool keeps its target of live threads; when a written-off thread
+//! comes back it rejoins the pool if the pool is below target, and exits otherwise. Threads
+//! never exceed `queue_depth + max_stuck` for loads and stores (past that no replacement
+//! starts, and the store refuses new ops with `Busy` from `max_stuck` written off on), plus
+//! [`MAINTENANCE_DEPTH`] threads for removes, which are never written off. The job queue is
+//! bounded: a full queue refuses at submit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use rustc_hash::FxHashMap;
 
-use super::{EngineCounters, IoEngine, Refused, Sink};
+use super::fault::Faults;
+use super::{EngineCounters, IoEngine, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
 use crate::error::PosixError;
 use crate::job::{BlockJob, Next};
 
@@ -29,53 +33,105 @@ struct Pool {
     /// Worker id -> its current job, if any.
     workers: FxHashMap<u64, Option<Running>>,
     next_id: u64,
+    /// Threads not written off.
+    live: usize,
+    /// Threads written off, still in a syscall.
     stuck: usize,
 }
 
 struct Shared {
     pool: Mutex<Pool>,
     rx: Receiver<Box<BlockJob>>,
+    maintenance_rx: Receiver<Box<BlockJob>>,
     sink: Arc<Sink>,
     counters: EngineCounters,
-    max_stuck: usize,
+    target: usize,
+    /// Most threads for loads and stores, live and written off together.
+    bound: usize,
     stop: AtomicBool,
+    faults: Option<Arc<Faults>>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Pool> {
         self.pool.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn set_live(&self, p: &Pool) {
+        self.counters.workers.store(p.live, Ordering::Release);
+        self.counters
+            .threads
+            .store(p.live + p.stuck, Ordering::Release);
+    }
+
+    fn run(&self, job: &mut BlockJob) {
+        let mut next = job.start();
+        while let Next::Call(call) = next {
+            // SAFETY: the job is boxed and owned by this thread for the whole syscall; the
+            // pointers in `call` point into it (buffers, iovecs, paths) and nobody else can
+            // reach it until it is pushed to the sink.
+            let res = unsafe { super::sys::run(&call) };
+            if let Some(f) = &self.faults {
+                f.gate(job.pending_late());
+            }
+            next = job.advance(res);
+        }
+    }
 }
 
 /// The thread-pool engine.
-pub struct PsyncEngine {
+pub(crate) struct PsyncEngine {
     tx: Sender<Box<BlockJob>>,
+    maintenance_tx: Sender<Box<BlockJob>>,
     shared: Arc<Shared>,
+    capacity: usize,
 }
 
 impl PsyncEngine {
-    /// Start `threads` workers; at most `max_stuck` may be written off at once.
-    pub fn new(
+    /// Start `threads` workers (the target); at most `max_stuck` more may be written off at
+    /// once; at most `max_queued` jobs wait for a worker.
+    pub(crate) fn new(
         threads: usize,
         max_stuck: usize,
+        max_queued: usize,
         sink: Arc<Sink>,
+        faults: Option<Arc<Faults>>,
     ) -> Result<PsyncEngine, PosixError> {
-        let (tx, rx) = crossbeam_channel::unbounded();
+        let target = threads.max(1);
+        let capacity = max_queued.max(1);
+        let (tx, rx) = crossbeam_channel::bounded(capacity);
+        let (maintenance_tx, maintenance_rx) = crossbeam_channel::bounded(MAINTENANCE_QUEUE);
         let shared = Arc::new(Shared {
             pool: Mutex::new(Pool::default()),
             rx,
+            maintenance_rx,
             sink,
             counters: EngineCounters::default(),
-            max_stuck,
+            target,
+            bound: target + max_stuck,
             stop: AtomicBool::new(false),
+            faults,
         });
-        for _ in 0..threads.max(1) {
-            spawn_worker(&shared).map_err(|e| PosixError::Engine {
-                engine: "psync",
-                msg: format!("cannot start a worker thread: {e}"),
-            })?;
+        let err = |e: std::io::Error| PosixError::Engine {
+            engine: "psync",
+            msg: format!("cannot start a worker thread: {e}"),
+        };
+        for _ in 0..target {
+            spawn_worker(&shared).map_err(err)?;
         }
-        Ok(PsyncEngine { tx, shared })
+        for i in 0..MAINTENANCE_DEPTH {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("kvx-psync-rm-{i}"))
+                .spawn(move || maintenance_worker(s))
+                .map_err(err)?;
+        }
+        Ok(PsyncEngine {
+            tx,
+            maintenance_tx,
+            shared,
+            capacity,
+        })
     }
 }
 
@@ -85,6 +141,8 @@ fn spawn_worker(shared: &Arc<Shared>) -> std::io::Result<()> {
         let id = p.next_id;
         p.next_id += 1;
         p.workers.insert(id, None);
+        p.live += 1;
+        shared.set_live(&p);
         id
     };
     let s = shared.clone();
@@ -92,7 +150,10 @@ fn spawn_worker(shared: &Arc<Shared>) -> std::io::Result<()> {
         .name(format!("kvx-psync-{id}"))
         .spawn(move || worker(s, id));
     if r.is_err() {
-        shared.lock().workers.remove(&id);
+        let mut p = shared.lock();
+        p.workers.remove(&id);
+        p.live -= 1;
+        shared.set_live(&p);
     }
     r.map(drop)
 }
@@ -112,41 +173,62 @@ fn worker(shared: Arc<Shared>, id: u64) {
         if let Some(slot) = shared.lock().workers.get_mut(&id) {
             *slot = Some(Running {
                 deadline: job.deadline(),
-                cancel: job_cancel(&job),
+                cancel: job.cancel_flag(),
                 written_off: false,
             });
         }
-        let mut next = job.start();
-        while let Next::Call(call) = next {
-            // SAFETY: the job is boxed and owned by this thread for the whole syscall; the
-            // pointers in `call` point into it (buffers, iovecs, paths) and nobody else can
-            // reach it until it is pushed to the sink below.
-            let res = unsafe { super::sys::run(&call) };
-            next = job.advance(res);
-        }
-        let written_off = {
+        shared.run(&mut job);
+        let leave = {
             let mut p = shared.lock();
             let r = p.workers.get_mut(&id).and_then(Option::take);
-            let w = r.is_some_and(|r| r.written_off);
-            if w {
+            let mut leave = false;
+            if r.is_some_and(|r| r.written_off) {
                 p.stuck -= 1;
-                p.workers.remove(&id);
                 shared.counters.written_off.fetch_sub(1, Ordering::AcqRel);
+                if p.live < shared.target {
+                    // Back from the kernel while the pool is short: rejoin it.
+                    p.live += 1;
+                    shared.set_live(&p);
+                } else {
+                    p.workers.remove(&id);
+                    shared.set_live(&p);
+                    leave = true;
+                }
             }
-            w
+            leave
         };
         shared.counters.in_flight.fetch_sub(1, Ordering::AcqRel);
         shared.sink.push([job]);
-        if written_off {
-            // A replacement took this thread's place when it was written off.
+        if leave {
             return;
         }
     }
-    shared.lock().workers.remove(&id);
+    let mut p = shared.lock();
+    if p.workers.remove(&id).is_some() {
+        p.live = p.live.saturating_sub(1);
+        shared.set_live(&p);
+    }
 }
 
-fn job_cancel(job: &BlockJob) -> Arc<AtomicBool> {
-    job.cancel_flag()
+fn maintenance_worker(shared: Arc<Shared>) {
+    loop {
+        let mut job = match shared
+            .maintenance_rx
+            .recv_timeout(Duration::from_millis(200))
+        {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                if shared.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        shared.run(&mut job);
+        shared.counters.maintenance.fetch_sub(1, Ordering::AcqRel);
+        shared.sink.push([job]);
+    }
 }
 
 impl IoEngine for PsyncEngine {
@@ -155,28 +237,30 @@ impl IoEngine for PsyncEngine {
     }
 
     fn submit(&self, job: Box<BlockJob>) -> Result<(), Refused> {
+        let c = &self.shared.counters;
+        if job.is_maintenance() {
+            c.maintenance.fetch_add(1, Ordering::AcqRel);
+            return self.maintenance_tx.try_send(job).map_err(|e| {
+                c.maintenance.fetch_sub(1, Ordering::AcqRel);
+                refused(e, "psync maintenance queue")
+            });
+        }
         // Notice threads whose job went overdue, so a stuck pool grows replacements.
-        self.kick();
-        self.shared
-            .counters
-            .in_flight
-            .fetch_add(1, Ordering::AcqRel);
-        self.tx.send(job).map_err(|e| {
-            self.shared
-                .counters
-                .in_flight
-                .fetch_sub(1, Ordering::AcqRel);
-            Refused {
-                job: e.0,
-                reason: "psync workers stopped".into(),
-            }
+        self.write_off_overdue();
+        c.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.tx.try_send(job).map_err(|e| {
+            c.in_flight.fetch_sub(1, Ordering::AcqRel);
+            refused(e, "psync job queue")
         })
     }
 
-    fn kick(&self) {
+    fn room(&self) -> usize {
+        self.capacity.saturating_sub(self.tx.len())
+    }
+
+    fn write_off_overdue(&self) {
         let now = Instant::now();
-        let mut replace = 0;
-        {
+        let (newly, spawn) = {
             let mut p = self.shared.lock();
             let mut newly = 0;
             for r in p.workers.values_mut().flatten() {
@@ -185,26 +269,27 @@ impl IoEngine for PsyncEngine {
                     newly += 1;
                 }
             }
-            for _ in 0..newly {
-                p.stuck += 1;
-                self.shared
-                    .counters
-                    .written_off
-                    .fetch_add(1, Ordering::AcqRel);
-                if p.stuck <= self.shared.max_stuck {
-                    replace += 1;
-                }
-            }
-        }
-        for _ in 0..replace {
+            p.live -= newly;
+            p.stuck += newly;
+            self.shared.set_live(&p);
+            self.shared
+                .counters
+                .written_off
+                .fetch_add(newly, Ordering::AcqRel);
+            let room = self.shared.bound.saturating_sub(p.live + p.stuck);
+            let short = self.shared.target.saturating_sub(p.live);
+            (newly, short.min(room))
+        };
+        for _ in 0..spawn {
             if let Err(e) = spawn_worker(&self.shared) {
                 tracing::error!(error = %e, "psync: cannot replace a stuck worker");
+                break;
             }
         }
-        if replace > 0 {
+        if newly > 0 {
             tracing::warn!(
-                stuck = self.shared.counters.written_off(),
-                "psync: wrote off {replace} worker(s) stuck in the kernel"
+                stuck = self.shared.counters.written_off.load(Ordering::Acquire),
+                "psync: wrote off {newly} worker(s) stuck in the kernel; started {spawn}"
             );
         }
     }
@@ -212,12 +297,33 @@ impl IoEngine for PsyncEngine {
     fn counters(&self) -> &EngineCounters {
         &self.shared.counters
     }
+
+    fn target(&self) -> usize {
+        self.shared.target
+    }
+
+    fn queued(&self) -> usize {
+        self.tx.len()
+    }
+}
+
+fn refused(e: TrySendError<Box<BlockJob>>, what: &str) -> Refused {
+    match e {
+        TrySendError::Full(job) => Refused {
+            job,
+            reason: format!("busy: {what} is full"),
+        },
+        TrySendError::Disconnected(job) => Refused {
+            job,
+            reason: "psync workers stopped".into(),
+        },
+    }
 }
 
 impl Drop for PsyncEngine {
     fn drop(&mut self) {
-        // Workers finish what is queued (the channel closes when `tx` drops) and exit; a worker
-        // stuck in the kernel exits once its syscall returns. Nothing here waits for them.
+        // Workers finish what is queued (the channels close when the senders drop) and exit;
+        // a worker stuck in the kernel exits once its syscall returns. Nothing here waits.
         self.shared.stop.store(true, Ordering::Release);
     }
 }

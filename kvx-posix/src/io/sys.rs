@@ -1,4 +1,4 @@
-//! Blocking syscalls for the psync engine and the store's startup probe.
+//! Blocking syscalls for the psync engine.
 
 use crate::job::Syscall;
 
@@ -17,7 +17,7 @@ fn ret(r: isize) -> i64 {
 /// # Safety
 /// Every pointer in `call` must be valid for the syscall (the job that made it is alive, not
 /// moved, and not touched by anyone else until this returns).
-pub unsafe fn run(call: &Syscall) -> i64 {
+pub(crate) unsafe fn run(call: &Syscall) -> i64 {
     // SAFETY: the caller guarantees the pointers (paths, iovecs and the buffers they name)
     // are owned by a live job that nobody else touches until we return; fds are the job's own.
     unsafe {
@@ -36,7 +36,22 @@ pub unsafe fn run(call: &Syscall) -> i64 {
             }
             Syscall::Fdatasync { fd } => ret(libc::fdatasync(fd) as isize),
             Syscall::Close { fd } => ret(libc::close(fd) as isize),
-            Syscall::Rename { from, to } => ret(libc::rename(from, to) as isize),
+            Syscall::Rename {
+                from,
+                to,
+                noreplace: false,
+            } => ret(libc::rename(from, to) as isize),
+            Syscall::Rename {
+                from,
+                to,
+                noreplace: true,
+            } => ret(libc::renameat2(
+                libc::AT_FDCWD,
+                from,
+                libc::AT_FDCWD,
+                to,
+                libc::RENAME_NOREPLACE,
+            ) as isize),
             Syscall::Unlink { path } => ret(libc::unlink(path) as isize),
         }
     }

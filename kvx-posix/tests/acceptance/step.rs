@@ -1,6 +1,7 @@
 //! The engine-facing calls (Backend::submit / poll, and the driver handle's submit and
 //! get_finished) return promptly while the mount is frozen. A watchdog fails the test (and
-//! aborts the FUSE connection so the process can exit) instead of letting it hang.
+//! aborts the FUSE connection so the process can exit) instead of letting it hang, and each
+//! call is held to one tick plus the stated allowance.
 
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
@@ -13,11 +14,16 @@ use kvx_posix::{EngineKind, PosixConfig, PosixStore};
 
 use crate::rig::*;
 
-/// Longest a single engine-facing call may take before the watchdog calls the test hung.
-const HUNG: Duration = Duration::from_secs(3);
+/// Longest a single engine-facing call may take: one tick plus the stated allowance.
+const HUNG: Duration = TICK.saturating_add(ALLOWANCE);
 
+/// Times each engine-facing call. A call still running past [`HUNG`] stalls the test: the
+/// watchdog aborts the FUSE connection (so the process can exit) and exits with a failure;
+/// the longest call is also asserted at the end.
 struct Watchdog {
-    beat: Arc<AtomicU64>,
+    /// Microseconds since `t0` at which the current call started; 0 when no call runs.
+    started: Arc<AtomicU64>,
+    longest: Arc<AtomicU64>,
     done: Arc<AtomicBool>,
     t0: Instant,
 }
@@ -25,27 +31,52 @@ struct Watchdog {
 impl Watchdog {
     /// Watch the caller; `conn` is the FUSE connection id to abort if it hangs.
     fn start(conn: u64, what: &'static str) -> Watchdog {
-        let beat = Arc::new(AtomicU64::new(0));
+        let started = Arc::new(AtomicU64::new(0));
         let done = Arc::new(AtomicBool::new(false));
         let t0 = Instant::now();
-        let (b, d) = (beat.clone(), done.clone());
+        let (b, d) = (started.clone(), done.clone());
         std::thread::spawn(move || {
             while !d.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(20));
-                let last = Duration::from_micros(b.load(Ordering::Acquire));
-                if t0.elapsed().saturating_sub(last) > HUNG {
-                    eprintln!("watchdog: {what} blocked for more than {HUNG:?} on a frozen mount");
+                std::thread::sleep(Duration::from_millis(5));
+                let at = b.load(Ordering::Acquire);
+                // Far past the bound (ten times): the call is stuck, not merely slow.
+                if at != 0 && t0.elapsed().saturating_sub(Duration::from_micros(at)) > HUNG * 10 {
+                    eprintln!(
+                        "watchdog: {what} blocked for more than {:?} on a frozen mount",
+                        HUNG * 10
+                    );
                     let _ = std::fs::write(format!("/sys/fs/fuse/connections/{conn}/abort"), "1");
                     std::process::exit(101);
                 }
             }
         });
-        Watchdog { beat, done, t0 }
+        Watchdog {
+            started,
+            longest: Arc::new(AtomicU64::new(0)),
+            done,
+            t0,
+        }
     }
 
-    fn beat(&self) {
-        self.beat
-            .store(self.t0.elapsed().as_micros() as u64, Ordering::Release);
+    /// Run one engine-facing call under the watchdog.
+    fn call<T>(&self, f: impl FnOnce() -> T) -> T {
+        let at = self.t0.elapsed().as_micros().max(1) as u64;
+        self.started.store(at, Ordering::Release);
+        let c = Instant::now();
+        let out = f();
+        self.longest
+            .fetch_max(c.elapsed().as_micros() as u64, Ordering::AcqRel);
+        self.started.store(0, Ordering::Release);
+        out
+    }
+
+    /// Assert that no call took longer than [`HUNG`].
+    fn check(&self) {
+        let longest = Duration::from_micros(self.longest.load(Ordering::Acquire));
+        assert!(
+            longest <= HUNG,
+            "an engine-facing call took {longest:?} (bound {HUNG:?})"
+        );
     }
 }
 
@@ -106,7 +137,7 @@ fn backend_calls(engine: EngineKind) {
                 buf: Buf::Owned(buf),
             }],
         };
-        match store.submit(op) {
+        match dog.call(|| store.submit(op)) {
             Ok(()) => accepted += 1,
             Err(e) => {
                 assert!(matches!(e.kind, SubmitErrorKind::Busy(_)), "{:?}", e.kind);
@@ -114,18 +145,16 @@ fn backend_calls(engine: EngineKind) {
                 busy += 1;
             }
         }
-        dog.beat();
-        store.poll(&mut done);
-        dog.beat();
+        dog.call(|| store.poll(&mut done));
         if n % 10 == 0 {
             // Cancel what is overdue, as the tracker does at each deadline.
             for id in n.saturating_sub(20)..n {
-                store.cancel(OpId(id));
+                dog.call(|| store.cancel(OpId(id)));
             }
-            dog.beat();
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+    dog.check();
     drop(dog);
     assert!(accepted > 0);
     assert!(mount.blocked_requests() > 0, "the mount really was stuck");
@@ -172,15 +201,14 @@ fn driver_calls(engine: EngineKind) {
                 engine: None,
                 buf: Buf::Owned(buf),
             }];
-            let t = r.submit(Direction::Load, vec![r.posix], blocks, deadline);
+            let t = dog.call(|| r.submit(Direction::Load, vec![r.posix], blocks, deadline));
             pending.insert(t, deadline);
         }
-        dog.beat();
-        r.driver.start_step().unwrap();
-        reports.extend(r.driver.get_finished().reports);
-        dog.beat();
+        dog.call(|| r.driver.start_step().unwrap());
+        reports.extend(dog.call(|| r.driver.get_finished()).reports);
         std::thread::sleep(Duration::from_millis(5));
     }
+    dog.check();
     drop(dog);
     assert!(wait_until(SOON, || {
         reports.extend(r.driver.get_finished().reports);

@@ -43,7 +43,8 @@ pub fn stuck_mount_load(engine: EngineKind) {
         assert_timed_out_on_time(&rep, deadline);
         assert!(rep.blocks[0].buf.is_none(), "the stuck op keeps its buffer");
     }
-    assert!(Instant::now() < deadline + Duration::from_secs(1));
+    // The reports reached this thread within a tick plus the allowance of the deadline.
+    assert!(Instant::now() <= deadline + MARGIN);
     assert!(r.mount().blocked_requests() > 0, "the I/O is still stuck");
     let s = r.tracker();
     assert_eq!(s.zombie_ops, 64);

@@ -50,7 +50,9 @@ class WorkerPart:
             self.cfg.load_deadline_ms,
             self.cfg.store_deadline_ms,
             self.cfg.io_engine,
+            self.cfg.eviction,
             self.cfg.file_dirs,
+            self.cfg.file_blocks if self.cfg.file_dirs else None,
         )
 
     def start(self, meta: KvxConnectorMetadata) -> None:

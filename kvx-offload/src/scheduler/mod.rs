@@ -1,27 +1,82 @@
 //! The scheduler half of the connector: decides what to load and store each step, and keeps
 //! the tier index in step with what the worker half reports.
 
+use std::time::{Duration, Instant};
+
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
 use rustc_hash::FxHashMap;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
 use crate::manager::{Lookup, OffloadManager};
-use crate::meta::{JobId, JobKind, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
+use crate::meta::{JobId, JobPart, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 use crate::tier::Tier;
+use crate::worker::WorkerConfig;
 
 /// Settings of the scheduler half.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
-    /// Tokens per block.
+    /// Tokens per block; must equal the worker half's (default 16).
     pub block_tokens: u32,
-    /// Host tier capacity in blocks.
+    /// Host tier capacity in blocks (default 4096).
     pub host_blocks: usize,
-    /// File tier capacity in blocks (`None`: no file tier).
+    /// File tier capacity in blocks (`None`, the default: no file tier; `Some(0)` is refused).
     pub file_blocks: Option<usize>,
-    /// Eviction order of both tiers.
+    /// Eviction order of both tiers (default LRU).
     pub eviction: EvictionKind,
+    /// State of a request that nothing names for this long is dropped with a warning: a lookup
+    /// never allocated, or an admitted request never finished (default 10 minutes).
+    pub request_idle: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            block_tokens: 16,
+            host_blocks: 4096,
+            file_blocks: None,
+            eviction: EvictionKind::Lru,
+            request_idle: Duration::from_secs(600),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Check the settings; the error names the bad field.
+    pub fn validate(&self) -> Result<(), OffloadError> {
+        if self.block_tokens == 0 {
+            return Err(OffloadError::config("block_tokens", "must be at least 1"));
+        }
+        if self.host_blocks == 0 {
+            return Err(OffloadError::config("host_blocks", "must be at least 1"));
+        }
+        if self.file_blocks == Some(0) {
+            return Err(OffloadError::config(
+                "file_blocks",
+                "Some(0) would turn the file tier off; use None for no file tier",
+            ));
+        }
+        if self.request_idle.is_zero() {
+            return Err(OffloadError::config("request_idle", "must be positive"));
+        }
+        Ok(())
+    }
+
+    /// Check the settings that both halves carry against the worker half's: call it when the
+    /// two halves are built separately (the builder sets them once for both).
+    pub fn check_worker(&self, worker: &WorkerConfig) -> Result<(), OffloadError> {
+        if self.block_tokens != worker.block_tokens {
+            return Err(OffloadError::config(
+                "block_tokens",
+                format!(
+                    "the scheduler half has {} tokens per block, the worker half {}",
+                    self.block_tokens, worker.block_tokens
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 enum JobInfo {
@@ -36,13 +91,33 @@ enum JobInfo {
     },
 }
 
-#[derive(Default)]
+/// A lookup that found blocks, waiting for the engine to allocate for them.
+struct PendingLookup {
+    keys: Vec<BlockKey>,
+    tiers: Vec<Tier>,
+    at: Instant,
+}
+
+/// An admitted request: one with a load or a store.
 struct Req {
-    pending_load: Option<(Vec<BlockKey>, Vec<Tier>)>,
     /// Jobs whose engine-memory part is not reported yet.
     active: u32,
     finished: bool,
+    last_seen: Instant,
 }
+
+impl Req {
+    fn new(now: Instant) -> Req {
+        Req {
+            active: 0,
+            finished: false,
+            last_seen: now,
+        }
+    }
+}
+
+/// How often idle request state is looked for, at most (a quarter of the idle time if shorter).
+const IDLE_SWEEP: Duration = Duration::from_secs(1);
 
 /// The scheduler half.
 pub struct SchedulerSide {
@@ -50,23 +125,25 @@ pub struct SchedulerSide {
     block_tokens: u32,
     next_job: u64,
     reqs: FxHashMap<RequestId, Req>,
+    lookups: FxHashMap<RequestId, PendingLookup>,
+    request_idle: Duration,
+    last_sweep: Instant,
     jobs: FxHashMap<JobId, (RequestId, JobInfo)>,
     meta: StepMeta,
 }
 
 impl SchedulerSide {
-    /// A scheduler half with empty tiers.
+    /// A scheduler half with empty tiers; an invalid `cfg` is refused.
     pub fn new(cfg: SchedulerConfig) -> Result<SchedulerSide, OffloadError> {
-        if cfg.block_tokens == 0 || cfg.host_blocks == 0 {
-            return Err(OffloadError::Config(
-                "block_tokens and host_blocks must be positive".into(),
-            ));
-        }
+        cfg.validate()?;
         Ok(SchedulerSide {
             mgr: OffloadManager::new(cfg.host_blocks, cfg.file_blocks, cfg.eviction),
             block_tokens: cfg.block_tokens,
             next_job: 1,
             reqs: FxHashMap::default(),
+            lookups: FxHashMap::default(),
+            request_idle: cfg.request_idle,
+            last_sweep: Instant::now(),
             jobs: FxHashMap::default(),
             meta: StepMeta::default(),
         })
@@ -77,9 +154,23 @@ impl SchedulerSide {
         &self.mgr
     }
 
-    /// The tier index, mutable (e.g. to adopt a file tier's startup scan).
-    pub fn manager_mut(&mut self) -> &mut OffloadManager {
-        &mut self.mgr
+    /// Adopt blocks already in the file tier (its startup scan), up to its capacity; returns
+    /// how many were taken.
+    pub fn adopt_file_blocks(&mut self, keys: impl IntoIterator<Item = BlockKey>) -> usize {
+        self.mgr.adopt_file_blocks(keys)
+    }
+
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+
+    /// An admitted request's state, created when it gets its first job.
+    fn admit(&mut self, req: RequestId) -> &mut Req {
+        let now = Instant::now();
+        let r = self.reqs.entry(req).or_insert_with(|| Req::new(now));
+        r.last_seen = now;
+        r
     }
 
     fn job_id(&mut self) -> JobId {
@@ -99,35 +190,50 @@ impl SchedulerSide {
     ) -> Option<u64> {
         let skip = (num_computed_tokens / self.block_tokens as u64) as usize;
         let rest = keys.get(skip..).unwrap_or(&[]);
+        self.lookups.remove(&req);
         match self.mgr.lookup(rest) {
             Lookup::Retry => None,
             Lookup::Hit(tiers) => {
                 let n = tiers.len();
-                let entry = self.reqs.entry(req).or_default();
-                entry.pending_load = (n > 0).then(|| (rest[..n].to_vec(), tiers));
+                if n > 0 {
+                    let lookup = PendingLookup {
+                        keys: rest[..n].to_vec(),
+                        tiers,
+                        at: Instant::now(),
+                    };
+                    self.lookups.insert(req, lookup);
+                }
                 Some(n as u64 * self.block_tokens as u64)
             }
         }
     }
 
     /// The engine allocated `engine_blocks` for the tokens matched by the last
-    /// `get_num_new_matched_tokens`: the load is queued for this step.
+    /// `get_num_new_matched_tokens`: the load is queued for this step. `Ok(None)`: nothing was
+    /// matched and no blocks were given. A refused call changes nothing: the lookup stays
+    /// pending and a corrected call loads it.
     pub fn update_state_after_alloc(
         &mut self,
         req: RequestId,
         engine_blocks: &[EngineBlockId],
     ) -> Result<Option<JobId>, OffloadError> {
-        let Some((keys, tiers)) = self.reqs.get_mut(&req).and_then(|r| r.pending_load.take())
-        else {
-            return Ok(None);
+        let Some(lookup) = self.lookups.get(&req) else {
+            return match (engine_blocks.is_empty(), self.reqs.contains_key(&req)) {
+                (true, _) => Ok(None),
+                (false, true) => Err(OffloadError::NoPendingLookup(req)),
+                (false, false) => Err(OffloadError::UnknownRequest(req)),
+            };
         };
-        if engine_blocks.len() != keys.len() {
+        if engine_blocks.len() != lookup.keys.len() {
             return Err(OffloadError::BlockCountMismatch {
                 request: req,
-                keys: keys.len(),
+                keys: lookup.keys.len(),
                 blocks: engine_blocks.len(),
             });
         }
+        let Some(PendingLookup { keys, tiers, .. }) = self.lookups.remove(&req) else {
+            return Err(OffloadError::UnknownRequest(req));
+        };
         let (promote, evicted) = self.mgr.prepare_load(&keys, &tiers);
         self.meta.evict_host.extend(evicted);
         let job = self.job_id();
@@ -159,7 +265,7 @@ impl SchedulerSide {
                 },
             ),
         );
-        self.reqs.entry(req).or_default().active += 1;
+        self.admit(req).active += 1;
         Ok(Some(job))
     }
 
@@ -207,14 +313,15 @@ impl SchedulerSide {
                 },
             ),
         );
-        self.reqs.entry(req).or_default().active += 1;
+        self.admit(req).active += 1;
         Some(job)
     }
 
     /// The engine preempted `req`: its pending (not yet allocated) load is dropped.
     pub fn request_preempted(&mut self, req: RequestId) {
+        self.lookups.remove(&req);
         if let Some(r) = self.reqs.get_mut(&req) {
-            r.pending_load = None;
+            r.last_seen = Instant::now();
         }
         self.meta.preempted.push(req);
     }
@@ -223,11 +330,11 @@ impl SchedulerSide {
     /// reports it in `finished_sending`.
     pub fn request_finished(&mut self, req: RequestId) -> bool {
         self.meta.finished.push(req);
+        self.lookups.remove(&req);
         let Some(r) = self.reqs.get_mut(&req) else {
             return false;
         };
         r.finished = true;
-        r.pending_load = None;
         let delay = r.active > 0;
         if delay {
             self.meta.delayed_free.push(req);
@@ -239,8 +346,9 @@ impl SchedulerSide {
 
     /// Instructions for the worker for this step.
     pub fn build_meta(&mut self) -> StepMeta {
+        self.drop_idle(Instant::now());
         let mut m = std::mem::take(&mut self.meta);
-        m.flush = self.reqs.values().all(|r| r.finished);
+        m.submit_stores_now = self.reqs.values().all(|r| r.finished);
         m
     }
 
@@ -254,14 +362,14 @@ impl SchedulerSide {
             let failed: Vec<BlockKey> = r.failed.iter().map(|f| f.0).collect();
             let mut engine_part_done = false;
             let mut job_done = false;
-            match (info, r.kind) {
+            match (info, r.part) {
                 (
                     JobInfo::Load {
                         keys,
                         tiers,
                         promote,
                     },
-                    JobKind::Load,
+                    JobPart::Load,
                 ) => {
                     let corrupt: Vec<BlockKey> = r
                         .failed
@@ -281,7 +389,7 @@ impl SchedulerSide {
                         host_pending,
                         file_pending,
                     },
-                    JobKind::StoreHost,
+                    JobPart::StoreHost,
                 ) => {
                     self.mgr.complete_store(Tier::Host, &r.ok, true);
                     self.mgr.complete_store(Tier::Host, &failed, false);
@@ -294,7 +402,7 @@ impl SchedulerSide {
                         host_pending,
                         file_pending,
                     },
-                    JobKind::StoreFile,
+                    JobPart::StoreFile,
                 ) => {
                     self.mgr.complete_store(Tier::File, &r.ok, true);
                     self.mgr.complete_store(Tier::File, &failed, false);
@@ -307,6 +415,7 @@ impl SchedulerSide {
                 self.jobs.remove(&r.job);
             }
             if engine_part_done && let Some(q) = self.reqs.get_mut(&req) {
+                q.last_seen = Instant::now();
                 q.active = q.active.saturating_sub(1);
                 if q.finished && q.active == 0 {
                     self.reqs.remove(&req);
@@ -320,14 +429,39 @@ impl SchedulerSide {
         self.mgr.reset_in_flight();
         self.jobs.clear();
         self.reqs.clear();
+        self.lookups.clear();
         self.meta = StepMeta::default();
         // The worker drops every host buffer the index no longer holds.
-        self.meta.retain_host = Some(self.mgr.host().stored_keys());
+        self.meta.retain_host = Some(self.mgr.stored_keys(Tier::Host));
     }
 
-    /// Requests with state here.
+    /// Drop the state of requests nothing named for `request_idle`: lookups never allocated,
+    /// and admitted requests with no job left that never finished.
+    fn drop_idle(&mut self, now: Instant) {
+        if now.duration_since(self.last_sweep) < IDLE_SWEEP.min(self.request_idle / 4) {
+            return;
+        }
+        self.last_sweep = now;
+        let idle = self.request_idle;
+        self.lookups.retain(|req, l| {
+            let keep = now.duration_since(l.at) < idle;
+            if !keep {
+                warn!(request = %req, ?idle, "dropping a lookup that was never allocated");
+            }
+            keep
+        });
+        self.reqs.retain(|req, r| {
+            let keep = r.active > 0 || now.duration_since(r.last_seen) < idle;
+            if !keep {
+                warn!(request = %req, ?idle, "dropping the state of a request that never finished");
+            }
+            keep
+        });
+    }
+
+    /// Requests with state here: admitted ones, and lookups waiting for an allocation.
     pub fn request_count(&self) -> usize {
-        self.reqs.len()
+        self.reqs.len() + self.lookups.len()
     }
 
     /// Jobs not yet fully reported.
@@ -335,3 +469,6 @@ impl SchedulerSide {
         self.jobs.len()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,317 @@
+//! One call that sets kvx up for an engine: driver, backends, pools, file tier, both halves.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_core::{
+    Backend, BufferPool, DEFAULT_ALIGN, Driver, DriverBuilder, DriverConfig, DriverHandle,
+    HostBackend, HostBackendConfig, KvLayout,
+};
+
+use crate::config::OffloadConfig;
+use crate::error::OffloadError;
+use crate::file_hook::FileTierHook;
+use crate::scheduler::SchedulerSide;
+use crate::worker::{TierRoutes, WorkerConfig, WorkerSide};
+
+/// The engine's KV memory, and the backend that copies blocks in and out of it.
+pub struct EngineMemory {
+    kind: MemoryKind,
+}
+
+enum MemoryKind {
+    Host(KvLayout),
+    #[cfg(feature = "cuda")]
+    Cuda(kvx_cuda::CudaDevice, KvLayout),
+    Backend {
+        backend: Box<dyn Backend>,
+        block_bytes: usize,
+        blocks: u32,
+    },
+}
+
+impl EngineMemory {
+    /// Engine memory in host RAM, copied by kvx-core's host backend.
+    ///
+    /// # Safety
+    /// As for [`HostBackend::new`]: every region of `layout` must stay valid for reads and
+    /// writes until [`OffloadRuntime::shutdown`] returns (or the runtime is dropped), and the
+    /// engine must not touch a block while a load or store on it is outstanding (it waits for
+    /// the load's report, `finished_sending`, or a preemption fence).
+    pub unsafe fn host(layout: KvLayout) -> EngineMemory {
+        EngineMemory {
+            kind: MemoryKind::Host(layout),
+        }
+    }
+
+    /// Engine memory on a CUDA device, copied by kvx-cuda on its own streams; the pool's
+    /// buffers are pinned and registered with the device.
+    ///
+    /// # Safety
+    /// As for `kvx_cuda::CudaBackend::new`: every region of `layout` is device memory of
+    /// `device`, valid until the runtime shuts down; the engine does not touch a block while an
+    /// op on it is outstanding, and has finished the kernels that wrote a block before saving it.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn cuda(device: &kvx_cuda::CudaDevice, layout: KvLayout) -> EngineMemory {
+        EngineMemory {
+            kind: MemoryKind::Cuda(device.clone(), layout),
+        }
+    }
+
+    /// Engine memory served by a backend built by the caller (its own constructor carried the
+    /// safety promise), with blocks of `block_bytes`, `blocks` of them.
+    pub fn backend(backend: Box<dyn Backend>, block_bytes: usize, blocks: u32) -> EngineMemory {
+        EngineMemory {
+            kind: MemoryKind::Backend {
+                backend,
+                block_bytes,
+                blocks,
+            },
+        }
+    }
+}
+
+/// Sets kvx up for an engine from an [`OffloadConfig`] and its [`EngineMemory`].
+pub struct OffloadBuilder {
+    cfg: OffloadConfig,
+    memory: EngineMemory,
+    driver: DriverConfig,
+}
+
+/// What [`OffloadBuilder::build`] returns: both halves of the connector and the runtime.
+pub struct Offload {
+    /// The scheduler half.
+    pub scheduler: SchedulerSide,
+    /// The worker half.
+    pub worker: WorkerSide,
+    /// The driver thread and the file tier; shut it down after the last engine step.
+    pub runtime: OffloadRuntime,
+}
+
+/// The running parts behind the two halves: the driver thread (which owns the backends) and
+/// the file tier's handle.
+pub struct OffloadRuntime {
+    driver: Option<Driver>,
+    #[cfg(feature = "file")]
+    files: Option<kvx_posix::PosixHandle>,
+    #[cfg(feature = "cuda")]
+    _pinned: Option<kvx_cuda::PinnedPool>,
+    adopted: usize,
+    direct: bool,
+}
+
+fn setup(what: &'static str) -> impl Fn(String) -> OffloadError {
+    move |reason| OffloadError::Setup { what, reason }
+}
+
+impl OffloadBuilder {
+    /// A builder for `memory` with `cfg`.
+    pub fn new(cfg: OffloadConfig, memory: EngineMemory) -> OffloadBuilder {
+        OffloadBuilder {
+            cfg,
+            memory,
+            driver: DriverConfig::default(),
+        }
+    }
+
+    /// Driver settings other than the defaults (tracker limits).
+    pub fn driver_config(mut self, driver: DriverConfig) -> OffloadBuilder {
+        self.driver = driver;
+        self
+    }
+
+    /// Validate the config, open the file tier (its startup scan), start the driver with the
+    /// engine and file backends, size the pool, build both halves, adopt the blocks the scan
+    /// found, and install the file-tier hook that removes evicted and corrupt block files.
+    pub fn build(self) -> Result<Offload, OffloadError> {
+        let OffloadBuilder {
+            cfg,
+            memory,
+            driver: driver_cfg,
+        } = self;
+        cfg.validate()?;
+        let mut b = DriverBuilder::new(driver_cfg);
+        #[cfg(feature = "cuda")]
+        let mut pinned = None;
+        let (engine, block_bytes, pool) = match memory.kind {
+            MemoryKind::Host(layout) => {
+                if !layout.is_host() {
+                    return Err(OffloadError::config(
+                        "engine memory",
+                        "EngineMemory::host needs a layout of host memory",
+                    ));
+                }
+                let (bytes, blocks) = (layout.block_bytes(), layout.num_blocks());
+                let host = HostBackendConfig {
+                    threads: cfg.copy_threads,
+                    ..HostBackendConfig::default()
+                };
+                // SAFETY: the caller of `EngineMemory::host` promised what `HostBackend::new`
+                // needs; the backend lives in the driver, which the runtime stops before the
+                // promise ends.
+                let backend = unsafe { HostBackend::new(layout, host) }
+                    .map_err(|e| setup("host backend")(e.to_string()))?;
+                let pool = BufferPool::new(cfg.pool_buffers(blocks), bytes, DEFAULT_ALIGN)
+                    .map_err(|e| setup("buffer pool")(e.to_string()))?;
+                (b.backend(Box::new(backend)), bytes, pool)
+            }
+            #[cfg(feature = "cuda")]
+            MemoryKind::Cuda(device, layout) => {
+                let (bytes, blocks) = (layout.block_bytes(), layout.num_blocks());
+                // SAFETY: the caller of `EngineMemory::cuda` promised what `CudaBackend::new`
+                // needs, until the runtime stops the driver that owns the backend.
+                let mut gpu = unsafe {
+                    kvx_cuda::CudaBackend::new(
+                        &device,
+                        layout,
+                        kvx_cuda::CudaBackendConfig::default(),
+                    )
+                }
+                .map_err(|e| setup("CUDA backend")(e.to_string()))?;
+                let p = gpu
+                    .pinned_pool(cfg.pool_buffers(blocks), bytes)
+                    .map_err(|e| setup("pinned pool")(e.to_string()))?;
+                let pool = (*p).clone();
+                pinned = Some(p);
+                (b.backend(Box::new(gpu)), bytes, pool)
+            }
+            MemoryKind::Backend {
+                backend,
+                block_bytes,
+                blocks,
+            } => {
+                let pool = BufferPool::new(cfg.pool_buffers(blocks), block_bytes, DEFAULT_ALIGN)
+                    .map_err(|e| setup("buffer pool")(e.to_string()))?;
+                (b.backend(backend), block_bytes, pool)
+            }
+        };
+        let files = open_file_tier(&cfg, &mut b)?;
+        let driver = b.spawn().map_err(|e| setup("driver")(e.to_string()))?;
+        let mut scheduler = SchedulerSide::new(cfg.scheduler())?;
+        let adopted = scheduler.adopt_file_blocks(files.keys());
+        let worker = WorkerSide::new(
+            driver.handle(),
+            TierRoutes {
+                engine,
+                file: files.route,
+            },
+            pool,
+            files.hook.clone(),
+            WorkerConfig {
+                block_tokens: cfg.block_tokens,
+                block_bytes,
+                timeouts: cfg.timeouts,
+                policy: cfg.load_failure,
+                preempt_wait: Duration::from_millis(cfg.preempt_wait_ms),
+            },
+        )?;
+        Ok(Offload {
+            scheduler,
+            worker,
+            runtime: OffloadRuntime {
+                driver: Some(driver),
+                #[cfg(feature = "file")]
+                files: files.handle,
+                #[cfg(feature = "cuda")]
+                _pinned: pinned,
+                adopted,
+                direct: files.direct,
+            },
+        })
+    }
+}
+
+/// The file tier as the builder set it up (all empty without one).
+#[derive(Default)]
+struct FileTier {
+    route: Option<kvx_core::BackendId>,
+    hook: Option<Arc<dyn FileTierHook>>,
+    direct: bool,
+    #[cfg(feature = "file")]
+    handle: Option<kvx_posix::PosixHandle>,
+}
+
+impl FileTier {
+    /// Blocks the startup scan found.
+    fn keys(&self) -> Vec<kvx_core::BlockKey> {
+        #[cfg(feature = "file")]
+        if let Some(h) = &self.handle {
+            return h.keys();
+        }
+        Vec::new()
+    }
+}
+
+/// Open the configured file tier (its startup scan runs here) and register its backend.
+#[cfg(feature = "file")]
+fn open_file_tier(cfg: &OffloadConfig, b: &mut DriverBuilder) -> Result<FileTier, OffloadError> {
+    let Some(f) = &cfg.file else {
+        return Ok(FileTier::default());
+    };
+    let store = kvx_posix::PosixStore::open(posix_config(f))
+        .map_err(|e| setup("file tier")(e.to_string()))?;
+    let handle = store.handle();
+    Ok(FileTier {
+        direct: store.capabilities().direct,
+        hook: Some(Arc::new(handle.clone())),
+        handle: Some(handle),
+        route: Some(b.backend(Box::new(store))),
+    })
+}
+
+/// Without the `file` feature, a configured file tier is an error.
+#[cfg(not(feature = "file"))]
+fn open_file_tier(cfg: &OffloadConfig, _: &mut DriverBuilder) -> Result<FileTier, OffloadError> {
+    match cfg.file {
+        None => Ok(FileTier::default()),
+        Some(_) => Err(OffloadError::config(
+            "file",
+            "this build of kvx-offload has no file tier (feature `file`)",
+        )),
+    }
+}
+
+#[cfg(feature = "file")]
+fn posix_config(f: &crate::config::FileTierConfig) -> kvx_posix::PosixConfig {
+    let mut p = kvx_posix::PosixConfig::new(f.roots[0].clone());
+    p.roots = f.roots.clone();
+    p.engine = match f.io_engine {
+        crate::config::IoEngine::Uring => kvx_posix::EngineKind::Uring,
+        crate::config::IoEngine::Psync => kvx_posix::EngineKind::Psync,
+    };
+    p.direct = f.direct;
+    p.queue_depth = f.queue_depth;
+    p.fdatasync = f.fdatasync;
+    p.breaker = f.breaker;
+    p
+}
+
+impl OffloadRuntime {
+    /// The driver's handle (tracker counters, fences).
+    pub fn driver(&self) -> Option<&DriverHandle> {
+        self.driver.as_deref()
+    }
+
+    /// The file tier's handle: lookups, counters, health of each root.
+    #[cfg(feature = "file")]
+    pub fn files(&self) -> Option<&kvx_posix::PosixHandle> {
+        self.files.as_ref()
+    }
+
+    /// Blocks the file tier's startup scan found and the index adopted.
+    pub fn adopted_blocks(&self) -> usize {
+        self.adopted
+    }
+
+    /// True when the file tier uses O_DIRECT on every root.
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    /// Stop the driver thread and drop the backends. When this returns no kvx thread touches
+    /// engine memory any more (ops still in a backend are drained or abandoned with their
+    /// buffers); later calls on the two halves return an error.
+    pub fn shutdown(mut self) {
+        self.driver.take();
+    }
+}

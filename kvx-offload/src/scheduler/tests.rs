@@ -1,0 +1,222 @@
+//! Scheduler-half tests: config checks, lookups and allocations, request state.
+
+use super::*;
+use crate::worker::DEFAULT_PREEMPT_WAIT;
+
+fn sched(idle: Duration) -> SchedulerSide {
+    SchedulerSide::new(SchedulerConfig {
+        host_blocks: 8,
+        request_idle: idle,
+        ..SchedulerConfig::default()
+    })
+    .unwrap()
+}
+
+/// A scheduler whose host tier holds `keys` (a store of request 1000, reported done).
+fn with_stored(keys: &[BlockKey]) -> SchedulerSide {
+    let mut s = sched(Duration::from_secs(600));
+    let pairs: Vec<_> = keys.iter().map(|k| (*k, EngineBlockId(0))).collect();
+    let job = s.save_blocks(RequestId(1000), &pairs).unwrap();
+    s.request_finished(RequestId(1000));
+    s.update_from_worker(&WorkerOutput {
+        jobs: vec![crate::meta::JobResult {
+            job,
+            request: RequestId(1000),
+            part: JobPart::StoreHost,
+            ok: keys.to_vec(),
+            failed: vec![],
+            promoted: vec![],
+        }],
+        ..Default::default()
+    });
+    s.build_meta();
+    assert_eq!(s.request_count(), 0, "the store's request is gone");
+    s
+}
+
+fn k(i: u128) -> BlockKey {
+    BlockKey(i)
+}
+
+#[test]
+fn zero_file_blocks_and_zero_host_blocks_name_the_field() {
+    for (cfg, field) in [
+        (
+            SchedulerConfig {
+                file_blocks: Some(0),
+                ..SchedulerConfig::default()
+            },
+            "file_blocks",
+        ),
+        (
+            SchedulerConfig {
+                host_blocks: 0,
+                ..SchedulerConfig::default()
+            },
+            "host_blocks",
+        ),
+        (
+            SchedulerConfig {
+                block_tokens: 0,
+                ..SchedulerConfig::default()
+            },
+            "block_tokens",
+        ),
+    ] {
+        match SchedulerSide::new(cfg) {
+            Err(OffloadError::Config { field: f, .. }) => assert_eq!(f, field),
+            Err(e) => panic!("{field}: wrong error {e}"),
+            Ok(_) => panic!("{field}: accepted"),
+        }
+    }
+}
+
+#[test]
+fn block_tokens_of_the_halves_are_cross_checked() {
+    let s = SchedulerConfig::default();
+    let mut w = WorkerConfig {
+        block_tokens: s.block_tokens,
+        block_bytes: 4096,
+        timeouts: Default::default(),
+        policy: Default::default(),
+        preempt_wait: DEFAULT_PREEMPT_WAIT,
+    };
+    assert_eq!(s.check_worker(&w), Ok(()));
+    w.block_tokens = 32;
+    let e = s.check_worker(&w).unwrap_err();
+    assert!(
+        matches!(&e, OffloadError::Config { field, .. } if field == "block_tokens"),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("16") && e.to_string().contains("32"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_refused_alloc_leaves_the_lookup_usable() {
+    let mut s = with_stored(&[k(1), k(2)]);
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(1), &[k(1), k(2)], 0),
+        Some(32)
+    );
+    let e = s
+        .update_state_after_alloc(RequestId(1), &[EngineBlockId(5)])
+        .unwrap_err();
+    assert!(matches!(
+        e,
+        OffloadError::BlockCountMismatch {
+            keys: 2,
+            blocks: 1,
+            ..
+        }
+    ));
+    let job = s
+        .update_state_after_alloc(RequestId(1), &[EngineBlockId(5), EngineBlockId(6)])
+        .unwrap();
+    assert!(job.is_some(), "the corrected retry queues the load");
+    let meta = s.build_meta();
+    assert_eq!(meta.loads.len(), 1);
+    assert_eq!(
+        meta.loads[0]
+            .blocks
+            .iter()
+            .map(|b| b.engine)
+            .collect::<Vec<_>>(),
+        vec![EngineBlockId(5), EngineBlockId(6)]
+    );
+    // Allocating again for the same lookup is an error, not a silent "nothing matched".
+    assert_eq!(
+        s.update_state_after_alloc(RequestId(1), &[EngineBlockId(7)]),
+        Err(OffloadError::NoPendingLookup(RequestId(1)))
+    );
+}
+
+#[test]
+fn unknown_requests_are_named() {
+    let mut s = with_stored(&[k(1)]);
+    assert_eq!(
+        s.update_state_after_alloc(RequestId(9), &[EngineBlockId(1)]),
+        Err(OffloadError::UnknownRequest(RequestId(9)))
+    );
+    assert_eq!(s.update_state_after_alloc(RequestId(9), &[]), Ok(None));
+}
+
+#[test]
+fn request_state_only_for_admitted_requests() {
+    let mut s = with_stored(&[k(1)]);
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(1), &[k(7)], 0),
+        Some(0)
+    );
+    assert_eq!(
+        s.request_count(),
+        0,
+        "a lookup that found nothing leaves no state"
+    );
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(2), &[k(1)], 0),
+        Some(16)
+    );
+    assert_eq!(s.request_count(), 1, "a hit waits for its allocation");
+    assert!(!s.request_finished(RequestId(2)));
+    assert_eq!(s.request_count(), 0, "finish drops it");
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(3), &[k(1)], 0),
+        Some(16)
+    );
+    s.reset();
+    assert_eq!(s.request_count(), 0, "reset drops it");
+}
+
+#[test]
+fn idle_request_state_is_dropped() {
+    let idle = Duration::from_millis(40);
+    let mut s = sched(idle);
+    let pairs = [(k(1), EngineBlockId(0))];
+    let job = s.save_blocks(RequestId(1), &pairs).unwrap();
+    s.update_from_worker(&WorkerOutput {
+        jobs: vec![crate::meta::JobResult {
+            job,
+            request: RequestId(1),
+            part: JobPart::StoreHost,
+            ok: vec![k(1)],
+            failed: vec![],
+            promoted: vec![],
+        }],
+        ..Default::default()
+    });
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(2), &[k(1)], 0),
+        Some(16)
+    );
+    s.build_meta();
+    assert_eq!(
+        s.request_count(),
+        2,
+        "request 1 never finished, request 2 never allocated"
+    );
+    std::thread::sleep(idle + idle / 2);
+    s.build_meta();
+    assert_eq!(
+        s.request_count(),
+        0,
+        "both dropped after {idle:?} of silence"
+    );
+}
+
+#[test]
+fn output_with_only_a_decision_is_not_empty() {
+    let out = WorkerOutput {
+        decisions: vec![(
+            RequestId(1),
+            kvx_policy::LoadDecision::Fail {
+                failed: vec![EngineBlockId(3)],
+            },
+        )],
+        ..Default::default()
+    };
+    assert!(!out.is_empty());
+    assert!(WorkerOutput::default().is_empty());
+}

@@ -1,0 +1,256 @@
+//! Load jobs: from the tiers into engine blocks, and their verdict for the engine.
+
+use kvx_core::{
+    BlockError, BlockKey, Buf, Direction, EngineBlockId, FenceHandle, OpBlock, PoolBuf, RequestId,
+    TaskReport, TaskSpec, TaskState,
+};
+use kvx_policy::{BlockOutcome, LoadDecision};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Role, WorkerSide};
+use crate::error::OffloadError;
+use crate::meta::{JobId, JobPart, JobResult, LoadJob};
+use crate::tier::Tier;
+use kvx_core::metrics;
+
+/// Longest a cut-short load's verdict waits for the fence on its blocks (which normally holds
+/// within one pass of the driver); after that the verdict goes out with the blocks a copy may
+/// still write listed in `WorkerOutput::blocks_in_use`.
+pub(super) const LOAD_FENCE_GRACE: Duration = Duration::from_millis(5);
+
+/// A load in flight.
+pub(super) struct LoadState {
+    pub(super) request: RequestId,
+    blocks: Vec<(BlockKey, EngineBlockId)>,
+    ok: Vec<Option<Result<(), BlockError>>>,
+    promote: Vec<bool>,
+    /// Per block: read from the file tier (else from the host tier).
+    from_file: Vec<bool>,
+    promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
+    tasks_left: u32,
+    /// A task of it was cut short while an op of it was out: an engine copy may still run.
+    dirty: bool,
+    /// The fence on its blocks once it was cut short, and when it was asked for.
+    fence: Option<(FenceHandle, Instant)>,
+    /// The request was preempted or finished: report to the scheduler only.
+    pub(super) abandoned: bool,
+    /// When the load was started (for its latency metric).
+    started: Instant,
+}
+
+impl WorkerSide {
+    /// Start a load: one task per source tier (host buffers are shared with the host tier;
+    /// file blocks are read into staging buffers, then copied).
+    pub(super) fn start_load(&mut self, job: LoadJob) -> Result<(), OffloadError> {
+        let n = job.blocks.len();
+        let mut st = LoadState {
+            request: job.request,
+            blocks: job.blocks.iter().map(|b| (b.key, b.engine)).collect(),
+            ok: vec![None; n],
+            promote: job.blocks.iter().map(|b| b.promote).collect(),
+            from_file: job.blocks.iter().map(|b| b.tier == Tier::File).collect(),
+            promoted: Vec::new(),
+            tasks_left: 0,
+            dirty: false,
+            fence: None,
+            abandoned: false,
+            started: Instant::now(),
+        };
+        let mut host_part = (Vec::new(), Vec::new());
+        let mut file_part = (Vec::new(), Vec::new());
+        for (i, b) in job.blocks.iter().enumerate() {
+            let buf = match b.tier {
+                Tier::Host => self.host.get(&b.key).map(Buf::Shared),
+                Tier::File if self.routes.file.is_some() => self.pool.take().map(Buf::Owned),
+                Tier::File => None,
+            };
+            let Some(buf) = buf else {
+                st.ok[i] = Some(Err(BlockError::Unavailable(format!(
+                    "no {:?}-tier buffer for {}",
+                    b.tier, b.key
+                ))));
+                continue;
+            };
+            let part = if b.tier == Tier::Host {
+                &mut host_part
+            } else {
+                &mut file_part
+            };
+            part.0.push(i);
+            part.1.push(OpBlock {
+                key: b.key,
+                engine: Some(b.engine),
+                buf,
+            });
+        }
+        let deadline = self.deadline(Direction::Load);
+        for (role, (positions, blocks), route) in [
+            (Role::LoadHost, host_part, vec![self.routes.engine]),
+            (
+                Role::LoadFile,
+                file_part,
+                self.routes
+                    .file
+                    .map_or_else(Vec::new, |f| vec![f, self.routes.engine]),
+            ),
+        ] {
+            if blocks.is_empty() {
+                continue;
+            }
+            let task = self.driver.submit(TaskSpec {
+                request: job.request,
+                dir: Direction::Load,
+                route,
+                blocks,
+                deadline,
+                deferred: false,
+            })?;
+            self.tasks.insert(task, (job.job, role, positions));
+            st.tasks_left += 1;
+        }
+        self.loads.insert(job.job, st);
+        self.try_finish_load(job.job);
+        Ok(())
+    }
+
+    /// A task of a load ended.
+    pub(super) fn on_load_report(
+        &mut self,
+        job: JobId,
+        role: Role,
+        positions: Vec<usize>,
+        r: TaskReport,
+    ) {
+        let Some(st) = self.loads.get_mut(&job) else {
+            return;
+        };
+        st.tasks_left -= 1;
+        // Cut short with a block's buffer still inside an op: that op (an engine copy, or the
+        // file read before it) is still out. A task whose buffers all came back has none out.
+        if matches!(r.state, TaskState::TimedOut | TaskState::Cancelled)
+            && r.blocks.iter().any(|b| b.buf.is_none())
+        {
+            st.dirty = true;
+        }
+        for (pos, b) in positions.into_iter().zip(r.blocks) {
+            if matches!(role, Role::LoadFile)
+                && st.promote[pos]
+                && b.result.is_ok()
+                && let Some(buf) = b.buf
+            {
+                st.promoted.push((b.key, buf.into_shared()));
+            }
+            st.ok[pos] = Some(b.result);
+        }
+    }
+
+    /// Report a load once all its tasks ended and, if any was cut short, once no engine copy
+    /// of it can still write (a fence on its blocks holds).
+    pub(super) fn try_finish_load(&mut self, job: JobId) {
+        let Some(st) = self.loads.get_mut(&job) else {
+            return;
+        };
+        if st.tasks_left > 0 {
+            return;
+        }
+        // An abandoned load needs no fence here: the preemption fence or the request's delayed
+        // release already covers any engine copy still running.
+        let mut in_use = None;
+        if st.dirty && !st.abandoned {
+            if st.fence.is_none() {
+                let blocks: Vec<EngineBlockId> = st.blocks.iter().map(|b| b.1).collect();
+                match self.driver.fence_blocks(&blocks) {
+                    Ok(f) => st.fence = Some((f, Instant::now())),
+                    Err(_) => st.dirty = false, // the driver stopped: every call reports it
+                }
+            }
+            if let Some((f, since)) = &st.fence
+                && !f.is_ready()
+            {
+                if since.elapsed() < LOAD_FENCE_GRACE {
+                    return;
+                }
+                in_use = Some(f.clone());
+            }
+        }
+        let Some(st) = self.loads.remove(&job) else {
+            return;
+        };
+        let outcomes: Vec<BlockOutcome> = st
+            .blocks
+            .iter()
+            .zip(&st.ok)
+            .map(|((_, e), ok)| BlockOutcome {
+                block: *e,
+                ok: matches!(ok, Some(Ok(()))),
+            })
+            .collect();
+        let total = st.blocks.len() as u64 * self.cfg.block_tokens as u64;
+        let decision = self
+            .cfg
+            .policy
+            .decide(&outcomes, self.cfg.block_tokens, total);
+        self.record_load_metrics(&st);
+        let mut ok = Vec::new();
+        let mut failed = Vec::new();
+        for ((k, _), r) in st.blocks.iter().zip(st.ok) {
+            match r {
+                Some(Ok(())) => ok.push(*k),
+                Some(Err(e)) => failed.push((*k, e)),
+                None => failed.push((*k, BlockError::Cancelled)),
+            }
+        }
+        let mut promoted = Vec::new();
+        for (k, buf) in st.promoted {
+            // The scheduler reserved this host place for the load: nobody else fills it.
+            self.host.insert(k, buf);
+            promoted.push(k);
+        }
+        if let Some(fence) = in_use {
+            // The verdict goes out now; the blocks a cut-short copy may still write stay out
+            // of use until their fence holds.
+            let blocks: Vec<EngineBlockId> =
+                outcomes.iter().filter(|o| !o.ok).map(|o| o.block).collect();
+            self.out.blocks_in_use.extend_from_slice(&blocks);
+            self.held.push((fence, blocks));
+        }
+        if !st.abandoned {
+            if decision != LoadDecision::AllLoaded {
+                self.out
+                    .invalid_blocks
+                    .extend_from_slice(decision.invalid_blocks());
+                self.out.decisions.push((st.request, decision));
+            }
+            self.out.finished_recving.push(st.request);
+        }
+        self.out.jobs.push(JobResult {
+            job,
+            request: st.request,
+            part: JobPart::Load,
+            ok,
+            failed,
+            promoted,
+        });
+    }
+
+    /// Blocks, bytes and latency of a finished load, per source tier.
+    fn record_load_metrics(&self, st: &LoadState) {
+        let took = Some(st.started.elapsed());
+        let bytes = self.cfg.block_bytes as u64;
+        for (tier, from_file) in [("host", false), ("file", true)] {
+            let (mut ok, mut failed) = (0u64, 0u64);
+            for (r, file) in st.ok.iter().zip(&st.from_file) {
+                if *file == from_file {
+                    match r {
+                        Some(Ok(())) => ok += 1,
+                        _ => failed += 1,
+                    }
+                }
+            }
+            if ok + failed > 0 {
+                metrics::record_tier_job(tier, Direction::Load, ok, failed, ok * bytes, took);
+            }
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! [`PosixHandle`], the thread-safe side of a store (lookup, remove, health, counters), and
+//! what it shares with the store.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvx_core::{BlockKey, OpId};
+use kvx_policy::BreakerState;
+
+use crate::config::Capabilities;
+use crate::health::Health;
+use crate::index::Index;
+use crate::io::{IoEngine, Sink};
+use crate::job::{BlockJob, FileOp, JobParams};
+use crate::paths::Layout;
+
+/// Counters of a store (all since it opened).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PosixStats {
+    /// Block I/Os accepted by the engine and not yet returned.
+    pub in_flight: usize,
+    /// Of those, I/Os written off as stuck (cancelled or past their deadline).
+    pub written_off: usize,
+    /// Blocks loaded and verified.
+    pub loaded: u64,
+    /// Blocks stored and renamed into place.
+    pub stored: u64,
+    /// Blocks that failed verification.
+    pub corrupt: u64,
+    /// Blocks failed at once because their root's breaker was open.
+    pub rejected: u64,
+    /// Renames undone because they landed after the deadline or a cancel.
+    pub undone: u64,
+    /// Removes (evictions, cleanups) queued or running.
+    pub maintenance: usize,
+    /// Loads and stores queued for the engine, not yet started.
+    pub queued: usize,
+    /// Loads and stores the engine can run at once right now (psync: live worker threads;
+    /// uring: queue-depth slots free of stuck ops).
+    pub workers: usize,
+    /// What `workers` is when nothing is stuck (the queue depth, times the rings for uring).
+    pub target_workers: usize,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) loaded: AtomicU64,
+    pub(crate) stored: AtomicU64,
+    pub(crate) corrupt: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) undone: AtomicU64,
+}
+
+pub(crate) struct Shared {
+    pub(crate) index: Index,
+    pub(crate) health: Health,
+    pub(crate) layout: Layout,
+    pub(crate) engine: Box<dyn IoEngine>,
+    pub(crate) sink: Arc<Sink>,
+    pub(crate) caps: Capabilities,
+    pub(crate) counters: Counters,
+}
+
+impl Shared {
+    /// Unlink `key`'s file in the background, on the engine's maintenance lane (a cache
+    /// entry: losing it only costs a reload). With `nonce`, only the file that write made.
+    pub(crate) fn unlink(&self, key: BlockKey, nonce: Option<u64>) {
+        let job = Box::new(BlockJob::new(
+            OpId(0),
+            0,
+            FileOp::Remove,
+            key,
+            None,
+            // A guarded remove moves the block aside under a temporary name first.
+            self.layout.paths(key, nonce.is_some()),
+            JobParams::remove(nonce),
+        ));
+        if let Err(r) = self.engine.submit(job) {
+            tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
+        }
+    }
+}
+
+/// The thread-safe side of a store: lookups, removal, health and counters. Cheap to clone.
+#[derive(Clone)]
+pub struct PosixHandle {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl PosixHandle {
+    /// How many of `keys`, from the first, the store holds.
+    pub fn lookup(&self, keys: &[BlockKey]) -> usize {
+        self.shared.index.lookup(keys)
+    }
+
+    /// Whether the store holds `key`.
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.shared.index.contains(key)
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.shared.index.len()
+    }
+
+    /// True when no block is held.
+    pub fn is_empty(&self) -> bool {
+        self.shared.index.is_empty()
+    }
+
+    /// Every key held.
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.shared.index.keys()
+    }
+
+    /// Forget `key` at once and unlink its file through the engine (never blocks); true if the
+    /// store held it.
+    pub fn remove(&self, key: BlockKey) -> bool {
+        let had = self.shared.index.remove(key);
+        self.shared.unlink(key, None);
+        had
+    }
+
+    /// Where `key`'s block file lives.
+    pub fn block_path(&self, key: BlockKey) -> std::path::PathBuf {
+        self.shared.layout.block_path(key)
+    }
+
+    /// What the store found out when it opened.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.shared.caps
+    }
+
+    /// State of the breaker of root `root`.
+    pub fn breaker_state(&self, root: usize) -> Option<BreakerState> {
+        self.shared.health.state(root)
+    }
+
+    /// The root that holds `key`.
+    pub fn root_of(&self, key: BlockKey) -> usize {
+        self.shared.layout.root_of(key)
+    }
+
+    /// The engine's counters, for the crate's tests.
+    #[cfg(test)]
+    pub(crate) fn engine_snapshot(&self) -> crate::io::EngineSnapshot {
+        self.shared.engine.snapshot()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PosixStats {
+        let c = &self.shared.counters;
+        let e = self.shared.engine.snapshot();
+        PosixStats {
+            in_flight: e.in_flight,
+            written_off: e.written_off,
+            maintenance: e.maintenance,
+            queued: e.queued,
+            workers: e.workers,
+            target_workers: e.target,
+            loaded: c.loaded.load(Ordering::Relaxed),
+            stored: c.stored.load(Ordering::Relaxed),
+            corrupt: c.corrupt.load(Ordering::Relaxed),
+            rejected: c.rejected.load(Ordering::Relaxed),
+            undone: c.undone.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Fault injection around the real engines, for tests that must run without FUSE: a *stall*
+//! holds every syscall's completion (as a frozen mount holds the syscall) until a thaw, and a
+//! *late* completion holds the completions of the next data reads (or renames) for a while. The syscall itself
+//! really runs; only its return to the job is held, so the engine sees exactly what a stuck
+//! kernel call looks like: a psync thread that does not come back, a ring slot with no CQE.
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Which syscalls a late-completion fault delays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Late {
+    /// A load's data read.
+    Read,
+    /// A store's rename into place.
+    Rename,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    frozen: bool,
+    held: usize,
+    late: Option<Late>,
+    late_left: usize,
+    late_by: Duration,
+}
+
+/// The faults a store's engine applies (shared with the test that drives them).
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    st: Mutex<State>,
+    cv: Condvar,
+}
+
+/// When a held completion is handed back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// At once (no fault).
+    No,
+    /// At the next thaw.
+    UntilThaw,
+    /// At this instant.
+    Until(Instant),
+}
+
+impl Faults {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hold every completion from now until [`Faults::thaw`].
+    pub(crate) fn freeze(&self) {
+        self.lock().frozen = true;
+    }
+
+    /// Hand back what a freeze held.
+    pub(crate) fn thaw(&self) {
+        self.lock().frozen = false;
+        self.cv.notify_all();
+    }
+
+    /// Completions held right now.
+    pub(crate) fn held(&self) -> usize {
+        self.lock().held
+    }
+
+    /// Hold the completions of the next `count` syscalls of kind `what` for `by`.
+    pub(crate) fn late(&self, what: Late, count: usize, by: Duration) {
+        let mut s = self.lock();
+        s.late = Some(what);
+        s.late_left = count;
+        s.late_by = by;
+    }
+
+    /// Decide how long the completion of a syscall (of kind `kind`, if it is one a late fault
+    /// can target) is held; a held completion counts in [`Faults::held`] until
+    /// [`Faults::release`].
+    pub(crate) fn hold(&self, kind: Option<Late>) -> Hold {
+        let mut s = self.lock();
+        let h = if s.frozen {
+            Hold::UntilThaw
+        } else if kind.is_some() && kind == s.late && s.late_left > 0 {
+            s.late_left -= 1;
+            Hold::Until(Instant::now() + s.late_by)
+        } else {
+            Hold::No
+        };
+        if h != Hold::No {
+            s.held += 1;
+        }
+        h
+    }
+
+    /// True once a held completion may be handed back.
+    pub(crate) fn is_due(&self, h: Hold, now: Instant) -> bool {
+        match h {
+            Hold::No => true,
+            Hold::UntilThaw => !self.lock().frozen,
+            Hold::Until(t) => now >= t,
+        }
+    }
+
+    /// A held completion was handed back.
+    pub(crate) fn release(&self) {
+        let mut s = self.lock();
+        s.held = s.held.saturating_sub(1);
+    }
+
+    /// Block the calling thread (a psync worker, just back from a syscall) for as long as the
+    /// fault holds this completion.
+    pub(crate) fn gate(&self, kind: Option<Late>) {
+        match self.hold(kind) {
+            Hold::No => return,
+            Hold::UntilThaw => {
+                let mut s = self.lock();
+                while s.frozen {
+                    s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+                }
+            }
+            Hold::Until(t) => std::thread::sleep(t.saturating_duration_since(Instant::now())),
+        }
+        self.release();
+    }
+}

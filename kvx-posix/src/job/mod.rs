@@ -1,0 +1,324 @@
+//! One block's file operation as a state machine of syscalls, shared by both engines.
+//!
+//! A job owns everything the kernel touches while a syscall of it is in flight: the block's
+//! buffer, its header buffer, the iovecs and the path strings. An engine keeps the job (boxed,
+//! so its address is stable) until that syscall returns, then calls [`BlockJob::advance`] with
+//! the result and runs whatever comes next. The psync engine runs the syscalls on a worker
+//! thread; the uring engine turns them into ring ops.
+//!
+//! Three machines, one per [`FileOp`]: [`load`], [`store`] and [`remove`] (a store that must
+//! undo a late rename finishes with the remove machine, guarded by its write nonce).
+
+mod load;
+mod remove;
+mod store;
+mod syscall;
+
+use std::ffi::CStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvx_core::{AlignedBuf, BlockError, BlockKey, Buf, OpId};
+
+use crate::format::HEADER_LEN;
+use crate::paths::BlockPaths;
+
+pub(crate) use syscall::{Next, Syscall};
+
+/// What a job does to its block's file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FileOp {
+    /// Read and verify a block into the job's owned buffer.
+    Load,
+    /// Write the job's buffer as a block.
+    Store,
+    /// Unlink a block file: maintenance (eviction, cleanup), with no deadline, never written off.
+    Remove,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Idle,
+    Load(load::LoadStep),
+    Store(store::StoreStep),
+    Remove(remove::RemoveStep),
+    Finished,
+}
+
+/// The settings a job is created with.
+#[derive(Debug, Clone)]
+pub(crate) struct JobParams {
+    /// Use O_DIRECT when the buffer allows it.
+    pub(crate) direct: bool,
+    /// fdatasync before the rename.
+    pub(crate) fdatasync: bool,
+    /// The leaf directory may not exist yet: create it first.
+    pub(crate) make_dirs: bool,
+    /// The op's deadline (ignored by removes).
+    pub(crate) deadline: Instant,
+    /// Set when the op is cancelled.
+    pub(crate) cancel: Arc<AtomicBool>,
+    /// See `PosixConfig::visibility_margin`.
+    pub(crate) margin: Duration,
+    /// Store: the nonce written into the header. Remove: delete only a file with this nonce
+    /// (`None`: any file this format version wrote, or a corrupt one).
+    pub(crate) nonce: Option<u64>,
+}
+
+impl JobParams {
+    /// Parameters of a remove: no deadline, no cancel.
+    pub(crate) fn remove(nonce: Option<u64>) -> JobParams {
+        JobParams {
+            direct: false,
+            fdatasync: false,
+            make_dirs: false,
+            deadline: Instant::now(),
+            cancel: Arc::new(AtomicBool::new(false)),
+            margin: Duration::ZERO,
+            nonce,
+        }
+    }
+}
+
+/// One block's file operation (see the module docs).
+pub(crate) struct BlockJob {
+    /// Op the block belongs to.
+    pub(crate) op: OpId,
+    /// Position of the block in the op.
+    pub(crate) index: usize,
+    /// Root the block lives on.
+    pub(crate) root: usize,
+    /// Load, store or remove.
+    pub(crate) action: FileOp,
+    /// Block key.
+    pub(crate) key: BlockKey,
+    /// The block's buffer (none for a remove).
+    pub(crate) buf: Option<Buf>,
+    /// The verdict, once `advance` returned `Done`.
+    pub(crate) result: Result<(), BlockError>,
+    /// The leaf directory was created by this job.
+    pub(crate) made_dirs: bool,
+    /// Bytes moved by the data transfer.
+    pub(crate) bytes: usize,
+    /// The block was renamed into place too late and removed again.
+    pub(crate) undone: bool,
+    header: Option<AlignedBuf>,
+    /// The last, partial sector of an O_DIRECT store, zero-padded.
+    tail: Option<AlignedBuf>,
+    paths: BlockPaths,
+    p: JobParams,
+    step: Step,
+    fd: Option<i32>,
+    iov: [libc::iovec; 3],
+    iov_n: u32,
+    stx: Box<libc::statx>,
+    file_len: usize,
+    expect: usize,
+    direct_now: bool,
+    retried_dirs: bool,
+    /// A guarded remove moved the block to the temporary name.
+    moved_aside: bool,
+    verdict: Option<Result<(), BlockError>>,
+}
+
+// SAFETY: the raw pointers inside (`iov`) point into the job's own heap buffers; the job is
+// moved between threads only while no syscall of it is in flight.
+unsafe impl Send for BlockJob {}
+
+fn errno_name(res: i64) -> String {
+    std::io::Error::from_raw_os_error((-res) as i32).to_string()
+}
+
+fn round_up(n: usize) -> usize {
+    n.div_ceil(HEADER_LEN) * HEADER_LEN
+}
+
+const EMPTY_IOV: libc::iovec = libc::iovec {
+    iov_base: std::ptr::null_mut(),
+    iov_len: 0,
+};
+
+impl BlockJob {
+    /// A new job. Its header buffer is allocated when it starts, so a queued job holds no
+    /// more than its paths.
+    pub(crate) fn new(
+        op: OpId,
+        index: usize,
+        action: FileOp,
+        key: BlockKey,
+        buf: Option<Buf>,
+        paths: BlockPaths,
+        p: JobParams,
+    ) -> BlockJob {
+        BlockJob {
+            op,
+            index,
+            root: paths.root,
+            action,
+            key,
+            buf,
+            result: Err(BlockError::Io("job did not run".into())),
+            made_dirs: false,
+            bytes: 0,
+            undone: false,
+            header: None,
+            tail: None,
+            paths,
+            p,
+            step: Step::Idle,
+            fd: None,
+            iov: [EMPTY_IOV; 3],
+            iov_n: 0,
+            // SAFETY: statx is a plain C struct of integers; all-zero is a valid value.
+            stx: Box::new(unsafe { std::mem::zeroed() }),
+            file_len: 0,
+            expect: 0,
+            direct_now: false,
+            retried_dirs: false,
+            moved_aside: false,
+            verdict: None,
+        }
+    }
+
+    /// The op's deadline.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.p.deadline
+    }
+
+    /// The nonce a store wrote into its header.
+    pub(crate) fn nonce(&self) -> Option<u64> {
+        self.p.nonce
+    }
+
+    /// True when the pending syscall is the close that ends a load: nothing depends on its
+    /// result, so an engine may issue it and finish the job without waiting for it.
+    pub(crate) fn is_final_close(&self) -> bool {
+        self.step == Step::Load(load::LoadStep::Close)
+    }
+
+    /// The kind of the pending syscall, if a late-completion fault can target it.
+    pub(crate) fn pending_late(&self) -> Option<crate::io::fault::Late> {
+        use crate::io::fault::Late;
+        match self.step {
+            Step::Load(load::LoadStep::Read) => Some(Late::Read),
+            Step::Store(store::StoreStep::Rename) => Some(Late::Rename),
+            _ => None,
+        }
+    }
+
+    /// The op's cancel flag.
+    pub(crate) fn cancel_flag(&self) -> Arc<AtomicBool> {
+        self.p.cancel.clone()
+    }
+
+    /// True for maintenance (a remove): it has no deadline and is never written off.
+    pub(crate) fn is_maintenance(&self) -> bool {
+        self.action == FileOp::Remove
+    }
+
+    /// True once a load's or store's op was cancelled or its deadline passed (the job is
+    /// written off if a syscall of it is still in the kernel). Never true for maintenance.
+    pub(crate) fn is_overdue(&self, now: Instant) -> bool {
+        !self.is_maintenance() && (self.p.cancel.load(Ordering::Acquire) || now >= self.p.deadline)
+    }
+
+    /// The error of a store or load whose op is past its deadline (given `margin` of slack
+    /// before it) or cancelled.
+    fn over(&self, margin: Duration) -> Option<BlockError> {
+        if self.is_maintenance() {
+            return None;
+        }
+        if self.p.cancel.load(Ordering::Acquire) {
+            return Some(BlockError::Cancelled);
+        }
+        if Instant::now() + margin >= self.p.deadline {
+            return Some(BlockError::TimedOut);
+        }
+        None
+    }
+
+    /// Final path, for messages.
+    pub(crate) fn block_path(&self) -> PathBuf {
+        PathBuf::from(std::ffi::OsStr::from_bytes(self.paths.block.as_bytes()))
+    }
+
+    fn done(&mut self, r: Result<(), BlockError>) -> Next {
+        self.step = Step::Finished;
+        self.result = r;
+        Next::Done
+    }
+
+    fn call(&mut self, step: Step, s: Syscall) -> Next {
+        self.step = step;
+        Next::Call(s)
+    }
+
+    fn open_flags(&self, base: i32) -> i32 {
+        let mut f = base | libc::O_CLOEXEC;
+        if self.direct_now {
+            f |= libc::O_DIRECT;
+        }
+        f
+    }
+
+    fn temp_ptr(&self) -> *const libc::c_char {
+        self.paths
+            .temp
+            .as_deref()
+            .map_or(std::ptr::null(), CStr::as_ptr)
+    }
+
+    /// The header buffer, allocated on first use.
+    fn header(&mut self) -> Result<&mut AlignedBuf, BlockError> {
+        if self.header.is_none() {
+            self.header = Some(aligned_sector()?);
+        }
+        self.header
+            .as_mut()
+            .ok_or_else(|| BlockError::Io("no header buffer".into()))
+    }
+
+    /// The first syscall.
+    pub(crate) fn start(&mut self) -> Next {
+        match self.action {
+            FileOp::Remove => self.remove_start(),
+            FileOp::Load => self.load_start(),
+            FileOp::Store => self.store_start(),
+        }
+    }
+
+    /// Feed the result of the last syscall (`>= 0`, or `-errno`) and get the next one.
+    pub(crate) fn advance(&mut self, res: i64) -> Next {
+        match self.step {
+            Step::Idle | Step::Finished => self.done(Err(BlockError::Io(
+                "job advanced without a syscall in flight".into(),
+            ))),
+            Step::Load(s) => self.load_advance(s, res),
+            Step::Store(s) => self.store_advance(s, res),
+            Step::Remove(s) => self.remove_advance(s, res),
+        }
+    }
+}
+
+impl std::fmt::Debug for BlockJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockJob")
+            .field("op", &self.op)
+            .field("index", &self.index)
+            .field("action", &self.action)
+            .field("key", &self.key)
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+/// A zeroed [`HEADER_LEN`]-byte buffer aligned for O_DIRECT.
+fn aligned_sector() -> Result<AlignedBuf, BlockError> {
+    let mut b = AlignedBuf::new(HEADER_LEN, HEADER_LEN)
+        .map_err(|e| BlockError::Io(format!("cannot allocate a header buffer: {e}")))?;
+    b.as_mut_full().fill(0);
+    Ok(b)
+}

@@ -1,0 +1,337 @@
+//! Remove: read the file's header, then unlink it, unless the header says the file must stay:
+//! a block of another format version (a newer node's block on a shared mount) is never deleted,
+//! and a guarded remove (the undo of a late store) deletes only the file whose header carries
+//! its write nonce. A missing file is success; a file too damaged to parse is deleted by an
+//! unguarded remove (it is what a corrupt-block cleanup is for).
+//!
+//! Unguarded: `open(block)` → `readv(header)` → `close` → `unlink(block)`. A block of another
+//! version renamed into place between the read and the unlink would be deleted; the window is
+//! one syscall long.
+//!
+//! Guarded: `rename(block, aside)` → `open(aside)` → `readv(header)` → `close` → `unlink(aside)`
+//! when it is this write; otherwise `renameat2(aside, block, RENAME_NOREPLACE)` puts it back,
+//! and if a newer block took the name meanwhile (`EEXIST`) the one moved aside, superseded,
+//! is unlinked. No newer block is ever deleted; a reader may see a miss while a foreign block is
+//! aside. A crash leaves the aside file under a temporary name, which the startup scan collects.
+
+use std::ffi::CStr;
+
+use kvx_core::BlockError;
+
+use super::{BlockJob, FileOp, Next, Step, Syscall, errno_name};
+use crate::format::{self, HEADER_LEN};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RemoveStep {
+    MoveAside,
+    Open,
+    Read,
+    Close,
+    Unlink,
+    PutBack,
+    DropAside,
+}
+
+/// What the header read before an unlink decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Delete it.
+    No,
+    /// Written by another format version.
+    OtherVersion(u32),
+    /// Not the write a guarded remove is undoing.
+    NotOurs,
+}
+
+impl BlockJob {
+    pub(super) fn remove_start(&mut self) -> Next {
+        if let Err(e) = self.header() {
+            return self.done(Err(e));
+        }
+        self.remove_open()
+    }
+
+    /// Start the remove machine on this job (also the undo of a store's late rename).
+    pub(super) fn remove_open(&mut self) -> Next {
+        self.moved_aside = false;
+        if self.p.nonce.is_some() && self.paths.temp.is_some() {
+            let from = self.paths.block.as_ptr();
+            let to = self.temp_ptr();
+            return self.call(
+                Step::Remove(RemoveStep::MoveAside),
+                Syscall::Rename {
+                    from,
+                    to,
+                    noreplace: false,
+                },
+            );
+        }
+        self.open_target()
+    }
+
+    /// The file the remove works on: the block, or where it was moved aside.
+    fn target(&self) -> *const libc::c_char {
+        if self.moved_aside {
+            self.temp_ptr()
+        } else {
+            self.paths.block.as_ptr()
+        }
+    }
+
+    fn open_target(&mut self) -> Next {
+        let path = self.target();
+        self.call(
+            Step::Remove(RemoveStep::Open),
+            Syscall::Open {
+                path,
+                flags: libc::O_RDONLY | libc::O_CLOEXEC,
+                mode: 0,
+            },
+        )
+    }
+
+    fn keep(&self, n: usize) -> Keep {
+        let Some(h) = self.header.as_ref() else {
+            return Keep::NotOurs;
+        };
+        let bytes = &h.as_slice()[..n.min(HEADER_LEN)];
+        if let Some(v) = format::claimed_version(bytes)
+            && v != format::VERSION
+        {
+            return Keep::OtherVersion(v);
+        }
+        match (self.p.nonce, format::parse_header(bytes)) {
+            (None, _) => Keep::No,
+            (Some(want), Ok(h)) if h.nonce == want && h.key == self.key => Keep::No,
+            (Some(_), _) => Keep::NotOurs,
+        }
+    }
+
+    fn finish_remove(&mut self, r: Result<(), BlockError>) -> Next {
+        let r = match self.verdict.take() {
+            // A store undoing its rename keeps the store's verdict.
+            Some(v) => v,
+            None => r,
+        };
+        self.done(r)
+    }
+
+    fn unlink_target(&mut self, step: RemoveStep) -> Next {
+        let path = self.target();
+        self.call(Step::Remove(step), Syscall::Unlink { path })
+    }
+
+    fn target_name(&self) -> String {
+        let p = self.target();
+        if p.is_null() {
+            return String::new();
+        }
+        // SAFETY: `target` points at one of the job's own NUL-terminated path strings.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    pub(super) fn remove_advance(&mut self, step: RemoveStep, res: i64) -> Next {
+        match step {
+            RemoveStep::MoveAside => {
+                if res == -(libc::ENOENT as i64) {
+                    return self.finish_remove(Ok(()));
+                }
+                if res < 0 {
+                    let msg = format!("rename {:?} aside: {}", self.block_path(), errno_name(res));
+                    return self.finish_remove(Err(BlockError::Io(msg)));
+                }
+                self.moved_aside = true;
+                self.open_target()
+            }
+            RemoveStep::Open => {
+                if res == -(libc::ENOENT as i64) {
+                    return self.finish_remove(Ok(()));
+                }
+                if res < 0 {
+                    let msg = format!("open {:?}: {}", self.target_name(), errno_name(res));
+                    return self.finish_remove(Err(BlockError::Io(msg)));
+                }
+                let fd = res as i32;
+                self.fd = Some(fd);
+                let ptr = match self.header() {
+                    Ok(h) => h.as_mut_ptr(),
+                    Err(e) => {
+                        self.verdict.get_or_insert(Err(e));
+                        return self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd });
+                    }
+                };
+                self.iov[0] = libc::iovec {
+                    iov_base: ptr.cast(),
+                    iov_len: HEADER_LEN,
+                };
+                self.iov_n = 1;
+                self.call(
+                    Step::Remove(RemoveStep::Read),
+                    Syscall::Readv {
+                        fd,
+                        iov: self.iov.as_ptr(),
+                        n: 1,
+                    },
+                )
+            }
+            RemoveStep::Read => {
+                // A read error reads as nothing: an unguarded remove still deletes the file.
+                self.expect = if res < 0 { 0 } else { res as usize };
+                let fd = self.fd.take().unwrap_or(-1);
+                self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd })
+            }
+            RemoveStep::Close => match self.keep(self.expect) {
+                Keep::No => self.unlink_target(RemoveStep::Unlink),
+                keep => {
+                    if let Keep::OtherVersion(v) = keep {
+                        tracing::info!(path = ?self.block_path(), version = v,
+                            "posix: not removing a block of another format version");
+                    } else {
+                        tracing::debug!(path = ?self.block_path(),
+                            "posix: a newer write replaced this block; left in place");
+                    }
+                    if !self.moved_aside {
+                        return self.finish_remove(Ok(()));
+                    }
+                    let from = self.temp_ptr();
+                    let to = self.paths.block.as_ptr();
+                    self.call(
+                        Step::Remove(RemoveStep::PutBack),
+                        Syscall::Rename {
+                            from,
+                            to,
+                            noreplace: true,
+                        },
+                    )
+                }
+            },
+            RemoveStep::Unlink => {
+                if self.action == FileOp::Store {
+                    self.undone = true;
+                }
+                if res < 0 && res != -(libc::ENOENT as i64) {
+                    let msg = format!("unlink {:?}: {}", self.target_name(), errno_name(res));
+                    tracing::warn!(error = %msg, "posix: remove failed");
+                    return self.finish_remove(Err(BlockError::Io(msg)));
+                }
+                self.finish_remove(Ok(()))
+            }
+            RemoveStep::PutBack => {
+                if res == -(libc::EEXIST as i64) {
+                    // A newer block took the name while this one was aside: this one is
+                    // superseded, as a rename over it would have left it.
+                    return self.unlink_target(RemoveStep::DropAside);
+                }
+                if res < 0 {
+                    tracing::warn!(path = ?self.block_path(), error = %errno_name(res),
+                        "posix: cannot put a block back; left under its temporary name");
+                }
+                self.finish_remove(Ok(()))
+            }
+            RemoveStep::DropAside => {
+                if res < 0 && res != -(libc::ENOENT as i64) {
+                    tracing::warn!(path = %self.target_name(), error = %errno_name(res),
+                        "posix: cannot remove a superseded block");
+                }
+                self.finish_remove(Ok(()))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use kvx_core::{BlockKey, OpId};
+
+    use super::*;
+    use crate::job::JobParams;
+    use crate::paths::Layout;
+
+    fn block_file(path: &Path, key: BlockKey, nonce: u64, fill: u8) {
+        let payload = vec![fill; 100];
+        let mut bytes = vec![0u8; HEADER_LEN];
+        format::encode_header(&mut bytes, key, &payload, nonce);
+        bytes.extend_from_slice(&payload);
+        std::fs::create_dir_all(path.parent().expect("leaf")).expect("mkdir");
+        std::fs::write(path, bytes).expect("write");
+    }
+
+    /// Run a guarded remove of `key` (nonce 7) to the end with blocking syscalls; `after` runs
+    /// after each syscall, with the step it belonged to.
+    fn run(layout: &Layout, key: BlockKey, mut after: impl FnMut(RemoveStep)) {
+        let mut job = BlockJob::new(
+            OpId(0),
+            0,
+            FileOp::Remove,
+            key,
+            None,
+            layout.paths(key, true),
+            JobParams::remove(Some(7)),
+        );
+        let mut next = job.start();
+        while let Next::Call(call) = next {
+            // SAFETY: the job is alive, in place and touched by no one else during the call.
+            let res = unsafe { crate::io::sys::run(&call) };
+            if let Step::Remove(s) = job.step {
+                after(s);
+            }
+            next = job.advance(res);
+        }
+        assert_eq!(job.result, Ok(()));
+    }
+
+    fn temps(dir: &Path) -> usize {
+        let mut n = 0;
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    stack.push(e.path());
+                } else if e.path().to_string_lossy().ends_with(".kvb.tmp") {
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn guarded_remove_deletes_only_its_own_write() {
+        let dir = tempfile::tempdir().expect("dir");
+        let layout = Layout::new(vec![dir.path().to_path_buf()]);
+        let key = BlockKey(99);
+        let path = layout.block_path(key);
+
+        // Its own write: removed.
+        block_file(&path, key, 7, 1);
+        run(&layout, key, |_| {});
+        assert!(!path.exists());
+
+        // Another write: put back, byte for byte.
+        block_file(&path, key, 8, 2);
+        let before = std::fs::read(&path).expect("read");
+        run(&layout, key, |_| {});
+        assert_eq!(std::fs::read(&path).expect("still there"), before);
+
+        // Another write, and a newer one lands while it is aside: the newer one stays, the
+        // superseded one is dropped.
+        block_file(&path, key, 8, 3);
+        let mut newer = Vec::new();
+        run(&layout, key, |step| {
+            if step == RemoveStep::MoveAside {
+                block_file(&path, key, 9, 4);
+                newer = std::fs::read(&path).expect("newer");
+            }
+        });
+        assert_eq!(std::fs::read(&path).expect("newer stays"), newer);
+        assert_eq!(temps(dir.path()), 0, "nothing left aside");
+
+        // Nothing there: success, nothing created.
+        std::fs::remove_file(&path).expect("rm");
+        run(&layout, key, |_| {});
+        assert!(!path.exists());
+        assert_eq!(temps(dir.path()), 0);
+    }
+}
