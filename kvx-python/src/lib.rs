@@ -1,5 +1,6 @@
 //! The native part of the Python package `kvx` (module `kvx._native`): kvx-offload's scheduler
-//! and worker halves, engine memory described from tensors, and the compact step encoding that
+//! and worker halves (the worker half built by kvx-offload's `OffloadBuilder`, which validates
+//! the config), engine memory described from tensors, and the compact step encoding that
 //! crosses vLLM's process boundary. `kvx.vllm.KvxConnector` (Python) is built on it.
 //!
 //! From Python (the connector does this for vLLM):
@@ -9,11 +10,11 @@
 //! sched = _native.SchedulerHalf(16, 1024, "lru")
 //! worker = _native.WorkerHalf([(name, t.data_ptr(), list(t.shape), list(t.stride()),
 //!                               t.element_size(), str(t.device))], [t], num_blocks, 16, 1024,
-//!                             10_000, 30_000, "uring")
+//!                             10_000, 30_000, "uring", "lru")
 //! meta, loads, delayed = sched.build_meta([])
 //! worker.start_step(meta)
-//! sending, recving, invalid, jobs = worker.get_finished()
-//! sched.update_from_worker(jobs)
+//! sending, recving, invalid, jobs, ended = worker.get_finished()
+//! failed_loads = sched.update_from_worker(jobs)
 //! ```
 //!
 //! This crate is an extension module: libpython's symbols stay unresolved until Python loads
