@@ -176,12 +176,10 @@ class SchedulerPart:
         r = self.reqs.get(self.names.get(number, ""))
         if r is None:
             return
+        index = {r.keys[i : i + 16]: i // 16 for i in range(0, len(r.keys), 16)}
         for i in range(0, len(failed), 16):
-            pos = r.keys.find(failed[i : i + 16])
-            while pos % 16:
-                pos = r.keys.find(failed[i : i + 16], pos + 1)
-            if pos >= 0:
-                idx = pos // 16
+            idx = index.get(failed[i : i + 16])
+            if idx is not None:
                 r.cap = idx if r.cap is None else min(r.cap, idx)
         self.stats.failed_loads += 1
 
