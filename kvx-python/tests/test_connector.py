@@ -42,10 +42,12 @@ def test_host_tier_hit(tmp_path):
         e.close()
 
 
-def test_file_tier_hit_after_restart(tmp_path):
+@pytest.mark.parametrize("io_engine", ["uring", "psync"])
+def test_file_tier_hit_after_restart(tmp_path, io_engine):
     d = file_dir(tmp_path)
     p = prompt(2, 5 * BLOCK + 3)
-    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    extra = {"host_blocks": 32, "file_dirs": [str(d)], "io_engine": io_engine}
+    e = Engine(tmp_path, extra)
     try:
         e.add("a", p)
         e.run()
@@ -53,7 +55,7 @@ def test_file_tier_hit_after_restart(tmp_path):
     finally:
         e.close()
     # A new engine: empty host tier, the file tier's blocks adopted from disk.
-    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    e = Engine(tmp_path, extra)
     try:
         e.add("b", p)
         e.run()
