@@ -62,7 +62,7 @@ mod ids;
 mod layout;
 pub mod metrics;
 mod op;
-mod sync;
+pub mod sync;
 mod task;
 mod tracker;
 

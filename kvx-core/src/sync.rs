@@ -5,7 +5,7 @@
 //! consistent data: these helpers take the guard either way instead of propagating the panic
 //! to every later caller.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 /// Lock `m`, ignoring poisoning.
@@ -29,4 +29,20 @@ pub fn wait_timeout<'a, T>(
     cv.wait_timeout(guard, dur)
         .unwrap_or_else(|e| e.into_inner())
         .0
+}
+
+/// Wait on `cv` until notified, ignoring poisoning (spurious wake-ups happen: callers re-check
+/// their condition).
+pub fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    cv.wait(guard).unwrap_or_else(|e| e.into_inner())
+}
+
+/// Read-lock `l`, ignoring poisoning (a panicked writer leaves a value that is still usable).
+pub fn read<T: ?Sized>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Write-lock `l`, ignoring poisoning.
+pub fn write<T: ?Sized>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
 }

@@ -163,7 +163,8 @@ impl DeviceMem {
     ///
     /// # Safety
     /// `src` must be valid for reads of `len` bytes for the duration of the call.
-    pub unsafe fn copy_from_host_raw(
+    #[cfg(feature = "bench")]
+    pub(crate) unsafe fn copy_from_host_raw(
         &self,
         offset: usize,
         src: *const u8,
@@ -184,7 +185,8 @@ impl DeviceMem {
     /// # Safety
     /// `dst` must be valid for writes of `len` bytes, and not accessed by anyone else, for the
     /// duration of the call.
-    pub unsafe fn copy_to_host_raw(
+    #[cfg(feature = "bench")]
+    pub(crate) unsafe fn copy_to_host_raw(
         &self,
         offset: usize,
         dst: *mut u8,

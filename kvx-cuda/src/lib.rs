@@ -57,15 +57,17 @@
 //! - **Pinned memory.** [`PinnedPool`] is a kvx-core `BufferPool` whose buffers are registered
 //!   with `cuMemHostRegister`, so the op's own buffers are what the DMA reads or writes; see
 //!   `pinned.rs` for the ownership rule. Ops with buffers outside accepted pools fail per block.
-//! - **Scatter/gather.** [`plan`] sorts an op's segments by device address and merges runs that
+//! - **Scatter/gather.** `plan.rs` sorts an op's segments by device address and merges runs that
 //!   are contiguous on both sides; the rest go in one batched call.
 //! - **Completion.** One non-blocking stream per direction; an event (blocking-sync, no timing)
 //!   is recorded after each op; a completer thread per stream sleeps on the events in order,
 //!   completes the ops and calls the driver's Notifier. `poll` never blocks; `wait` sleeps on a
 //!   condition variable until the named ops' events completed (the preemption flush).
-//! - **Deadlines.** Kept by kvx-core's tracker. A copy cannot be cancelled: an op whose task timed
-//!   out keeps its buffers (a zombie, quarantined) until its event completed; only then does the
-//!   backend give them back.
+//! - **Deadlines.** Kept by kvx-core's tracker: a task whose copy never returns (a wedged
+//!   stream) still gets its verdict at its deadline. A queued copy cannot be withdrawn, so
+//!   `cancel` only marks the op abandoned (counted in [`CudaStats::abandoned_ops`]); the op keeps
+//!   its buffers (a zombie, quarantined, [`CudaStats::zombies`]) until its event completed, a
+//!   preemption fence still waits for it, and only then does the backend give the buffers back.
 //!
 //! # As a tier
 //!
@@ -75,13 +77,14 @@
 #![warn(missing_docs)]
 
 mod backend;
+#[cfg(feature = "bench")]
 pub mod bench;
 mod config;
 mod device;
 mod driver;
 mod error;
 mod pinned;
-pub mod plan;
+mod plan;
 mod stream;
 
 pub use backend::{CudaBackend, CudaStats, CudaStatsHandle};
@@ -89,4 +92,4 @@ pub use config::{BatchMode, CudaBackendConfig};
 pub use device::{CudaDevice, DeviceMem};
 pub use driver::cuda_available;
 pub use error::CudaError;
-pub use pinned::{PAGE_SIZE, PinnedPool, validate_pool_shape};
+pub use pinned::{PAGE_SIZE, PinnedPool};

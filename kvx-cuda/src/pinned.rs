@@ -30,7 +30,7 @@ use crate::error::CudaError;
 pub const PAGE_SIZE: usize = 4096;
 
 /// Check the shape of a pinned pool before allocating anything.
-pub fn validate_pool_shape(count: usize, buf_size: usize) -> Result<(), CudaError> {
+pub(crate) fn validate_pool_shape(count: usize, buf_size: usize) -> Result<(), CudaError> {
     if count == 0 {
         return Err(CudaError::BadConfig(
             "a pinned pool needs at least one buffer".into(),

@@ -23,7 +23,7 @@ const LOAD_MS: u64 = 100;
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    kvx_core::lock(&SERIAL)
 }
 
 /// One engine-facing call of the worker half, its result dropped.

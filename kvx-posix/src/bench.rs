@@ -102,7 +102,7 @@ impl BenchRig {
         let w = wake.clone();
         store.set_notifier(Notifier::new(move || {
             let (m, cv) = &*w;
-            *m.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            *kvx_core::lock(m) = true;
             cv.notify_one();
         }));
         Ok(BenchRig {
@@ -123,12 +123,9 @@ impl BenchRig {
 
     fn park(&self, at_most: Duration) {
         let (m, cv) = &*self.wake;
-        let mut woken = m.lock().unwrap_or_else(|e| e.into_inner());
+        let mut woken = kvx_core::lock(m);
         if !*woken {
-            woken = cv
-                .wait_timeout(woken, at_most.min(Duration::from_millis(20)))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            woken = kvx_core::wait_timeout(cv, woken, at_most.min(Duration::from_millis(20)));
         }
         *woken = false;
     }

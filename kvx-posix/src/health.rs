@@ -49,7 +49,7 @@ impl Health {
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<Breaker>> {
-        self.breakers.lock().unwrap_or_else(|e| e.into_inner())
+        kvx_core::lock(&self.breakers)
     }
 
     /// May an op start on `root` now?

@@ -18,11 +18,11 @@ pub(crate) struct Index {
 
 impl Index {
     fn read(&self) -> RwLockReadGuard<'_, FxHashSet<BlockKey>> {
-        self.keys.read().unwrap_or_else(|e| e.into_inner())
+        kvx_core::sync::read(&self.keys)
     }
 
     fn write(&self) -> RwLockWriteGuard<'_, FxHashSet<BlockKey>> {
-        self.keys.write().unwrap_or_else(|e| e.into_inner())
+        kvx_core::sync::write(&self.keys)
     }
 
     /// How many of `keys`, from the first, are present.

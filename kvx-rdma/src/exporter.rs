@@ -4,8 +4,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use kvx_core::lock;
 use kvx_core::{BlockKey, EngineBlockId, KvLayout, Notifier, RequestId};
 use kvx_policy::{LeaseConfig, LeaseState};
+use tokio::sync::watch;
 
 use crate::descriptor::{RemoteDescriptor, TransportKind};
 use crate::error::RdmaError;
@@ -15,6 +17,8 @@ use crate::wire::ErrorCode;
 
 struct Inner {
     table: Mutex<ExportTable>,
+    /// The table's epoch, published to replies in progress and the server's reaper.
+    lease_events: watch::Sender<u64>,
     mem: EngineMemory,
     notifier: Mutex<Notifier>,
     hooks: Mutex<Vec<Arc<dyn ReleaseHook>>>,
@@ -53,6 +57,7 @@ impl Exporter {
         Ok(Exporter {
             inner: Arc::new(Inner {
                 table: Mutex::new(table),
+                lease_events: watch::Sender::new(0),
                 mem,
                 notifier: Mutex::new(Notifier::noop()),
                 hooks: Mutex::new(Vec::new()),
@@ -180,9 +185,23 @@ impl Exporter {
             ranges,
             Box::new(move || {
                 me.table().end_read(request);
-                me.after_change();
+                // A reply cut at the lease's expiry releases the request now, not at the
+                // reaper's next round.
+                me.tick(Instant::now());
             }),
         ))
+    }
+
+    /// By when a reply from `request`'s blocks must be fully written (its lease's expiry);
+    /// `None` once the lease ended: the reply is cut.
+    pub(crate) fn read_deadline(&self, request: RequestId) -> Option<Instant> {
+        self.table().read_deadline(request)
+    }
+
+    /// Changes whenever a lease starts or ends (re-read [`Exporter::read_deadline`] and
+    /// [`Exporter::next_expiry`] then).
+    pub(crate) fn lease_events(&self) -> watch::Receiver<u64> {
+        self.inner.lease_events.subscribe()
     }
 
     /// The `(address, length)` segments of every block of `request` (for memory registration).
@@ -227,7 +246,15 @@ impl Exporter {
 
     /// Run the release hooks for releases queued since the last call, then wake the engine.
     fn after_change(&self) {
-        let fresh = self.table().take_fresh();
+        let (fresh, epoch) = {
+            let mut t = self.table();
+            (t.take_fresh(), t.epoch())
+        };
+        self.inner.lease_events.send_if_modified(|seen| {
+            let changed = *seen != epoch;
+            *seen = epoch;
+            changed
+        });
         if fresh.is_empty() {
             return;
         }
@@ -248,10 +275,6 @@ impl std::fmt::Debug for Exporter {
             .field("stats", &self.stats())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Turn a refusal into an error for callers outside the wire protocol.

@@ -50,7 +50,7 @@ pub struct ExportStats {
 }
 
 /// A refused read, heartbeat or done: the error code and message to send back.
-pub type Refusal = (ErrorCode, String);
+pub(crate) type Refusal = (ErrorCode, String);
 
 struct Entry {
     blocks: Vec<(BlockKey, EngineBlockId)>,
@@ -60,7 +60,7 @@ struct Entry {
 }
 
 /// Exported requests and their leases.
-pub struct ExportTable {
+pub(crate) struct ExportTable {
     leases: LeaseTable<RequestId>,
     entries: HashMap<RequestId, Entry>,
     fresh: Vec<Released>,
@@ -70,6 +70,8 @@ pub struct ExportTable {
     block_bytes: u64,
     /// Entries whose lease ended but which are not yet released (reads drain).
     ending: usize,
+    /// Bumped whenever a lease starts or ends: replies in progress re-read their deadline.
+    epoch: u64,
     stats: ExportStats,
 }
 
@@ -85,6 +87,7 @@ impl ExportTable {
             num_blocks,
             block_bytes,
             ending: 0,
+            epoch: 0,
             stats: ExportStats::default(),
         }
     }
@@ -92,6 +95,21 @@ impl ExportTable {
     /// Bytes of each block.
     pub fn block_bytes(&self) -> u64 {
         self.block_bytes
+    }
+
+    /// Changes whenever a lease starts or ends (a reply in progress re-reads
+    /// [`ExportTable::read_deadline`] then).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The instant by which a reply from `request`'s blocks must be fully written: the lease's
+    /// current expiry. `None` once the lease ended (or if it never started): cut the reply now.
+    pub fn read_deadline(&self, request: RequestId) -> Option<Instant> {
+        match self.entries.get(&request) {
+            Some(Entry { ended: None, .. }) => self.leases.get(&request)?.expiry(),
+            _ => None,
+        }
     }
 
     /// Export `blocks` of `request` under a pending lease (no reads, no expiry until `ready`).
@@ -136,6 +154,9 @@ impl ExportTable {
     pub fn ready(&mut self, request: RequestId, now: Instant) -> Result<(), RdmaError> {
         self.tick(now);
         let r = self.leases.start(&request, now);
+        if r.is_ok() {
+            self.epoch += 1;
+        }
         self.settle();
         r.map_err(|e| self.lease_error(request, e))
     }
@@ -158,7 +179,9 @@ impl ExportTable {
         self.leases.poll_timeout()
     }
 
-    /// The next released request, after expiring what is due at `now`.
+    /// The next released request, after expiring what is due at `now` (the sans-IO tests'
+    /// view; the exporter publishes after its release hooks ran).
+    #[cfg(test)]
     pub fn poll_released(&mut self, now: Instant) -> Option<Released> {
         self.tick(now);
         let fresh = self.take_fresh();
@@ -361,6 +384,7 @@ impl ExportTable {
                 if e.ended.is_none() {
                     e.ended = Some(reason);
                     self.ending += 1;
+                    self.epoch += 1;
                 }
             }
         }
@@ -526,6 +550,30 @@ mod tests {
             t.poll_released(ms(t0, 5)).map(|r| r.reason),
             Some(ReleaseReason::Read)
         );
+    }
+
+    #[test]
+    fn read_deadline_follows_the_lease_fake_time() {
+        let t0 = Instant::now();
+        let mut t = ExportTable::new(8, 4096);
+        t.export(RequestId(5), &blocks(1), &cfg(1_000, 1)).unwrap();
+        let e0 = t.epoch();
+        assert_eq!(t.read_deadline(RequestId(5)), None, "pending: not readable");
+        t.ready(RequestId(5), t0).unwrap();
+        assert_ne!(t.epoch(), e0, "a lease start moves the epoch");
+        assert_eq!(t.read_deadline(RequestId(5)), Some(ms(t0, 1_000)));
+        t.heartbeat(RequestId(5), ms(t0, 600)).unwrap();
+        assert_eq!(t.read_deadline(RequestId(5)), Some(ms(t0, 1_600)));
+        t.begin_read(RequestId(5), 0, 0, 4096, ms(t0, 700)).unwrap();
+        let e1 = t.epoch();
+        t.tick(ms(t0, 1_600));
+        assert_ne!(t.epoch(), e1, "a lease end moves the epoch");
+        assert_eq!(
+            t.read_deadline(RequestId(5)),
+            None,
+            "ended while a read drains: cut it"
+        );
+        assert_eq!(t.read_deadline(RequestId(6)), None);
     }
 
     #[test]

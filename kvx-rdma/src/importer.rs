@@ -9,9 +9,10 @@
 //! quarantine are kvx-core's Tracker's business; the importer only never loses an op.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvx_core::lock;
 use kvx_core::{
     Backend, BlockError, BlockKey, Buf, CompletionBoard, Direction, Notifier, Op, OpCompletion,
     OpId, PoolBuf, RequestId, SubmitError, SubmitErrorKind, WaitOutcome,
@@ -119,10 +120,6 @@ impl Shared {
     fn transport(&self, kind: TransportKind) -> Option<Arc<dyn Transport>> {
         self.transports.iter().find(|t| t.kind() == kind).cloned()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The consumer-side backend. Register descriptors through an [`ImporterHandle`].

@@ -7,7 +7,10 @@
 //!   expected readers under a TTL lease (kvx-policy's [`kvx_policy::LeaseTable`]): the lease
 //!   starts when the request is ready, reader heartbeats renew it, and it ends when all N
 //!   readers said done, at expiry, or on abort. The engine polls [`Exporter::poll_released`]
-//!   and frees the blocks then — never earlier, and a read after the end fails;
+//!   and frees the blocks then — never earlier, and a read after the end fails. Every reply
+//!   has one deadline, the server's write timeout and never past the lease, so a reader that
+//!   drains a reply slowly cannot hold the blocks: its reply is cut, the connection reset, its
+//!   block fails, and the release comes on time;
 //! - the **consumer** ([`Importer`], a kvx-core [`kvx_core::Backend`]) loads blocks named by key
 //!   into the op's own buffers before the op's deadline, heartbeats while the request is
 //!   registered, and reports every block that did not arrive, so the engine recomputes exactly
@@ -63,6 +66,7 @@
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "bench")]
 pub mod bench;
 mod descriptor;
 mod error;
@@ -70,7 +74,7 @@ mod exporter;
 mod exports;
 mod importer;
 mod memory;
-pub mod tcp;
+mod tcp;
 mod transport;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -79,9 +83,9 @@ pub mod wire;
 pub use descriptor::{RemoteDescriptor, TransportKind};
 pub use error::RdmaError;
 pub use exporter::Exporter;
-pub use exports::{ExportStats, ExportTable, Released};
+pub use exports::{ExportStats, Released};
 pub use importer::{Importer, ImporterConfig, ImporterHandle};
 pub use tcp::{ServerConfig, TcpClientConfig, TcpServer, TcpTransport};
-pub use transport::{BoxFuture, CancelSource, CancelToken, ReadSlot, Transport};
+pub use transport::{BoxFuture, CancelToken, ReadSlot, Transport};
 #[cfg(feature = "verbs")]
 pub use verbs::{VerbsConfig, VerbsServer, VerbsTransport};

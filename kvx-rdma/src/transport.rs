@@ -28,11 +28,11 @@ pub struct CancelToken(watch::Receiver<bool>);
 
 /// The other end of a [`CancelToken`].
 #[derive(Debug)]
-pub struct CancelSource(watch::Sender<bool>);
+pub(crate) struct CancelSource(watch::Sender<bool>);
 
 impl CancelToken {
     /// A token and the source that fires it.
-    pub fn new() -> (CancelSource, CancelToken) {
+    pub(crate) fn new() -> (CancelSource, CancelToken) {
         let (tx, rx) = watch::channel(false);
         (CancelSource(tx), CancelToken(rx))
     }
@@ -53,7 +53,7 @@ impl CancelToken {
 
 impl CancelSource {
     /// Fire the token.
-    pub fn cancel(&self) {
+    pub(crate) fn cancel(&self) {
         let _ = self.0.send(true);
     }
 }

@@ -9,6 +9,8 @@ mod remote {
     pub mod lease;
     pub mod netns;
     pub mod peer;
+    pub mod slow_reader;
+    pub mod timing;
 }
 
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -39,7 +41,7 @@ fn main() {
         std::process::exit(code);
     }
     let args = Arguments::from_args();
-    use remote::{bad_peer, faults, lease};
+    use remote::{bad_peer, faults, lease, slow_reader};
     let mut trials = vec![
         trial(
             "lease_expires_without_reader_real_time",
@@ -48,6 +50,18 @@ fn main() {
         trial("heartbeat_keeps_lease", lease::heartbeat_keeps_lease),
         trial("read_after_expiry_fails", lease::read_after_expiry_fails),
         trial("tp_ratio_readers", lease::tp_ratio_readers),
+        trial(
+            "slow_reader_cut_at_lease_end",
+            slow_reader::slow_reader_cut_at_lease_end,
+        ),
+        trial(
+            "slow_reader_cut_at_abort",
+            slow_reader::slow_reader_cut_at_abort,
+        ),
+        trial(
+            "slow_reader_cut_at_write_timeout",
+            slow_reader::slow_reader_cut_at_write_timeout,
+        ),
         trial("producer_killed_mid_read", faults::producer_killed_mid_read),
         trial("stalled_producer", faults::stalled_producer),
         trial("bad_peer_input", bad_peer::bad_peer_input),

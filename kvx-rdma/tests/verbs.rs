@@ -177,7 +177,8 @@ fn verbs_deadline_flushes_before_buffers_return() -> Result<(), Failed> {
     let r = rig(4 << 20, 64, 30_000);
     let deadline = Instant::now() + Duration::from_micros(300);
     let report = r.load(deadline);
-    assert!(Instant::now() <= deadline + Duration::from_millis(500));
+    // One driver tick (1 ms, kvx-core's TICK) plus the 50 ms allowance of these machines.
+    assert!(Instant::now() <= deadline + Duration::from_millis(1 + 50));
     drop(report);
     let t0 = Instant::now();
     while !r.pool.is_whole() && t0.elapsed() < Duration::from_secs(5) {

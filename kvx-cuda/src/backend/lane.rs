@@ -19,45 +19,80 @@ use crate::driver::Ctx;
 use crate::error::CudaError;
 use crate::stream::{Event, Stream};
 
+/// What a completer waits on before it hands an op back: the moment the device is done with
+/// the op's buffers.
+pub(crate) trait Fence: Send + 'static {
+    /// Block until the op's copies finished. `Err` only when their fate is unknown because the
+    /// context itself broke (a sticky error aborts all of its work).
+    fn wait(self, shared: &Shared) -> Result<(), CudaError>;
+}
+
+/// The CUDA fence of an op: its event, or failing that its whole stream.
+pub(crate) struct CudaFence {
+    /// Recorded after the op's copies; `None` if recording failed.
+    pub(crate) event: Option<Event>,
+    /// The stream the copies were queued on.
+    pub(crate) stream: Arc<Stream>,
+    /// The context, rebound before the stream fallback.
+    pub(crate) ctx: Arc<Ctx>,
+}
+
+impl Fence for CudaFence {
+    fn wait(self, shared: &Shared) -> Result<(), CudaError> {
+        if let Some(ev) = self.event {
+            match ev.synchronize() {
+                Ok(()) => {
+                    shared.put_event(ev);
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cuEventSynchronize failed; synchronising the stream")
+                }
+            }
+        }
+        self.ctx.bind()?;
+        self.stream.synchronize()
+    }
+}
+
 /// An op whose copies are queued on a lane's stream.
-pub(crate) struct InFlight {
+pub(crate) struct InFlight<F> {
     /// The op, holding its buffers.
     pub(crate) op: Op,
     /// Per-block results decided at submit (invalid blocks, enqueue failures).
     pub(crate) results: Vec<Result<(), BlockError>>,
-    /// Recorded after the op's copies; `None` if recording failed (then the whole stream is
-    /// synchronised instead).
-    pub(crate) event: Option<Event>,
+    /// Holds once the device is done with the op's buffers.
+    pub(crate) fence: F,
 }
 
-#[derive(Default)]
-struct Queue {
-    items: VecDeque<InFlight>,
+struct Queue<F> {
+    items: VecDeque<InFlight<F>>,
     shutdown: bool,
 }
 
-/// A stream plus the FIFO of ops queued on it.
-pub(crate) struct Lane {
-    pub(crate) stream: Stream,
-    q: Mutex<Queue>,
+/// The FIFO of ops queued on one stream.
+pub(crate) struct Lane<F> {
+    q: Mutex<Queue<F>>,
     cv: Condvar,
 }
 
-impl Lane {
-    pub(crate) fn new(stream: Stream) -> Lane {
+impl<F: Fence> Lane<F> {
+    pub(crate) fn new() -> Lane<F> {
         Lane {
-            stream,
-            q: Mutex::new(Queue::default()),
+            q: Mutex::new(Queue {
+                items: VecDeque::new(),
+                shutdown: false,
+            }),
             cv: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<F>> {
+        kvx_core::lock(&self.q)
     }
 
-    /// Queue an op whose event is already recorded.
-    pub(crate) fn push(&self, f: InFlight) {
+    /// Queue an op whose fence is already set (its event recorded).
+    pub(crate) fn push(&self, f: InFlight<F>) {
         self.lock().items.push_back(f);
         self.cv.notify_one();
     }
@@ -69,7 +104,7 @@ impl Lane {
     }
 
     /// The oldest op, or `None` once shut down and drained. Blocks while the lane is idle.
-    fn next(&self) -> Option<InFlight> {
+    fn next(&self) -> Option<InFlight<F>> {
         let mut q = self.lock();
         loop {
             if let Some(f) = q.items.pop_front() {
@@ -78,54 +113,29 @@ impl Lane {
             if q.shutdown {
                 return None;
             }
-            q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = kvx_core::sync::wait(&self.cv, q);
         }
     }
 }
 
-/// Body of a completer thread: wait for each op's event in order and complete the op.
-pub(crate) fn run(lane: Arc<Lane>, shared: Arc<Shared>, ctx: Arc<Ctx>) {
-    if let Err(e) = ctx.bind() {
-        tracing::error!(error = %e, "kvx-cuda completer cannot bind the CUDA context");
-    }
+/// Body of a completer thread: wait for each op's fence in order and complete the op.
+pub(crate) fn run<F: Fence>(lane: Arc<Lane<F>>, shared: Arc<Shared>) {
     while let Some(f) = lane.next() {
         let InFlight {
             op,
             mut results,
-            event,
+            fence,
         } = f;
-        match wait_for(&lane, &ctx, event.as_ref()) {
-            Ok(reusable) => {
-                if let (true, Some(ev)) = (reusable, event) {
-                    shared.put_event(ev);
-                }
-            }
-            Err(e) => {
-                // The copies' fate is unknown only if the context itself is broken (a sticky
-                // error aborts all of its work), so the buffers are safe to hand back; the
-                // blocks are reported failed.
-                shared.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
-                let msg = format!("CUDA copy did not complete: {e}");
-                for r in results.iter_mut().filter(|r| r.is_ok()) {
-                    *r = Err(BlockError::Io(msg.clone()));
-                }
+        if let Err(e) = fence.wait(&shared) {
+            // The copies' fate is unknown only if the context itself is broken (a sticky
+            // error aborts all of its work), so the buffers are safe to hand back; the
+            // blocks are reported failed.
+            shared.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+            let msg = format!("CUDA copy did not complete: {e}");
+            for r in results.iter_mut().filter(|r| r.is_ok()) {
+                *r = Err(BlockError::Io(msg.clone()));
             }
         }
         shared.complete(OpCompletion { op, results });
     }
-}
-
-/// Wait for the op's event; if that fails, rebind and fall back to the whole stream. `Ok(true)`
-/// when the event itself completed (so it may be reused).
-fn wait_for(lane: &Lane, ctx: &Ctx, event: Option<&Event>) -> Result<bool, CudaError> {
-    if let Some(ev) = event {
-        match ev.synchronize() {
-            Ok(()) => return Ok(true),
-            Err(e) => {
-                tracing::warn!(error = %e, "cuEventSynchronize failed; synchronising the stream")
-            }
-        }
-    }
-    ctx.bind()?;
-    lane.stream.synchronize().map(|()| false)
 }

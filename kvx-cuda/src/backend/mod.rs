@@ -10,10 +10,19 @@
 //!   then calls the Notifier. `poll` only takes what the completers queued: it never blocks.
 //! - `wait(ops, until)` sleeps on a condition variable until those ops' events completed (the
 //!   preemption flush), or `until` passes.
-//! - Deadlines are the tracker's business: a CUDA copy cannot be cancelled, so `cancel` is a
-//!   no-op and a timed-out op keeps its buffers (zombie) until its event really completed.
+//! - Deadlines are the tracker's business: the task of an op that never returns gets its
+//!   verdict at its deadline from kvx-core's tracker, whatever the stream does.
+//! - `cancel` is honest about what CUDA allows: nothing withdraws a copy already queued on a
+//!   stream (there is no per-op abort; only destroying the context would stop it, and that
+//!   takes every other op and the engine's own memory with it). So `cancel` marks the op
+//!   abandoned and counts it; it does not stop waiting for it. The op stays a zombie holding
+//!   its pinned buffers until its event completes, `wait` (the preemption fence) still waits
+//!   for it, and when it finally completes its late result is counted and handed back like any
+//!   other, so the tracker returns the buffers to their pool.
 
 mod lane;
+#[cfg(test)]
+mod wedged_tests;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,7 +42,7 @@ use crate::error::CudaError;
 use crate::pinned::{PinnedPool, PinnedRanges};
 use crate::plan;
 use crate::stream::{self, CopyDir, Event, Stream};
-use lane::{InFlight, Lane};
+use lane::{CudaFence, InFlight, Lane};
 
 /// Counters of one backend (monotonic, except `in_flight`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,6 +69,12 @@ pub struct CudaStats {
     pub failed_ops: u64,
     /// Ops accepted and not yet completed.
     pub in_flight: usize,
+    /// Ops the driver cancelled (their task ended first); each still completes later.
+    pub abandoned_ops: u64,
+    /// Abandoned ops whose copies finished afterwards (their buffers went back then).
+    pub late_completions: u64,
+    /// Abandoned ops still holding their buffers (zombies): `abandoned_ops - late_completions`.
+    pub zombies: u64,
     /// The last error of a batched copy call (after which batching was switched off).
     pub last_batch_error: Option<String>,
 }
@@ -76,30 +91,65 @@ struct Counters {
     batch_fallbacks: AtomicU64,
     completed_ops: AtomicU64,
     failed_ops: AtomicU64,
+    abandoned_ops: AtomicU64,
+    late_completions: AtomicU64,
     last_batch_error: Mutex<Option<String>>,
+}
+
+/// What the backend knows of an op between submit and completion.
+#[derive(Debug, Default)]
+pub(crate) struct OpState {
+    /// When the driver cancelled it (its task ended first).
+    abandoned_at: Option<Instant>,
 }
 
 /// What the backend shares with its completer threads.
 pub(crate) struct Shared {
-    board: CompletionBoard,
+    board: CompletionBoard<OpState>,
     events: Mutex<Vec<Event>>,
     stats: Counters,
 }
 
 impl Shared {
+    fn new() -> Shared {
+        Shared {
+            board: CompletionBoard::default(),
+            events: Mutex::new(Vec::new()),
+            stats: Counters::default(),
+        }
+    }
+
     /// Queue a completion, wake waiters and the driver.
     pub(crate) fn complete(&self, c: OpCompletion) {
-        // Counted before it is posted: whoever sees the completion sees it counted.
+        let op = c.op.id;
+        // Counted before it is posted: whoever sees the completion sees it counted. An
+        // abandoned op's completion is counted late only once posted, so `zombies` never
+        // drops before the buffers are on their way back.
         self.stats.completed_ops.fetch_add(1, Ordering::Relaxed);
-        self.board.complete(c);
+        let state = self.board.complete(c);
+        if let Some(at) = state.and_then(|s| s.abandoned_at) {
+            self.stats.late_completions.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%op, late = ?at.elapsed(), "kvx-cuda: abandoned op completed; its buffers go back now");
+        }
+    }
+
+    /// The driver gave up on `op`: mark it abandoned (once). Its copies still run to the end
+    /// and it keeps its buffers until then.
+    pub(crate) fn abandon(&self, op: OpId) {
+        let now = Instant::now();
+        let first = self
+            .board
+            .with_pending(op, |s| s.abandoned_at.replace(now).is_none())
+            .unwrap_or(false);
+        if first {
+            self.stats.abandoned_ops.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%op, "kvx-cuda: op abandoned; a queued CUDA copy cannot be withdrawn, its buffers stay held until its event completes");
+        }
     }
 
     /// Return a completed event to the pool.
     pub(crate) fn put_event(&self, ev: Event) {
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(ev);
+        kvx_core::lock(&self.events).push(ev);
     }
 
     fn snapshot(&self) -> CudaStats {
@@ -117,11 +167,10 @@ impl Shared {
             completed_ops: get(&c.completed_ops),
             failed_ops: get(&c.failed_ops),
             in_flight: self.board.pending_len(),
-            last_batch_error: c
-                .last_batch_error
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            abandoned_ops: get(&c.abandoned_ops),
+            late_completions: get(&c.late_completions),
+            zombies: get(&c.abandoned_ops).saturating_sub(get(&c.late_completions)),
+            last_batch_error: kvx_core::lock(&c.last_batch_error).clone(),
         }
     }
 }
@@ -152,7 +201,9 @@ pub struct CudaBackend {
     layout: KvLayout,
     pinned: PinnedRanges,
     /// `[loads (HtoD), stores (DtoH)]`.
-    lanes: [Arc<Lane>; 2],
+    streams: [Arc<Stream>; 2],
+    /// The ops queued on each stream, in the same order.
+    lanes: [Arc<Lane<CudaFence>>; 2],
     shared: Arc<Shared>,
     batch: AtomicBool,
     completers: Vec<JoinHandle<()>>,
@@ -176,22 +227,20 @@ impl CudaBackend {
         cfg.validate()?;
         check_layout(&layout, device.ordinal())?;
         let ctx = device.ctx().clone();
-        let lanes = [
-            Arc::new(Lane::new(Stream::new(ctx.clone())?)),
-            Arc::new(Lane::new(Stream::new(ctx.clone())?)),
+        let streams = [
+            Arc::new(Stream::new(ctx.clone())?),
+            Arc::new(Stream::new(ctx.clone())?),
         ];
+        let lanes = [Arc::new(Lane::new()), Arc::new(Lane::new())];
         let batch = cfg.batch == BatchMode::Auto && ctx.batch_copy();
         let mut backend = CudaBackend {
             cfg,
             device: device.clone(),
             layout,
             pinned: PinnedRanges::default(),
+            streams,
             lanes,
-            shared: Arc::new(Shared {
-                board: CompletionBoard::default(),
-                events: Mutex::new(Vec::new()),
-                stats: Counters::default(),
-            }),
+            shared: Arc::new(Shared::new()),
             batch: AtomicBool::new(batch),
             completers: Vec::new(),
         };
@@ -199,7 +248,12 @@ impl CudaBackend {
             let (lane, shared, ctx) = (lane.clone(), backend.shared.clone(), ctx.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("kvx-cuda-{what}"))
-                .spawn(move || lane::run(lane, shared, ctx))
+                .spawn(move || {
+                    if let Err(e) = ctx.bind() {
+                        tracing::error!(error = %e, "kvx-cuda completer cannot bind the CUDA context");
+                    }
+                    lane::run(lane, shared)
+                })
                 .map_err(|e| CudaError::Spawn {
                     what: format!("the kvx-cuda {what} completer"),
                     reason: e.to_string(),
@@ -254,12 +308,7 @@ impl CudaBackend {
     }
 
     fn take_event(&self) -> Result<Event, CudaError> {
-        let pooled = self
-            .shared
-            .events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
+        let pooled = kvx_core::lock(&self.shared.events).pop();
         match pooled {
             Some(ev) => Ok(ev),
             None => Event::new(self.ctx().clone()),
@@ -397,15 +446,15 @@ impl Backend for CudaBackend {
                 Vec::new()
             }
         };
-        self.shared.board.begin(op.id, ());
+        self.shared.board.begin(op.id, OpState::default());
         if runs.is_empty() {
             self.shared.put_event(event);
             self.shared.complete(OpCompletion { op, results });
             return Ok(());
         }
-        let (lane, copy_dir) = match dir {
-            Direction::Load => (&self.lanes[0], CopyDir::HtoD),
-            Direction::Store => (&self.lanes[1], CopyDir::DtoH),
+        let (lane, stream, copy_dir) = match dir {
+            Direction::Load => (&self.lanes[0], &self.streams[0], CopyDir::HtoD),
+            Direction::Store => (&self.lanes[1], &self.streams[1], CopyDir::DtoH),
         };
         // SAFETY: every run comes from a block that passed `check_block`: its host range is
         // inside a pinned registration this backend holds, in a buffer owned by `op`, which
@@ -415,7 +464,7 @@ impl Backend for CudaBackend {
         let enqueued = unsafe {
             stream::enqueue(
                 self.ctx(),
-                &lane.stream,
+                stream,
                 copy_dir,
                 &runs,
                 &self.batch,
@@ -439,10 +488,7 @@ impl Backend for CudaBackend {
                     .batch_fallbacks
                     .fetch_add(calls.batch_fallbacks, Ordering::Relaxed);
                 if let Some(e) = calls.batch_error {
-                    *stats
-                        .last_batch_error
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                    *kvx_core::lock(&stats.last_batch_error) = Some(e.to_string());
                 }
             }
             Err(e) => {
@@ -454,14 +500,19 @@ impl Backend for CudaBackend {
                 }
             }
         }
-        let event = match event.record(&lane.stream) {
+        let event = match event.record(stream) {
             Ok(()) => Some(event),
             Err(e) => {
                 tracing::warn!(error = %e, op = %op.id, "cuEventRecord failed; the completer will synchronise the stream");
                 None
             }
         };
-        lane.push(InFlight { op, results, event });
+        let fence = CudaFence {
+            event,
+            stream: stream.clone(),
+            ctx: self.ctx().clone(),
+        };
+        lane.push(InFlight { op, results, fence });
         Ok(())
     }
 
@@ -470,8 +521,9 @@ impl Backend for CudaBackend {
     }
 
     fn cancel(&mut self, op: OpId) {
-        // A queued DMA cannot be withdrawn; the op completes when its event does.
-        tracing::debug!(%op, "kvx-cuda: cancel is a no-op (CUDA copies cannot be cancelled)");
+        // A queued DMA cannot be withdrawn: mark the op abandoned; it completes when its
+        // event does, holding its buffers until then (see the module docs).
+        self.shared.abandon(op);
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {

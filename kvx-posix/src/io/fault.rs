@@ -45,7 +45,7 @@ pub(crate) enum Hold {
 
 impl Faults {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+        kvx_core::lock(&self.st)
     }
 
     /// Hold every completion from now until [`Faults::thaw`].
@@ -114,7 +114,7 @@ impl Faults {
             Hold::UntilThaw => {
                 let mut s = self.lock();
                 while s.frozen {
-                    s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+                    s = kvx_core::sync::wait(&self.cv, s);
                 }
             }
             Hold::Until(t) => std::thread::sleep(t.saturating_duration_since(Instant::now())),

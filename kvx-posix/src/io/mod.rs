@@ -49,7 +49,7 @@ impl Default for Sink {
 
 impl Sink {
     fn lock(&self) -> MutexGuard<'_, Vec<Box<BlockJob>>> {
-        self.done.lock().unwrap_or_else(|e| e.into_inner())
+        kvx_core::lock(&self.done)
     }
 
     /// Queue finished jobs and wake the store's owner.
@@ -61,10 +61,7 @@ impl Sink {
         drop(d);
         if any {
             self.cv.notify_all();
-            self.notifier
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .notify();
+            kvx_core::lock(&self.notifier).notify();
         }
     }
 
@@ -77,18 +74,14 @@ impl Sink {
     pub(crate) fn take_or_wait(&self, timeout: Duration) -> Vec<Box<BlockJob>> {
         let mut d = self.lock();
         if d.is_empty() {
-            d = self
-                .cv
-                .wait_timeout(d, timeout)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            d = kvx_core::wait_timeout(&self.cv, d, timeout);
         }
         std::mem::take(&mut *d)
     }
 
     /// Install the notifier.
     pub(crate) fn set_notifier(&self, n: Notifier) {
-        *self.notifier.lock().unwrap_or_else(|e| e.into_inner()) = n;
+        *kvx_core::lock(&self.notifier) = n;
     }
 }
 

@@ -54,7 +54,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Pool> {
-        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+        kvx_core::lock(&self.pool)
     }
 
     fn set_live(&self, p: &Pool) {

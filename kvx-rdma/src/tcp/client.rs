@@ -74,7 +74,7 @@ impl TcpTransport {
     }
 
     /// Connect and handshake.
-    pub async fn connect(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
+    pub(crate) async fn connect(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
         let io = |what, source| RdmaError::Io { what, addr, source };
         let fut = async {
             let mut s = TcpStream::connect(addr)
@@ -118,10 +118,7 @@ impl TcpTransport {
     }
 
     pub(crate) async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
-        let pooled = self
-            .idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let pooled = kvx_core::lock(&self.idle)
             .get_mut(&addr)
             .and_then(|v| v.pop());
         match pooled {
@@ -131,7 +128,7 @@ impl TcpTransport {
     }
 
     pub(crate) fn checkin(&self, addr: SocketAddr, s: TcpStream) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = kvx_core::lock(&self.idle);
         let v = idle.entry(addr).or_default();
         if v.len() < self.cfg.max_idle {
             v.push(s);

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use kvx_core::RequestId;
 use std::io::IoSlice;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio::time::timeout;
 use tracing::{debug, warn};
 
@@ -37,7 +37,9 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// A frame whose first byte arrived must complete within this (default 5 s).
     pub frame_timeout: Duration,
-    /// Each reply must be written within this, or the connection is dropped (default 5 s).
+    /// Every byte of each reply must be written within this, or the reply is cut and the
+    /// connection reset (default 5 s). A data reply is also cut when its request's lease ends,
+    /// so a slow reader never holds the engine's blocks past the lease.
     pub write_timeout: Duration,
     /// A connection with no frame for this long is closed (default 10 min).
     pub idle_timeout: Duration,
@@ -159,14 +161,19 @@ impl Drop for TcpServer {
 }
 
 /// Expire leases at their deadline even when nobody polls, so releases are reported on time.
+/// A lease that starts or ends wakes it to recompute the next expiry.
 async fn reaper(exporter: Exporter) {
+    let mut events = exporter.lease_events();
     loop {
         let now = Instant::now();
         let next = exporter
             .next_expiry()
             .unwrap_or(now + Duration::from_millis(100))
             .min(now + Duration::from_millis(100));
-        tokio::time::sleep_until(tokio::time::Instant::from_std(next)).await;
+        tokio::select! {
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(next)) => {}
+            _ = events.changed() => {}
+        }
         exporter.tick(Instant::now());
     }
 }
@@ -204,25 +211,57 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
     }
 }
 
+/// Why a connection stops being served after a reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// The write failed: the peer is gone.
+    WriteFailed,
+    /// The reply did not finish in time and was cut mid-frame: reset the connection.
+    Cut,
+}
+
+/// Write a control frame; it must be fully written within the write timeout.
 async fn send<W: AsyncWrite + Unpin>(
     stream: &mut W,
     cfg: &ServerConfig,
     bytes: &[u8],
-) -> Result<(), ()> {
-    send_vectored(stream, cfg, &mut [IoSlice::new(bytes)]).await
+) -> Result<(), Stop> {
+    let until = Instant::now() + cfg.write_timeout;
+    let mut bufs = [IoSlice::new(bytes)];
+    send_until(stream, &mut bufs, || Some(until), None).await
 }
 
-/// Write every slice; each write call must make progress within the write timeout, so a slow
-/// but live peer is served and a stuck one is dropped.
-async fn send_vectored<W: AsyncWrite + Unpin>(
+/// Write every slice before the deadline `deadline()` names, re-read after each wake-up:
+/// at that instant, or when `deadline()` says `None`, the reply is cut. `events` wakes the
+/// writer early when the deadline may have moved (a lease ended).
+async fn send_until<W: AsyncWrite + Unpin>(
     stream: &mut W,
-    cfg: &ServerConfig,
     mut bufs: &mut [IoSlice<'_>],
-) -> Result<(), ()> {
+    deadline: impl Fn() -> Option<Instant>,
+    mut events: Option<&mut watch::Receiver<u64>>,
+) -> Result<(), Stop> {
     while !bufs.is_empty() {
-        match timeout(cfg.write_timeout, stream.write_vectored(bufs)).await {
-            Ok(Ok(n)) if n > 0 => IoSlice::advance_slices(&mut bufs, n),
-            _ => return Err(()),
+        let Some(until) = deadline().filter(|d| *d > Instant::now()) else {
+            return Err(Stop::Cut);
+        };
+        let lease_event = async {
+            let alive = match events.as_mut() {
+                Some(rx) => rx.changed().await.is_ok(),
+                None => false,
+            };
+            if !alive {
+                std::future::pending::<()>().await;
+            }
+        };
+        let wrote = tokio::select! {
+            r = stream.write_vectored(bufs) => Some(r),
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(until)) => None,
+            _ = lease_event => None,
+        };
+        match wrote {
+            Some(Ok(n)) if n > 0 => IoSlice::advance_slices(&mut bufs, n),
+            Some(_) => return Err(Stop::WriteFailed),
+            None => {}
         }
     }
     Ok(())
@@ -234,7 +273,7 @@ async fn send_error<W: AsyncWrite + Unpin>(
     tag: u64,
     code: ErrorCode,
     message: &str,
-) -> Result<(), ()> {
+) -> Result<(), Stop> {
     let frame = Reply::Error {
         tag,
         code,
@@ -312,13 +351,22 @@ async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: &Ctx) {
         .next_conn
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let _ = stream.set_nodelay(true);
-    serve_conn(&mut stream, peer, conn, ctx).await;
+    if serve_conn(&mut stream, peer, conn, ctx).await == Some(Stop::Cut) {
+        // The reader must not wait for the rest of a frame that will never come.
+        let _ = stream.set_zero_linger();
+    }
     if let Some(side) = &ctx.side {
         side.closed(conn);
     }
 }
 
-async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &Ctx) {
+/// Serve one connection until it ends; `Some(stop)` when a reply ended it.
+async fn serve_conn(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    conn: u64,
+    ctx: &Ctx,
+) -> Option<Stop> {
     let cfg = &ctx.cfg;
     let (rd, mut wr) = stream.split();
     // Requests are small and pipelined: read them through a buffer, one syscall for many.
@@ -329,12 +377,12 @@ async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &C
         Ok(Err((code, msg))) => {
             debug!(%peer, ?code, %msg, "kvx-rdma server: handshake refused");
             let _ = send_error(stream, cfg, 0, code, &msg).await;
-            return;
+            return None;
         }
         Err(_) => {
             let msg = format!("no hello within {:?}", cfg.handshake_timeout);
             let _ = send_error(stream, cfg, 0, ErrorCode::BadHandshake, &msg).await;
-            return;
+            return None;
         }
     };
     let welcome = Reply::Welcome {
@@ -343,51 +391,52 @@ async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &C
     }
     .encode();
     if send(stream, cfg, &welcome).await.is_err() {
-        return;
+        return None;
     }
     loop {
         let len = match timeout(cfg.idle_timeout, wire::read_len(&mut rd, cfg.max_frame)).await {
-            Err(_) => return,
-            Ok(Err(FrameError::Eof)) | Ok(Err(FrameError::Io(_))) => return,
+            Err(_) => return None,
+            Ok(Err(FrameError::Eof)) | Ok(Err(FrameError::Io(_))) => return None,
             Ok(Err(FrameError::TooLarge(n))) => {
                 let msg = format!(
                     "frame of {n} bytes exceeds the maximum of {}",
                     cfg.max_frame
                 );
                 let _ = send_error(stream, cfg, 0, ErrorCode::FrameTooLarge, &msg).await;
-                return;
+                return None;
             }
             Ok(Err(FrameError::Empty)) => {
                 let msg = "zero-length frame";
                 let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, msg).await;
-                return;
+                return None;
             }
             Ok(Ok(len)) => len,
         };
-        let mut body = vec![0u8; len as usize];
-        match timeout(cfg.frame_timeout, rd.read_exact(&mut body)).await {
+        let mut body = Vec::new();
+        let frame = wire::read_growing(&mut rd, &mut body, len as usize);
+        match timeout(cfg.frame_timeout, frame).await {
             Ok(Ok(_)) => {}
-            Ok(Err(_)) => return,
+            Ok(Err(_)) => return None,
             Err(_) => {
                 let msg = format!(
                     "frame of {len} bytes not complete within {:?}",
                     cfg.frame_timeout
                 );
                 let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, &msg).await;
-                return;
+                return None;
             }
         }
         let req = match Request::decode(&body) {
             Ok(r) => r,
             Err(e) => {
                 let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, &e).await;
-                return;
+                return None;
             }
         };
         let ok = match req {
             Request::Hello { .. } => {
                 let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, "second hello").await;
-                return;
+                return None;
             }
             Request::Read {
                 tag,
@@ -415,9 +464,9 @@ async fn serve_conn(stream: &mut TcpStream, peer: SocketAddr, conn: u64, ctx: &C
                 }
             },
         };
-        if ok.is_err() {
-            debug!(%peer, "kvx-rdma server: write failed or timed out; connection dropped");
-            return;
+        if let Err(stop) = ok {
+            debug!(%peer, ?stop, "kvx-rdma server: a reply failed or missed its deadline; connection dropped");
+            return Some(stop);
         }
     }
 }
@@ -427,7 +476,7 @@ async fn answer<W: AsyncWrite + Unpin>(
     cfg: &ServerConfig,
     tag: u64,
     r: Result<(), Refusal>,
-) -> Result<(), ()> {
+) -> Result<(), Stop> {
     match r {
         Ok(()) => send(stream, cfg, &Reply::Ack { tag }.encode()).await,
         Err((code, msg)) => send_error(stream, cfg, tag, code, &msg).await,
@@ -442,7 +491,7 @@ async fn serve_read<W: AsyncWrite + Unpin>(
     block: u32,
     offset: u64,
     len: u64,
-) -> Result<(), ()> {
+) -> Result<(), Stop> {
     let cfg = &ctx.cfg;
     if len > cfg.max_read {
         let msg = format!(
@@ -454,6 +503,8 @@ async fn serve_read<W: AsyncWrite + Unpin>(
     if !cfg.pace.is_zero() {
         tokio::time::sleep(cfg.pace).await;
     }
+    // Subscribed before the read is admitted, so no lease end after admission is missed.
+    let mut events = ctx.exporter.lease_events();
     let pin = match ctx.exporter.begin_read(request, block, offset, len) {
         Ok(p) => p,
         Err((code, msg)) => return send_error(stream, cfg, tag, code, &msg).await,
@@ -463,14 +514,28 @@ async fn serve_read<W: AsyncWrite + Unpin>(
         len: pin.len(),
     }
     .encode();
-    // The pin is held only while the bytes are written, each write bounded by the timeout:
-    // the engine hears of a release only after it drops. Head and segments go out together.
+    // The pin is held only while the bytes are written, and the engine hears of a release
+    // only after it drops. So the whole reply has one deadline: the write timeout from now,
+    // and never past the request's lease (re-read when it is renewed or ends). A reply that
+    // misses it is cut: the pin drops, the connection is reset, the reader's block fails.
+    // Head and segments go out together.
+    let hard = Instant::now() + cfg.write_timeout;
+    let exporter = &ctx.exporter;
     let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&head))
         .chain(pin.slices().map(IoSlice::new))
         .collect();
-    let r = send_vectored(stream, cfg, &mut bufs).await;
+    let r = send_until(
+        stream,
+        &mut bufs,
+        || exporter.read_deadline(request).map(|lease| lease.min(hard)),
+        Some(&mut events),
+    )
+    .await;
     drop(bufs);
     drop(pin);
+    if r == Err(Stop::Cut) {
+        warn!(%request, block, len, "kvx-rdma server: reply cut at its deadline (write timeout or lease end)");
+    }
     r
 }
 

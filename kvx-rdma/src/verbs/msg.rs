@@ -171,4 +171,30 @@ mod tests {
         assert!(VerbsMsg::decode(&[4, 0, 0, 0, 1, 0x7f, 0, 0, 0]).is_err());
         assert!(VerbsMsg::decode(&[9]).is_err());
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 10_000,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Arbitrary side-channel bytes (a type byte biased to the real ones): decoded and
+        /// re-encoded to the same bytes, or refused with a message; never a panic.
+        #[test]
+        fn arbitrary_side_channel_bytes(
+            ty in proptest::prop_oneof![1u8..=4, proptest::prelude::any::<u8>()],
+            rest in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+        ) {
+            let mut b = vec![ty];
+            b.extend_from_slice(&rest);
+            match VerbsMsg::decode(&b) {
+                Ok(m @ (VerbsMsg::Grant { .. } | VerbsMsg::Granted(_))) => {
+                    proptest::prop_assert_eq!(m.encode(), b)
+                }
+                Ok(_) => {}
+                Err(e) => proptest::prop_assert!(!e.is_empty()),
+            }
+        }
+    }
 }

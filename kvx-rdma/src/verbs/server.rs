@@ -42,7 +42,7 @@ fn internal(e: RdmaError) -> Refusal {
 
 impl Side {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        kvx_core::lock(&self.state)
     }
 
     fn grant(&self, request: RequestId, blocks: &[u32]) -> Result<Vec<Vec<Seg>>, Refusal> {

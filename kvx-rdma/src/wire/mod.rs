@@ -14,17 +14,16 @@ pub const PROTOCOL_VERSION: u16 = 1;
 /// Longest shared token accepted in a `Hello`.
 pub const MAX_TOKEN: usize = 256;
 /// Largest `Hello` frame body.
-pub const MAX_HELLO: u32 = 1 + 4 + 2 + 4 + 2 + MAX_TOKEN as u32;
+pub(crate) const MAX_HELLO: u32 = 1 + 4 + 2 + 4 + 2 + MAX_TOKEN as u32;
 /// Bytes of a `Data` frame before its payload: length, type, tag.
-pub const DATA_HEAD: usize = 4 + 1 + 8;
+pub(crate) const DATA_HEAD: usize = 4 + 1 + 8;
 /// Largest non-data frame a client accepts from a server.
-pub const MAX_REPLY_FRAME: u32 = 64 * 1024;
+pub(crate) const MAX_REPLY_FRAME: u32 = 64 * 1024;
 
 mod read;
 
-pub use read::{
-    FrameError, ReplyHead, read_body, read_len, read_reply_head, read_reply_head_limit,
-};
+pub use read::{FrameError, ReplyHead, read_body, read_reply_head_limit};
+pub(crate) use read::{read_growing, read_len, read_reply_head};
 
 const T_HELLO: u8 = 1;
 const T_READ: u8 = 2;

@@ -18,7 +18,7 @@ pub enum FrameError {
 }
 
 /// Read one frame's length prefix; `Eof` if the peer closed before sending any byte of it.
-pub async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, FrameError> {
+pub(crate) async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, FrameError> {
     let mut len = [0u8; 4];
     let first = r.read(&mut len[..1]).await.map_err(FrameError::Io)?;
     if first == 0 {
@@ -38,9 +38,36 @@ pub async fn read_len<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<u32, 
 /// Read one whole frame body of at most `max` bytes (partial reads are resumed).
 pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, max: u32) -> Result<Vec<u8>, FrameError> {
     let len = read_len(r, max).await?;
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).await.map_err(FrameError::Io)?;
+    let mut body = Vec::new();
+    read_growing(r, &mut body, len as usize)
+        .await
+        .map_err(FrameError::Io)?;
     Ok(body)
+}
+
+/// Append exactly `n` bytes of `r` to `out`, growing `out` as bytes arrive: the memory follows
+/// what the peer sent, never what a length field claims.
+pub(crate) async fn read_growing<R: AsyncRead + Unpin>(
+    r: &mut R,
+    out: &mut Vec<u8>,
+    n: usize,
+) -> std::io::Result<()> {
+    /// Allocated up front (requests and control replies fit); beyond it, growth follows
+    /// received bytes.
+    const FIRST: usize = 4096;
+    out.reserve(n.min(FIRST));
+    let want = out.len() + n;
+    (&mut *r).take(n as u64).read_to_end(out).await?;
+    if out.len() < want {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "the frame announced {n} bytes, the stream ended after {}",
+                n - (want - out.len())
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// What a client finds at the head of a server frame.
@@ -59,14 +86,16 @@ pub enum ReplyHead {
 
 /// Read the next server frame: a data head (payload left on the stream) or a control frame.
 /// `max_data` bounds the payload a data frame may announce.
-pub async fn read_reply_head<R: AsyncRead + Unpin>(
+pub(crate) async fn read_reply_head<R: AsyncRead + Unpin>(
     r: &mut R,
     max_data: u64,
 ) -> Result<ReplyHead, String> {
     read_reply_head_limit(r, max_data, MAX_REPLY_FRAME).await
 }
 
-/// [`read_reply_head`] with a custom bound on control frames (verbs grants can be large).
+/// Read the next server frame: a data head (payload left on the stream, at most `max_data`
+/// bytes announced) or a control frame of at most `max_control` bytes (verbs grants can be
+/// large). Memory grows with the bytes received, never with what a length field claims.
 pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
     r: &mut R,
     max_data: u64,
@@ -106,9 +135,8 @@ pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
     if len > max_control {
         return Err(format!("control frame of {len} bytes (max {max_control})"));
     }
-    let mut body = vec![0u8; len as usize];
-    body[0] = ty[0];
-    r.read_exact(&mut body[1..])
+    let mut body = vec![ty[0]];
+    read_growing(r, &mut body, len as usize - 1)
         .await
         .map_err(|e| format!("reading a reply: {e}"))?;
     Reply::decode(&body).map(ReplyHead::Control)

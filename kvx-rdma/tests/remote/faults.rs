@@ -6,6 +6,7 @@ use kvx_core::{BlockError, EngineBlockId, TaskState};
 
 use super::netns::{self, Pair};
 use super::peer::{Consumer, Peer, pattern};
+use super::timing::{ALLOWANCE, TICK};
 
 const BLOCK: usize = 256 * 1024;
 const BLOCKS: u32 = 48;
@@ -39,7 +40,7 @@ pub fn producer_killed_mid_read() {
     let ended = Instant::now();
     killer.join().unwrap();
     assert!(
-        ended <= deadline + Duration::from_millis(500),
+        ended <= deadline + TICK + ALLOWANCE,
         "ended {:?} past the deadline",
         ended - deadline
     );
@@ -121,7 +122,7 @@ pub fn stalled_producer() {
     let ended = Instant::now();
     stopper.join().unwrap();
     assert!(
-        ended <= deadline + Duration::from_millis(500),
+        ended <= deadline + TICK + ALLOWANCE,
         "ended {:?} past the deadline",
         ended - deadline
     );
@@ -226,7 +227,8 @@ pub fn partition_netns() {
     };
     assert!(report.contains("state=TimedOut"), "{report}");
     assert_eq!(field("failed="), u64::from(BLOCKS), "{report}");
-    assert!(field("elapsed_ms=") <= deadline_ms + 500, "{report}");
+    let margin = (TICK + ALLOWANCE).as_millis() as u64;
+    assert!(field("elapsed_ms=") <= deadline_ms + margin, "{report}");
     assert!(report.contains("err=timed out"), "{report}");
     drop(consumer);
     drop(p);

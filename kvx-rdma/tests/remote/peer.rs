@@ -1,6 +1,7 @@
 //! The two sides of the integration tests as separate processes: this test binary re-executed
 //! with `KVX_RDMA_ROLE=producer` (a line-command producer) or `consumer` (one load, one report).
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -32,6 +33,9 @@ fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// When a request's lease was started (`ready`) and aborted, if it was.
+type LeaseMarks = (Option<Instant>, Option<Instant>);
+
 /// The producer role: an arena of `KVX_BLOCKS` blocks of `KVX_BLOCK_BYTES`, a server on
 /// `KVX_LISTEN`, commands on stdin, events on stdout.
 pub fn producer() -> i32 {
@@ -51,6 +55,7 @@ pub fn producer() -> i32 {
         token: std::env::var("KVX_TOKEN").ok(),
         pace: Duration::from_millis(env("KVX_PACE_MS", 0)),
         handshake_timeout: Duration::from_millis(env("KVX_HANDSHAKE_MS", 5000)),
+        write_timeout: Duration::from_millis(env("KVX_WRITE_MS", 5000)),
         ..ServerConfig::default()
     };
     let server = TcpServer::start(exporter.clone(), cfg).expect("server");
@@ -58,7 +63,7 @@ pub fn producer() -> i32 {
     let say = {
         let out = out.clone();
         move |line: String| {
-            let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+            let mut o = kvx_core::lock(&out);
             let _ = writeln!(o, "{line}");
             let _ = o.flush();
         }
@@ -66,10 +71,14 @@ pub fn producer() -> i32 {
     say(format!("listening {}", server.local_addr()));
     // Releases: overwrite the freed blocks (as the engine would reuse them), then report.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // When each request's lease started (`ready`) and when it was aborted, in this process's
+    // clock: releases are timed against them without the pipes to the test in between.
+    let marks: Arc<Mutex<HashMap<u64, LeaseMarks>>> = Arc::default();
     let poller = {
         let exporter = exporter.clone();
         let stop = stop.clone();
         let say = say.clone();
+        let marks = marks.clone();
         let layout = layout.clone();
         std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -81,9 +90,23 @@ pub fn producer() -> i32 {
                             unsafe { std::ptr::write_bytes(addr as *mut u8, REUSED, len) };
                         }
                     }
+                    let polled = Instant::now();
                     say(format!("released {} {:?}", r.request.0, r.reason));
+                    let mark = marks.lock().unwrap().remove(&r.request.0);
+                    let since = |at: Option<Instant>| {
+                        at.map_or("-".to_string(), |at| {
+                            polled.duration_since(at).as_micros().to_string()
+                        })
+                    };
+                    let (ready, abort) = mark.unwrap_or_default();
+                    say(format!(
+                        "release-timing {} ready_us={} abort_us={}",
+                        r.request.0,
+                        since(ready),
+                        since(abort)
+                    ));
                 }
-                std::thread::sleep(Duration::from_millis(2));
+                std::thread::sleep(Duration::from_millis(1));
             }
         })
     };
@@ -110,13 +133,19 @@ pub fn producer() -> i32 {
                     Err(e) => format!("error {e}"),
                 }
             }
-            Some("ready") => match exporter.ready(RequestId(num(1))) {
-                Ok(()) => "ok".into(),
-                Err(e) => format!("error {e}"),
+            Some("ready") => match (Instant::now(), exporter.ready(RequestId(num(1)))) {
+                (at, Ok(())) => {
+                    marks.lock().unwrap().entry(num(1)).or_default().0 = Some(at);
+                    "ok".into()
+                }
+                (_, Err(e)) => format!("error {e}"),
             },
-            Some("abort") => match exporter.abort(RequestId(num(1))) {
-                Ok(()) => "ok".into(),
-                Err(e) => format!("error {e}"),
+            Some("abort") => match (Instant::now(), exporter.abort(RequestId(num(1)))) {
+                (at, Ok(())) => {
+                    marks.lock().unwrap().entry(num(1)).or_default().1 = Some(at);
+                    "ok".into()
+                }
+                (_, Err(e)) => format!("error {e}"),
             },
             Some("status") => {
                 let s = exporter.stats();
@@ -392,6 +421,19 @@ impl Peer {
     /// `ready <req>`, asserting it worked.
     pub fn ready(&mut self, req: u64) {
         assert_eq!(self.ask(&format!("ready {req}")), "ok");
+    }
+
+    /// How long after `ready` and after `abort` (microseconds, in the producer's own clock)
+    /// the producer's engine loop polled the release of `req`.
+    pub fn release_timing(&mut self, req: u64) -> (Option<Duration>, Option<Duration>) {
+        let line = self.wait_for(&format!("release-timing {req} "), Duration::from_secs(5));
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(Duration::from_micros)
+        };
+        (field("ready_us="), field("abort_us="))
     }
 
     /// `status <req>`.
