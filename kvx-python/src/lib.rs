@@ -39,6 +39,13 @@ create_exception!(
     "A kvx operation failed (closed worker, malformed message, driver stopped, fence not held)."
 );
 
+create_exception!(
+    _native,
+    FenceNotHeldError,
+    KvxError,
+    "A preemption fence did not hold within the store deadline: a copy may still write those blocks."
+);
+
 /// Split concatenated 16-byte keys.
 fn keys_from_bytes(b: &[u8]) -> PyResult<Vec<BlockKey>> {
     if b.len() % 16 != 0 {
@@ -67,6 +74,7 @@ fn block_keys<'py>(py: Python<'py>, namespace: &[u8], hashes: Vec<Vec<u8>>) -> B
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvxError", m.py().get_type::<KvxError>())?;
+    m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
     m.add_class::<scheduler::SchedulerHalf>()?;
     m.add_class::<worker::WorkerHalf>()?;
     m.add_class::<stall::FrozenMount>()?;

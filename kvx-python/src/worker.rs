@@ -19,7 +19,7 @@ use pyo3::types::PyBytes;
 
 use crate::memory::{self, TensorDesc};
 use crate::scheduler::{check_file_dirs, eviction_kind};
-use crate::{KvxError, codec, keys_from_bytes};
+use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes};
 
 /// The running parts. Field order is drop order: the worker half, then the runtime (its driver
 /// joins the backends' threads).
@@ -188,7 +188,7 @@ impl WorkerHalf {
                         if fence.wait(Instant::now() + r.store_timeout) {
                             Ok(())
                         } else {
-                            Err(KvxError::new_err(format!(
+                            Err(FenceNotHeldError::new_err(format!(
                                 "preemption fence of {:?} did not hold within the store \
                                  deadline: their blocks may still be written",
                                 fence.requests()

@@ -145,3 +145,15 @@ def test_per_layer_tensors_are_strided_regions_in_layer_then_kv_order(tmp_path):
         assert regions == want
     finally:
         e.close()
+
+
+def test_connector_worker_does_not_swallow_a_bad_step(tmp_path):
+    from kvx.vllm import KvxConnectorMetadata
+
+    e = Engine(tmp_path, {"host_blocks": 8})
+    try:
+        with pytest.raises(KvxError) as err:
+            e.worker.handle_preemptions(KvxConnectorMetadata(b"\x07", {}, {}, []))
+        assert "encoding version 7" in str(err.value)
+    finally:
+        e.close()

@@ -5,7 +5,7 @@
 settings.
 """
 
-from kvx._native import KvxError, SchedulerHalf, WorkerHalf, block_keys
+from kvx._native import FenceNotHeldError, KvxError, SchedulerHalf, WorkerHalf, block_keys
 from kvx.config import KvxConfig
 
-__all__ = ["KvxConfig", "KvxError", "SchedulerHalf", "WorkerHalf", "block_keys"]
+__all__ = ["FenceNotHeldError", "KvxConfig", "KvxError", "SchedulerHalf", "WorkerHalf", "block_keys"]

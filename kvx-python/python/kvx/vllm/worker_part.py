@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvx._native import KvxError, WorkerHalf
+from kvx._native import FenceNotHeldError, KvxError, WorkerHalf
 from kvx.config import KvxConfig
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
@@ -69,8 +69,9 @@ class WorkerPart:
         self.abandoned.update(n for n in meta.abandoned if n in self.loading)
         try:
             self.half.start_step(meta.step)
-        except KvxError as e:
-            # The rest of the step was done; a preemption fence ran past the store deadline.
+        except FenceNotHeldError as e:
+            # The rest of the step was done; only a preemption fence ran past the store deadline
+            # (a stuck copy). Any other error (driver stopped, bad metadata) propagates.
             logger.error("kvx: %s", e)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
