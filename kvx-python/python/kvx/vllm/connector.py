@@ -1,0 +1,150 @@
+"""``KvxConnector``: vLLM 0.32's ``KVConnectorBase_V1`` on kvx-offload.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
+
+(keys and defaults: ``kvx.config``). Loads are asynchronous: a request waits in
+``WAITING_FOR_REMOTE_KVS`` at most one load deadline; blocks that fail to load (missing,
+corrupt, timed out) are reported exactly through ``get_block_ids_with_load_errors`` in the step
+in which the request appears in ``finished_recving``, and vLLM's ``kv_load_failure_policy``
+decides to recompute them or fail the request. Stores are planned by the scheduler side from
+the tokens each step computes, submitted at the start of the next step, and hold a finished
+request's blocks only while they are in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvx.config import KvxConfig
+from kvx.vllm.meta import KvxConnectorMetadata
+from kvx.vllm.scheduler_part import SchedulerPart
+from kvx.vllm.worker_part import WorkerPart
+
+
+def _namespace(vllm_config) -> bytes:
+    """Identity of the KV bytes a block key stands for: model, dtypes, block size, parallelism."""
+    m, c, p = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    parts = (
+        "kvx-vllm-1",
+        str(getattr(m, "model", "")),
+        str(getattr(m, "revision", "")),
+        str(getattr(m, "dtype", "")),
+        str(getattr(c, "cache_dtype", "")),
+        str(c.block_size),
+        str(p.tensor_parallel_size),
+        str(p.pipeline_parallel_size),
+    )
+    return "|".join(parts).encode()
+
+
+class KvxConnector(KVConnectorBase_V1):
+    """vLLM KV connector over kvx's host-memory and file tiers, with per-block load failures."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = KvxConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        par = vllm_config.parallel_config
+        world = par.tensor_parallel_size * par.pipeline_parallel_size
+        if world != 1:
+            raise ValueError(
+                f"KvxConnector: tensor_parallel_size x pipeline_parallel_size = {world}; this build "
+                "supports one worker per engine"
+            )
+        if kv_cache_config is None:
+            raise ValueError("KvxConnector needs the KV cache config (vLLM >= 0.32)")
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"KvxConnector: {len(groups)} KV cache groups; block-level load failures need exactly one"
+            )
+        block_size = groups[0].kv_cache_spec.block_size
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
+        self._sched: SchedulerPart | None = None
+        self._worker: WorkerPart | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerPart(self.config, block_size, hash_block_size, _namespace(vllm_config))
+        else:
+            self._worker = WorkerPart(self.config, block_size, kv_cache_config.num_blocks)
+
+    # -- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        # Before the forward may overwrite a preempted request's blocks: the whole step starts
+        # here (stores of preempted requests flushed and waited for, their loads fenced).
+        assert isinstance(kv_connector_metadata, KvxConnectorMetadata)
+        self._worker.start(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous, between steps
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # stores are planned per step by the scheduler side
+
+    def wait_for_save(self):
+        if self.has_connector_metadata():
+            self._worker.start(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid()
+
+    def build_connector_worker_meta(self):
+        return self._worker.take_worker_meta()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched.cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        return self._sched.hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    # -- kvx -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters of this side. Scheduler: lookups, hit tokens and blocks per tier, loads,
+        store jobs, preemptions, failed loads. Worker: kvx's tracker (live tasks, zombie ops and
+        bytes, timeouts, late completions), host-tier blocks, and the file tier's counters."""
+        if self._sched is not None:
+            return dict(vars(self._sched.stats))
+        half = self._worker.half
+        return dict(half.stats()) if half is not None else {}
+
+    def state_counts(self) -> dict[str, int]:
+        """Everything this side still tracks about requests and transfers (zeros when idle)."""
+        part = self._sched if self._sched is not None else self._worker
+        return part.state_counts()

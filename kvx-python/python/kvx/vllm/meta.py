@@ -1,0 +1,53 @@
+"""What crosses vLLM's process boundary each step, kept compact for pickling."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+class KvxConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, once per step.
+
+    ``step``: kvx-offload's step instructions in kvx's compact encoding (block keys, engine block
+    ids, request numbers); ``loads`` and ``delayed``: vLLM's request id of each request number
+    whose load starts, and whose freeing waits for its stores, this step; ``abandoned``: request
+    numbers that finished while their load was in flight (vLLM frees their blocks once the load
+    is reported in ``finished_recving``).
+    """
+
+    __slots__ = ("step", "loads", "delayed", "abandoned")
+
+    def __init__(self, step: bytes, loads: dict[int, str], delayed: dict[int, str], abandoned: list[int]):
+        self.step = step
+        self.loads = loads
+        self.delayed = delayed
+        self.abandoned = abandoned
+
+    def __getstate__(self):
+        return (self.step, self.loads, self.delayed, self.abandoned)
+
+    def __setstate__(self, state):
+        self.step, self.loads, self.delayed, self.abandoned = state
+
+
+class KvxWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler, once per step: encoded job outcomes for the scheduler half."""
+
+    __slots__ = ("jobs",)
+
+    def __init__(self, jobs: list[bytes]):
+        self.jobs = jobs
+
+    def __getstate__(self):
+        return (self.jobs,)
+
+    def __setstate__(self, state):
+        (self.jobs,) = state
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Both workers' outcomes, in order."""
+        assert isinstance(other, KvxWorkerMetadata)
+        return KvxWorkerMetadata(self.jobs + other.jobs)

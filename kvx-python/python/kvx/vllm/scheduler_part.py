@@ -1,0 +1,219 @@
+"""The connector's scheduler side: vLLM requests and steps in, kvx-offload's scheduler half."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvx._native import SchedulerHalf, block_keys
+from kvx.config import KvxConfig
+from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
+
+
+@dataclass
+class _Req:
+    """What the scheduler side knows of one vLLM request."""
+
+    number: int
+    request: Any
+    keys: bytes = b""
+    nhashes: int = 0
+    local_tokens: int = 0
+    hit: tuple[int, int] = (0, 0)
+    # Blocks from this index on are never offered again: a load of one of them failed (vLLM
+    # recomputes from there; offering it again would retry the same failure forever).
+    cap: int | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of the scheduler side (see ``KvxConnector.stats``)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    host_hit_blocks: int = 0
+    file_hit_blocks: int = 0
+    loads: int = 0
+    store_jobs: int = 0
+    preemptions: int = 0
+    failed_loads: int = 0
+
+
+class SchedulerPart:
+    """Maps vLLM's scheduler calls onto kvx's ``SchedulerHalf``."""
+
+    def __init__(self, cfg: KvxConfig, block_size: int, hash_block_size: int, namespace: bytes):
+        if block_size % hash_block_size:
+            raise ValueError(
+                f"KV block size {block_size} is not a multiple of the hash block size {hash_block_size}"
+            )
+        self.block_size = block_size
+        self.ratio = block_size // hash_block_size
+        self.namespace = namespace
+        self.half = SchedulerHalf(
+            block_size,
+            cfg.host_blocks,
+            cfg.eviction,
+            cfg.file_dirs,
+            cfg.file_blocks if cfg.file_dirs else None,
+        )
+        self.cache_manager = None
+        self._next = 1
+        self.reqs: dict[str, _Req] = {}
+        # vLLM request id of every request number still in use.
+        self.names: dict[int, str] = {}
+        # Request ids whose load is queued and not yet reported in finished_recving.
+        self.loading: set[str] = set()
+        # Finished requests vLLM still hears about (finished_sending / finished_recving).
+        self.finished: dict[str, int] = {}
+        self._abandoned: list[int] = []
+        self.stats = SchedulerStats()
+
+    # -- keys ------------------------------------------------------------------------------
+    def _req(self, request) -> _Req:
+        r = self.reqs.get(request.request_id)
+        if r is None:
+            r = _Req(number=self._next, request=request)
+            self._next += 1
+            self.reqs[request.request_id] = r
+            self.names[r.number] = request.request_id
+        return r
+
+    def _keys(self, r: _Req) -> bytes:
+        """kvx keys of the request's full KV blocks (hash-chained, so prefix-determined)."""
+        hashes = r.request.block_hashes
+        n = len(hashes) // self.ratio
+        if n * self.ratio > r.nhashes:
+            new = [bytes(hashes[(i + 1) * self.ratio - 1]) for i in range(r.nhashes // self.ratio, n)]
+            r.keys += block_keys(self.namespace, new)
+            r.nhashes = n * self.ratio
+        return r.keys
+
+    # -- vLLM's scheduler-side calls -----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        r = self._req(request)
+        self.stats.lookups += 1
+        keys = self._keys(r)
+        if r.cap is not None:
+            keys = keys[: r.cap * 16]
+        found = self.half.get_num_new_matched_tokens(r.number, keys, num_computed_tokens)
+        if found is None:
+            return None, False
+        tokens, host, file = found
+        r.local_tokens = num_computed_tokens
+        r.hit = (host, file)
+        return tokens, tokens > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        r = self._req(request)
+        ids = blocks.get_block_ids()[0]
+        first = r.local_tokens // self.block_size
+        n = num_external_tokens // self.block_size
+        if self.half.update_state_after_alloc(r.number, ids[first : first + n]):
+            self.loading.add(request.request_id)
+            self.stats.loads += 1
+            self.stats.hit_tokens += num_external_tokens
+            self.stats.host_hit_blocks += r.hit[0]
+            self.stats.file_hit_blocks += r.hit[1]
+
+    def hit_sources(self, request, num_external_tokens: int) -> dict:
+        r = self.reqs.get(request.request_id)
+        if r is None or num_external_tokens == 0:
+            return {}
+        host, file = r.hit
+        out = {}
+        if file:
+            out[CacheHitSource.DISK] = file * self.block_size
+        out[CacheHitSource.HOST] = num_external_tokens - out.get(CacheHitSource.DISK, 0)
+        return {k: v for k, v in out.items() if v > 0}
+
+    def build_connector_meta(self, so) -> KvxConnectorMetadata:
+        for req_id in so.preempted_req_ids or ():
+            r = self.reqs.get(req_id)
+            if r is not None:
+                self.half.request_preempted(r.number)
+                self.stats.preemptions += 1
+        for req_id, n in so.num_scheduled_tokens.items():
+            r = self.reqs.get(req_id)
+            if r is None or n <= 0:
+                continue
+            done = r.request.num_computed_tokens
+            keys = self._keys(r)
+            first = done // self.block_size
+            upto = min((done + n) // self.block_size, len(keys) // 16)
+            if upto <= first:
+                continue
+            ids = self.cache_manager.get_block_ids(req_id)[0]
+            if self.half.save_blocks(r.number, keys[first * 16 : upto * 16], ids[first:upto]):
+                self.stats.store_jobs += 1
+        abandoned, self._abandoned = self._abandoned, []
+        step, loads, delayed = self.half.build_meta(abandoned)
+        return KvxConnectorMetadata(
+            step,
+            {n: self.names[n] for n in loads},
+            {n: self.names[n] for n in delayed},
+            abandoned,
+        )
+
+    def update_connector_output(self, out) -> None:
+        wm = out.kv_connector_worker_meta
+        if isinstance(wm, KvxWorkerMetadata):
+            for jobs in wm.jobs:
+                for number, failed in self.half.update_from_worker(jobs):
+                    self._cap(number, failed)
+        for req_id in out.finished_recving or ():
+            self.loading.discard(req_id)
+            self._release(req_id)
+        for req_id in out.finished_sending or ():
+            self._release(req_id)
+
+    def _cap(self, number: int, failed: bytes) -> None:
+        """Stop offering a request the blocks from its first failed one on."""
+        r = self.reqs.get(self.names.get(number, ""))
+        if r is None:
+            return
+        index = {r.keys[i : i + 16]: i // 16 for i in range(0, len(r.keys), 16)}
+        for i in range(0, len(failed), 16):
+            idx = index.get(failed[i : i + 16])
+            if idx is not None:
+                r.cap = idx if r.cap is None else min(r.cap, idx)
+        self.stats.failed_loads += 1
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        r = self.reqs.pop(req_id, None)
+        if r is None:
+            return False, None
+        delay = self.half.request_finished(r.number)
+        if req_id in self.loading:
+            # vLLM itself keeps the blocks until the load is reported in finished_recving.
+            self._abandoned.append(r.number)
+            delay = False
+            self.finished[req_id] = r.number
+        elif delay:
+            self.finished[req_id] = r.number
+        else:
+            del self.names[r.number]
+        return delay, None
+
+    def _release(self, req_id: str) -> None:
+        """A finished request was reported for the last time: forget its number."""
+        number = self.finished.pop(req_id, None)
+        if number is not None and req_id not in self.loading:
+            self.names.pop(number, None)
+
+    def state_counts(self) -> dict[str, int]:
+        """Everything this side still tracks (all zero when idle)."""
+        return {
+            "requests": len(self.reqs),
+            "numbers": len(self.names),
+            "loading": len(self.loading),
+            "finished": len(self.finished),
+            "kvx_requests": self.half.request_count(),
+            "kvx_jobs": self.half.job_count(),
+            "kvx_index_busy": 0 if self.half.is_quiet() else 1,
+        }

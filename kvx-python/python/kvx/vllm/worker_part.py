@@ -1,0 +1,134 @@
+"""The connector's worker side: vLLM's KV tensors and per-step calls, kvx's ``WorkerHalf``."""
+
+from __future__ import annotations
+
+import logging
+
+from kvx._native import FenceNotHeldError, KvxError, WorkerHalf
+from kvx.config import KvxConfig
+from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
+
+logger = logging.getLogger("kvx.vllm")
+
+
+def describe_tensors(kv_caches: dict) -> list[tuple]:
+    """(name, data pointer, shape, strides in elements, element size, device) of each tensor."""
+    return [
+        (name, t.data_ptr(), list(t.shape), list(t.stride()), t.element_size(), str(t.device))
+        for name, t in kv_caches.items()
+    ]
+
+
+class WorkerPart:
+    """Maps vLLM's worker calls onto kvx's ``WorkerHalf``.
+
+    Request numbers come from the scheduler side; ``names`` holds vLLM's id of each number for
+    as long as a load or a delayed free of it may still be reported.
+    """
+
+    def __init__(self, cfg: KvxConfig, block_size: int, num_blocks: int):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.half: WorkerHalf | None = None
+        self.names: dict[int, str] = {}
+        self.loading: set[int] = set()
+        self.sending: set[int] = set()
+        self.abandoned: set[int] = set()
+        self.invalid: set[int] = set()
+        self.jobs: list[bytes] = []
+        self._started: KvxConnectorMetadata | None = None
+
+    def register(self, kv_caches: dict) -> None:
+        """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
+        self.half = WorkerHalf(
+            describe_tensors(kv_caches),
+            list(kv_caches.values()),
+            self.num_blocks,
+            self.block_size,
+            self.cfg.host_blocks,
+            self.cfg.load_deadline_ms,
+            self.cfg.store_deadline_ms,
+            self.cfg.io_engine,
+            self.cfg.eviction,
+            self.cfg.file_dirs,
+            self.cfg.file_blocks if self.cfg.file_dirs else None,
+        )
+
+    def start(self, meta: KvxConnectorMetadata) -> None:
+        """Start this step once (from whichever of vLLM's per-step calls comes first)."""
+        if self._started is meta:
+            return
+        self._started = meta
+        if self.half is None:
+            raise KvxError("KvxConnector: register_kv_caches was not called before the first step")
+        self.names.update(meta.loads)
+        self.names.update(meta.delayed)
+        self.loading.update(meta.loads)
+        self.sending.update(meta.delayed)
+        self.abandoned.update(n for n in meta.abandoned if n in self.loading)
+        try:
+            self.half.start_step(meta.step)
+        except FenceNotHeldError as e:
+            # The rest of the step was done; only a preemption fence ran past the store deadline
+            # (a stuck copy). Any other error (driver stopped, bad metadata) propagates.
+            logger.error("kvx: %s", e)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending, finished_recving) as vLLM request ids; never blocks."""
+        if self.half is None:
+            return None, None
+        sending, recving, invalid, jobs, loads_done = self.half.get_finished()
+        self.invalid.update(invalid)
+        if jobs:
+            self.jobs.append(jobs)
+        recv = set(recving)
+        # A load whose request finished meanwhile is reported once it ended, so vLLM frees its
+        # blocks (kvx-offload gives it to the scheduler half only).
+        recv.update(n for n in loads_done if n in self.abandoned and n in self.loading)
+        out_recv = set()
+        for n in recv:
+            if n in self.loading:
+                self.loading.discard(n)
+                self.abandoned.discard(n)
+                out_recv.add(self.names[n])
+                self._forget(n)
+        out_send = set()
+        for n in sending:
+            if n in self.sending:
+                self.sending.discard(n)
+                out_send.add(self.names[n])
+                self._forget(n)
+        return out_send or None, out_recv or None
+
+    def _forget(self, n: int) -> None:
+        if n not in self.loading and n not in self.sending:
+            self.names.pop(n, None)
+
+    def take_invalid(self) -> set[int]:
+        """Engine blocks whose load failed since the last call."""
+        out, self.invalid = self.invalid, set()
+        return out
+
+    def take_worker_meta(self) -> KvxWorkerMetadata | None:
+        """Job outcomes for the scheduler side, if any."""
+        if not self.jobs:
+            return None
+        out, self.jobs = KvxWorkerMetadata(self.jobs), []
+        return out
+
+    def state_counts(self) -> dict[str, int]:
+        """Everything this side still tracks (all zero when idle)."""
+        h = self.half
+        return {
+            "names": len(self.names),
+            "loading": len(self.loading),
+            "sending": len(self.sending),
+            "abandoned": len(self.abandoned),
+            "kvx_in_flight": h.in_flight() if h else 0,
+            "kvx_tracker_busy": 0 if (h is None or h.tracker_idle()) else 1,
+        }
+
+    def close(self) -> None:
+        if self.half is not None:
+            self.half.close()

@@ -1,0 +1,365 @@
+//! A compact byte encoding of what crosses vLLM's process boundary: the scheduler half's
+//! [`StepMeta`] (pickled to every worker each step) and the worker half's job results (sent back
+//! as worker metadata). Little-endian, LEB128 lengths and ids, 16-byte keys.
+
+use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
+use kvx_offload::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, Tier};
+
+/// Encoding version: the first byte of every message.
+const VERSION: u8 = 1;
+
+/// Why bytes could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("malformed kvx message: {0}")]
+pub struct DecodeError(pub String);
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn new() -> Writer {
+        Writer(vec![VERSION])
+    }
+
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+
+    fn var(&mut self, mut v: u64) {
+        loop {
+            let byte = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                self.0.push(byte);
+                return;
+            }
+            self.0.push(byte | 0x80);
+        }
+    }
+
+    fn key(&mut self, k: BlockKey) {
+        self.0.extend_from_slice(&k.to_be_bytes());
+    }
+
+    fn keys(&mut self, ks: &[BlockKey]) {
+        self.var(ks.len() as u64);
+        for k in ks {
+            self.key(*k);
+        }
+    }
+
+    fn reqs(&mut self, rs: &[RequestId]) {
+        self.var(rs.len() as u64);
+        for r in rs {
+            self.var(r.0);
+        }
+    }
+
+    fn text(&mut self, s: &str) {
+        self.var(s.len() as u64);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8]) -> Result<Reader<'a>, DecodeError> {
+        match buf.first() {
+            Some(&VERSION) => Ok(Reader { buf, pos: 1 }),
+            Some(v) => Err(DecodeError(format!(
+                "encoding version {v}, this build reads {VERSION}"
+            ))),
+            None => Err(DecodeError("empty message".into())),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or_else(|| DecodeError(format!("truncated at byte {}", self.pos)))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn var(&mut self) -> Result<u64, DecodeError> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.u8()?;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(DecodeError(format!("varint too long at byte {}", self.pos)))
+    }
+
+    /// A count of items, each at least `min_bytes` long (bounds allocations by the input).
+    fn count(&mut self, min_bytes: usize) -> Result<usize, DecodeError> {
+        let n = self.var()? as usize;
+        if n.saturating_mul(min_bytes) > self.buf.len() - self.pos {
+            return Err(DecodeError(format!("count {n} exceeds the message")));
+        }
+        Ok(n)
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        u32::try_from(self.var()?).map_err(|_| DecodeError("engine block id overflows".into()))
+    }
+
+    fn key(&mut self) -> Result<BlockKey, DecodeError> {
+        let b: [u8; 16] = self.take(16)?.try_into().expect("16 bytes");
+        Ok(BlockKey::from_be_bytes(b))
+    }
+
+    fn keys(&mut self) -> Result<Vec<BlockKey>, DecodeError> {
+        let n = self.count(16)?;
+        (0..n).map(|_| self.key()).collect()
+    }
+
+    fn reqs(&mut self) -> Result<Vec<RequestId>, DecodeError> {
+        let n = self.count(1)?;
+        (0..n).map(|_| self.var().map(RequestId)).collect()
+    }
+
+    fn text(&mut self) -> Result<String, DecodeError> {
+        let n = self.count(1)?;
+        String::from_utf8(self.take(n)?.to_vec())
+            .map_err(|_| DecodeError("text is not UTF-8".into()))
+    }
+
+    fn done(&self) -> Result<(), DecodeError> {
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            Err(DecodeError(format!(
+                "{} trailing bytes",
+                self.buf.len() - self.pos
+            )))
+        }
+    }
+}
+
+fn tier_code(t: Tier) -> u8 {
+    match t {
+        Tier::Host => 0,
+        Tier::File => 1,
+    }
+}
+
+fn tier_of(c: u8) -> Result<Tier, DecodeError> {
+    match c {
+        0 => Ok(Tier::Host),
+        1 => Ok(Tier::File),
+        _ => Err(DecodeError(format!("unknown tier {c}"))),
+    }
+}
+
+/// Encode one step's instructions.
+pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.var(m.loads.len() as u64);
+    for l in &m.loads {
+        w.var(l.job.0);
+        w.var(l.request.0);
+        w.var(l.blocks.len() as u64);
+        for b in &l.blocks {
+            w.key(b.key);
+            w.var(u64::from(b.engine.0));
+            w.u8(tier_code(b.tier) | (u8::from(b.promote) << 1));
+        }
+    }
+    w.var(m.stores.len() as u64);
+    for s in &m.stores {
+        w.var(s.job.0);
+        w.var(s.request.0);
+        w.var(s.blocks.len() as u64);
+        for (k, e) in &s.blocks {
+            w.key(*k);
+            w.var(u64::from(e.0));
+        }
+        w.keys(&s.write_file);
+    }
+    w.reqs(&m.preempted);
+    w.reqs(&m.finished);
+    w.reqs(&m.delayed_free);
+    w.keys(&m.evict_host);
+    w.keys(&m.evict_file);
+    match &m.retain_host {
+        None => w.u8(0),
+        Some(keep) => {
+            w.u8(1);
+            w.keys(keep);
+        }
+    }
+    w.u8(u8::from(m.submit_stores_now));
+    w.0
+}
+
+/// Decode one step's instructions.
+pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
+    let mut r = Reader::new(buf)?;
+    let mut m = StepMeta::default();
+    for _ in 0..r.count(3)? {
+        let job = JobId(r.var()?);
+        let request = RequestId(r.var()?);
+        let n = r.count(18)?;
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = r.key()?;
+            let engine = EngineBlockId(r.u32()?);
+            let flags = r.u8()?;
+            blocks.push(LoadBlock {
+                key,
+                engine,
+                tier: tier_of(flags & 1)?,
+                promote: flags & 2 != 0,
+            });
+        }
+        m.loads.push(LoadJob {
+            job,
+            request,
+            blocks,
+        });
+    }
+    for _ in 0..r.count(4)? {
+        let job = JobId(r.var()?);
+        let request = RequestId(r.var()?);
+        let n = r.count(17)?;
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let k = r.key()?;
+            blocks.push((k, EngineBlockId(r.u32()?)));
+        }
+        let write_file = r.keys()?;
+        m.stores.push(StoreJob {
+            job,
+            request,
+            blocks,
+            write_file,
+        });
+    }
+    m.preempted = r.reqs()?;
+    m.finished = r.reqs()?;
+    m.delayed_free = r.reqs()?;
+    m.evict_host = r.keys()?;
+    m.evict_file = r.keys()?;
+    m.retain_host = match r.u8()? {
+        0 => None,
+        1 => Some(r.keys()?),
+        c => return Err(DecodeError(format!("bad retain flag {c}"))),
+    };
+    m.submit_stores_now = match r.u8()? {
+        0 => false,
+        1 => true,
+        c => return Err(DecodeError(format!("bad submit-now flag {c}"))),
+    };
+    r.done()?;
+    Ok(m)
+}
+
+fn part_code(k: JobPart) -> u8 {
+    match k {
+        JobPart::Load => 0,
+        JobPart::StoreHost => 1,
+        JobPart::StoreFile => 2,
+    }
+}
+
+fn part_of(c: u8) -> Result<JobPart, DecodeError> {
+    match c {
+        0 => Ok(JobPart::Load),
+        1 => Ok(JobPart::StoreHost),
+        2 => Ok(JobPart::StoreFile),
+        _ => Err(DecodeError(format!("unknown job part {c}"))),
+    }
+}
+
+fn write_error(w: &mut Writer, e: &BlockError) {
+    let (code, text) = match e {
+        BlockError::NotFound => (0, ""),
+        BlockError::Corrupt(s) => (1, s.as_str()),
+        BlockError::Io(s) => (2, s.as_str()),
+        BlockError::TimedOut => (3, ""),
+        BlockError::Cancelled => (4, ""),
+        BlockError::Unavailable(s) => (5, s.as_str()),
+        BlockError::Invalid(s) => (6, s.as_str()),
+        BlockError::Remote(s) => (7, s.as_str()),
+    };
+    w.u8(code);
+    w.text(text);
+}
+
+fn read_error(r: &mut Reader<'_>) -> Result<BlockError, DecodeError> {
+    let code = r.u8()?;
+    let text = r.text()?;
+    Ok(match code {
+        0 => BlockError::NotFound,
+        1 => BlockError::Corrupt(text),
+        2 => BlockError::Io(text),
+        3 => BlockError::TimedOut,
+        4 => BlockError::Cancelled,
+        5 => BlockError::Unavailable(text),
+        6 => BlockError::Invalid(text),
+        7 => BlockError::Remote(text),
+        c => return Err(DecodeError(format!("unknown block error {c}"))),
+    })
+}
+
+/// Encode the job outcomes a worker reports to the scheduler half.
+pub fn encode_jobs(jobs: &[JobResult]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.var(jobs.len() as u64);
+    for j in jobs {
+        w.var(j.job.0);
+        w.var(j.request.0);
+        w.u8(part_code(j.part));
+        w.keys(&j.ok);
+        w.var(j.failed.len() as u64);
+        for (k, e) in &j.failed {
+            w.key(*k);
+            write_error(&mut w, e);
+        }
+        w.keys(&j.promoted);
+    }
+    w.0
+}
+
+/// Decode job outcomes.
+pub fn decode_jobs(buf: &[u8]) -> Result<Vec<JobResult>, DecodeError> {
+    let mut r = Reader::new(buf)?;
+    let n = r.count(6)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let job = JobId(r.var()?);
+        let request = RequestId(r.var()?);
+        let part = part_of(r.u8()?)?;
+        let ok = r.keys()?;
+        let nf = r.count(18)?;
+        let mut failed = Vec::with_capacity(nf);
+        for _ in 0..nf {
+            let k = r.key()?;
+            failed.push((k, read_error(&mut r)?));
+        }
+        let promoted = r.keys()?;
+        out.push(JobResult {
+            job,
+            request,
+            part,
+            ok,
+            failed,
+            promoted,
+        });
+    }
+    r.done()?;
+    Ok(out)
+}

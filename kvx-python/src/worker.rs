@@ -1,0 +1,359 @@
+//! `WorkerHalf`: kvx-offload's worker side for Python (each vLLM worker), built by
+//! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host backend), a host tier and
+//! an optional file tier (kvx-posix).
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvx_core::KvLayout;
+use kvx_offload::{
+    FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadError, OffloadRuntime,
+    WorkerSide,
+};
+use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::memory::{self, TensorDesc};
+use crate::scheduler::{check_file_dirs, eviction_kind};
+use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes};
+
+/// The running parts. Field order is drop order: the worker half, then the runtime (its driver
+/// joins the backends' threads).
+struct Running {
+    worker: WorkerSide,
+    runtime: OffloadRuntime,
+    store_timeout: Duration,
+    /// Engine blocks of each request's load in flight.
+    loading: HashMap<u64, Vec<u32>>,
+    /// Engine blocks a cut-short copy may still write (kvx's `blocks_in_use`).
+    in_use: HashSet<u32>,
+    /// Ended loads held back until none of their blocks is in use.
+    parked: Vec<Parked>,
+}
+
+/// A load that ended, reported once no copy can write its blocks any more.
+struct Parked {
+    req: u64,
+    blocks: Vec<u32>,
+    invalid: Vec<u32>,
+    /// Reported to the engine in finished_recving (false: abandoned, an ended load only).
+    to_engine: bool,
+}
+
+/// The worker half over the engine's KV tensors.
+#[pyclass(module = "kvx._native")]
+pub struct WorkerHalf {
+    /// Declared before `tensors`: dropped (driver stopped) before the tensors are let go.
+    running: Mutex<Option<Running>>,
+    /// The tensor objects described at construction, kept alive while kvx may copy into them.
+    tensors: Mutex<Vec<Py<PyAny>>>,
+    layout: KvLayout,
+}
+
+impl WorkerHalf {
+    fn lock(&self) -> MutexGuard<'_, Option<Running>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Running) -> PyResult<T>) -> PyResult<T> {
+        match self.lock().as_mut() {
+            Some(r) => f(r),
+            None => Err(KvxError::new_err("the kvx worker half is closed")),
+        }
+    }
+}
+
+fn kvx_err(e: impl ToString) -> PyErr {
+    KvxError::new_err(e.to_string())
+}
+
+type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);
+
+/// What `get_finished` hands to Python: (finished_sending, finished_recving, invalid engine
+/// blocks, encoded job outcomes (empty when none), requests whose load ended unreported).
+type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>);
+
+#[pymethods]
+impl WorkerHalf {
+    /// A worker half. `tensors` describes each KV tensor as (name, data pointer, shape,
+    /// strides in elements, element size, device); `owners` are the tensor objects themselves,
+    /// held until `close`.
+    #[new]
+    #[pyo3(signature = (tensors, owners, num_blocks, block_tokens, host_blocks, load_ms, store_ms,
+                        io_engine, eviction="lru", file_dirs=None, file_blocks=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        tensors: Vec<TensorTuple>,
+        owners: Vec<Py<PyAny>>,
+        num_blocks: u32,
+        block_tokens: u32,
+        host_blocks: usize,
+        load_ms: u64,
+        store_ms: u64,
+        io_engine: &str,
+        eviction: &str,
+        file_dirs: Option<Vec<PathBuf>>,
+        file_blocks: Option<usize>,
+    ) -> PyResult<WorkerHalf> {
+        let descs: Vec<TensorDesc> = tensors
+            .into_iter()
+            .map(
+                |(name, ptr, shape, strides, elem_size, device)| TensorDesc {
+                    name,
+                    ptr,
+                    shape,
+                    strides,
+                    elem_size,
+                    device,
+                },
+            )
+            .collect();
+        let layout = memory::describe(&descs, num_blocks)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let io_engine = match io_engine {
+            "uring" => IoEngine::Uring,
+            "psync" => IoEngine::Psync,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "io_engine: unknown engine {other:?} (expected \"uring\" or \"psync\")"
+                )));
+            }
+        };
+        let file = match file_dirs {
+            Some(dirs) => {
+                check_file_dirs(&dirs)?;
+                let mut f = FileTierConfig::new(dirs[0].clone(), file_blocks.unwrap_or(0));
+                f.roots = dirs;
+                f.io_engine = io_engine;
+                Some(f)
+            }
+            None => None,
+        };
+        let cfg = OffloadConfig {
+            block_tokens,
+            host_blocks,
+            eviction: eviction_kind(eviction)?,
+            timeouts: TimeoutConfig { load_ms, store_ms },
+            // The exact failed blocks go to the engine; its own policy decides.
+            load_failure: LoadFailurePolicy::Fail,
+            file,
+            ..OffloadConfig::default()
+        };
+        cfg.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let lay = layout.clone();
+        let built = py.detach(move || {
+            // SAFETY: the layout describes the tensors `WorkerHalf` holds in `tensors` until
+            // after this runtime is dropped (see `memory::engine_memory`).
+            let memory = unsafe { memory::engine_memory(lay) };
+            OffloadBuilder::new(cfg, memory).build()
+        });
+        let built = built.map_err(|e| PyValueError::new_err(e.to_string()))?;
+        drop(built.scheduler); // the scheduler half lives in vLLM's scheduler process
+        Ok(WorkerHalf {
+            running: Mutex::new(Some(Running {
+                worker: built.worker,
+                runtime: built.runtime,
+                store_timeout: Duration::from_millis(store_ms),
+                loading: HashMap::new(),
+                in_use: HashSet::new(),
+                parked: Vec::new(),
+            })),
+            tensors: Mutex::new(owners),
+            layout,
+        })
+    }
+
+    /// Start a step with the scheduler half's encoded instructions: drop evicted blocks, start
+    /// loads, queue stores, flush and fence preempted requests (waiting at most the store
+    /// deadline for that fence), pass finished requests on.
+    fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
+        let meta = codec::decode_meta(meta).map_err(kvx_err)?;
+        py.detach(|| {
+            self.with(|r| {
+                for l in &meta.loads {
+                    r.loading
+                        .insert(l.request.0, l.blocks.iter().map(|b| b.engine.0).collect());
+                }
+                match r.worker.start_step(meta) {
+                    Ok(()) => Ok(()),
+                    // The forward may overwrite the preempted requests' blocks right after
+                    // this call: wait for the fence here (their stores' deadline bounds it).
+                    Err(OffloadError::FenceNotHeld(fence)) => {
+                        if fence.wait(Instant::now() + r.store_timeout) {
+                            Ok(())
+                        } else {
+                            Err(FenceNotHeldError::new_err(format!(
+                                "preemption fence of {:?} did not hold within the store \
+                                 deadline: their blocks may still be written",
+                                fence.requests()
+                            )))
+                        }
+                    }
+                    Err(e) => Err(kvx_err(e)),
+                }
+            })
+        })
+    }
+
+    /// What finished since the last call (never blocks). A load whose blocks a cut-short copy
+    /// may still write is held back (with its invalid blocks) until kvx releases them.
+    fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Finished<'py>> {
+        let (out, recving, invalid, ended) = self.with(|r| {
+            let out = r.worker.get_finished().map_err(kvx_err)?;
+            r.in_use.extend(out.blocks_in_use.iter().map(|b| b.0));
+            for b in &out.blocks_released {
+                r.in_use.remove(&b.0);
+            }
+            let reported: HashSet<u64> = out.finished_recving.iter().map(|q| q.0).collect();
+            let mut unclaimed: HashSet<u32> = out.invalid_blocks.iter().map(|b| b.0).collect();
+            for j in out.jobs.iter().filter(|j| j.part == JobPart::Load) {
+                let req = j.request.0;
+                let blocks = r.loading.remove(&req).unwrap_or_default();
+                let inv: Vec<u32> = blocks
+                    .iter()
+                    .copied()
+                    .filter(|b| unclaimed.remove(b))
+                    .collect();
+                r.parked.push(Parked {
+                    req,
+                    blocks,
+                    invalid: inv,
+                    to_engine: reported.contains(&req),
+                });
+            }
+            // Invalid blocks of no known load (none expected) go out at once.
+            let mut invalid: Vec<u32> = unclaimed.into_iter().collect();
+            let (mut recving, mut ended) = (Vec::new(), Vec::new());
+            let in_use = &r.in_use;
+            r.parked.retain(|p| {
+                if p.blocks.iter().any(|b| in_use.contains(b)) {
+                    return true;
+                }
+                if p.to_engine {
+                    recving.push(p.req);
+                    invalid.extend_from_slice(&p.invalid);
+                } else {
+                    ended.push(p.req);
+                }
+                false
+            });
+            Ok((out, recving, invalid, ended))
+        })?;
+        let jobs = if out.jobs.is_empty() {
+            Vec::new()
+        } else {
+            codec::encode_jobs(&out.jobs)
+        };
+        Ok((
+            out.finished_sending.iter().map(|r| r.0).collect(),
+            recving,
+            invalid,
+            PyBytes::new(py, &jobs),
+            ended,
+        ))
+    }
+
+    /// Jobs and requests in flight here, and loads held back (0 when idle).
+    fn in_flight(&self) -> PyResult<usize> {
+        self.with(|r| Ok(r.worker.in_flight() + r.parked.len() + r.loading.len()))
+    }
+
+    /// True when the driver's tracker holds no task, request, timer or zombie.
+    fn tracker_idle(&self) -> PyResult<bool> {
+        self.with(|r| {
+            let d = r
+                .runtime
+                .driver()
+                .ok_or_else(|| kvx_err("driver stopped"))?;
+            d.stats().map(|(_, empty)| empty).map_err(kvx_err)
+        })
+    }
+
+    /// Counters: the driver's tracker (tasks, zombies, timeouts, late completions) and the file
+    /// tier's (blocks loaded, stored, corrupt, rejected by an open breaker, I/Os in flight).
+    fn stats(&self) -> PyResult<Vec<(&'static str, u64)>> {
+        self.with(|r| {
+            let d = r
+                .runtime
+                .driver()
+                .ok_or_else(|| kvx_err("driver stopped"))?;
+            let (t, _) = d.stats().map_err(kvx_err)?;
+            let mut out = vec![
+                ("live_tasks", t.live_tasks as u64),
+                ("active_ops", t.active_ops as u64),
+                ("zombie_ops", t.zombie_ops as u64),
+                ("zombie_bytes", t.zombie_bytes),
+                ("late_completions", t.late_completions),
+                ("timed_out", t.timed_out),
+                ("host_blocks", r.worker.host_blocks() as u64),
+            ];
+            if let Some(f) = r.runtime.files() {
+                let p = f.stats();
+                out.extend([
+                    ("file_blocks", f.len() as u64),
+                    ("file_in_flight", p.in_flight as u64),
+                    ("file_written_off", p.written_off as u64),
+                    ("file_loaded", p.loaded),
+                    ("file_stored", p.stored),
+                    ("file_corrupt", p.corrupt),
+                    ("file_rejected", p.rejected),
+                ]);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Buffers lent out of the pool (host tier + staging + in flight).
+    fn pool_lent(&self) -> PyResult<usize> {
+        self.with(|r| Ok(r.worker.pool().lent()))
+    }
+
+    /// Bytes of one engine block, as kvx stores it.
+    fn block_bytes(&self) -> usize {
+        self.layout.block_bytes()
+    }
+
+    /// The registered regions: (base address, block stride, segment length) each.
+    fn regions(&self) -> Vec<(usize, usize, usize)> {
+        self.layout
+            .regions()
+            .iter()
+            .map(|r| (r.base, r.stride, r.segment_len))
+            .collect()
+    }
+
+    /// Blocks the file tier holds (0 without one).
+    fn file_blocks(&self) -> PyResult<usize> {
+        self.with(|r| Ok(r.runtime.files().map_or(0, |f| f.len())))
+    }
+
+    /// Path of the file that holds the block keyed `key` (16 bytes), without a file tier `None`.
+    fn file_block_path(&self, key: &[u8]) -> PyResult<Option<PathBuf>> {
+        let k = keys_from_bytes(key)?;
+        let [k] = k[..] else {
+            return Err(PyValueError::new_err("file_block_path: one 16-byte key"));
+        };
+        self.with(|r| Ok(r.runtime.files().map(|f| f.block_path(k))))
+    }
+
+    /// Stop the driver and its backends, then let go of the tensors. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let running = self.lock().take();
+        py.detach(move || {
+            if let Some(r) = running {
+                drop(r.worker);
+                r.runtime.shutdown();
+            }
+        });
+        self.tensors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+}

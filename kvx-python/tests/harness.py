@@ -1,0 +1,356 @@
+"""A CPU-only vLLM engine for the connector tests: vLLM's real v1 Scheduler and its own
+worker-side connector driver (ActiveKVConnector), with a fake model whose forward writes
+token-derived bytes into a CPU paged KV tensor, so every block kvx loads is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+BLOCK = 16
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 32
+VOCAB = 1000
+SLOT = KV_HEADS * HEAD  # int16 words of one token slot in one K or V plane
+
+init_none_hash(sha256)
+_HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def write_model_dir(root: Path) -> Path:
+    """A local model directory holding only a 2-layer Llama config.json (no weights)."""
+    d = root / "tiny-llama"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": KV_HEADS * HEAD,
+                "intermediate_size": 128,
+                "num_attention_heads": KV_HEADS,
+                "num_key_value_heads": KV_HEADS,
+                "head_dim": HEAD,
+                "num_hidden_layers": LAYERS,
+                "vocab_size": VOCAB,
+                "max_position_embeddings": 4096,
+                "torch_dtype": "float16",
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
+    return d
+
+
+def chain(h: int, tok: int) -> int:
+    """Prefix state after one more token (the fake model's "KV" depends on the whole prefix)."""
+    return ((h * 1_000_003) ^ (tok + 0x9E3779B9)) & 0xFFFFFFFFFFFF
+
+
+_ARANGE = torch.arange(SLOT, dtype=torch.int64)
+
+
+def slot_words(h: int, layer: int, plane: int) -> torch.Tensor:
+    """The int16 words the fake forward writes for a token whose prefix state is ``h``."""
+    base = (h ^ ((layer * 2 + plane + 1) * 0x5BD1E995)) & 0xFFFF
+    return ((base + _ARANGE * 0x3B + (h >> 16)) & 0xFFFF).to(torch.int16)
+
+
+@dataclass
+class Tracked:
+    """What the harness knows about one request."""
+
+    request: Request
+    states: list[int] = field(default_factory=list)  # prefix state after each token
+    entered_wait: float | None = None
+    waits: list[float] = field(default_factory=list)
+    load_blocks: list[list[int]] = field(default_factory=list)  # block ids of each load
+    finished_status: RequestStatus | None = None
+    seen_scheduled: bool = False
+
+
+class Engine:
+    """One engine: scheduler + worker connector + fake model over CPU KV tensors."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        extra: dict,
+        *,
+        num_blocks: int = 64,
+        policy: str = "recompute",
+        max_num_seqs: int = 8,
+        max_batched_tokens: int = 512,
+        kv_caches: dict | None = None,
+        prefix_caching: bool = False,
+        cross_layer: bool = False,
+    ):
+        self.num_blocks = num_blocks
+        model = ModelConfig(model=str(write_model_dir(tmp)), skip_tokenizer_init=True, dtype="float16",
+                            max_model_len=2048)
+        self.vllm_config = VllmConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_model_len=2048,
+                is_encoder_decoder=False,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_batched_tokens,
+                enable_chunked_prefill=True,
+            ),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvxConnector",
+                kv_connector_module_path="kvx.vllm",
+                kv_role="kv_both",
+                kv_load_failure_policy=policy,
+                kv_connector_extra_config=extra,
+            ),
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    [f"layer{i}" for i in range(LAYERS)],
+                    FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
+                                      dtype=torch.float16),
+                )
+            ],
+        )
+        # Worker side first: a bad layout must fail here, before any step.
+        self.worker = KVConnectorFactory.create_connector(
+            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        self.cross_layer = cross_layer
+        if kv_caches is None and cross_layer:
+            # One tensor for all layers, a block one contiguous run: (blocks, layers, K/V, ...).
+            big = torch.zeros((num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
+            kv_caches = {f"layer{i}": big[:, i] for i in range(LAYERS)}
+        elif kv_caches is None:
+            # vLLM's flash-attention layout: (K/V, blocks, block size, kv heads, head size).
+            kv_caches = {
+                f"layer{i}": torch.zeros((2, num_blocks, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
+                for i in range(LAYERS)
+            }
+        self.kv = kv_caches
+        try:
+            self.driver = ActiveKVConnector(self.vllm_config, kv_caches)
+        except Exception:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+            self.worker.shutdown()
+            raise
+        self.scheduler = Scheduler(
+            self.vllm_config,
+            self.kv_cache_config,
+            StructuredOutputManager(self.vllm_config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.conn = self.scheduler.connector
+        self.tracked: dict[str, Tracked] = {}
+        self.verified_blocks = 0
+        self.invalid_reported: list[set[int]] = []
+        self.recv_reported: set[str] = set()
+        self.send_reported: list[str] = []
+        self.steps = 0
+        self.meta_sizes: list[int] = []
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Tracked:
+        req = Request(
+            req_id,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            None,
+            block_hasher=_HASHER,
+        )
+        t = Tracked(req)
+        self.tracked[req_id] = t
+        self.scheduler.add_request(req)
+        return t
+
+    def _states(self, t: Tracked) -> list[int]:
+        toks = t.request.all_token_ids
+        h = t.states[-1] if t.states else 0
+        for tok in toks[len(t.states) :]:
+            h = chain(h, tok)
+            t.states.append(h)
+        return t.states
+
+    # -- the fake model ---------------------------------------------------------------------
+    def _plane(self, layer: int, plane: int) -> torch.Tensor:
+        """(blocks, block size, kv heads, head size) int16 view of one layer's K or V."""
+        t = self.kv[f"layer{layer}"].view(torch.int16)
+        return t[:, plane] if self.cross_layer else t[plane]
+
+    def _write(self, block: int, off: int, h: int) -> None:
+        for layer in range(LAYERS):
+            for plane in range(2):
+                self._plane(layer, plane)[block, off] = slot_words(h, layer, plane).view(KV_HEADS, HEAD)
+
+    def _check(self, t: Tracked, upto: int) -> None:
+        """Every full block below token ``upto`` holds its tokens' bytes."""
+        states = self._states(t)
+        ids = self.scheduler.kv_cache_manager.get_block_ids(t.request.request_id)[0]
+        for b in range(upto // BLOCK):
+            for layer in range(LAYERS):
+                for plane in range(2):
+                    got = self._plane(layer, plane)[ids[b]]
+                    want = torch.stack(
+                        [slot_words(states[b * BLOCK + o], layer, plane) for o in range(BLOCK)]
+                    ).view(BLOCK, KV_HEADS, HEAD)
+                    if not torch.equal(got, want):
+                        raise AssertionError(
+                            f"{t.request.request_id}: block {b} (engine block {ids[b]}) layer {layer} "
+                            f"plane {plane} does not hold its tokens' bytes"
+                        )
+            self.verified_blocks += 1
+
+    def _forward(self, so) -> ModelRunnerOutput:
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            t = self.tracked[req_id]
+            req = t.request
+            end = req.num_computed_tokens  # already advanced by the scheduler
+            start = end - n
+            if not t.seen_scheduled or start == 0 or self._resumed(so, req_id):
+                # First time this request runs (or again after a preemption): whatever it did
+                # not compute itself — local prefix cache, kvx loads — must already be exact.
+                self._check(t, start)
+                t.seen_scheduled = True
+            states = self._states(t)
+            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            for p in range(start, end):
+                self._write(ids[p // BLOCK], p % BLOCK, states[p])
+            req_ids.append(req_id)
+            sampled.append([states[end - 1] % VOCAB] if end >= req.num_tokens else [])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    @staticmethod
+    def _resumed(so, req_id: str) -> bool:
+        c = so.scheduled_cached_reqs
+        return req_id in getattr(c, "resumed_req_ids", ()) or False
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        now = time.monotonic()
+        for t in self.tracked.values():
+            if t.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and t.entered_wait is None:
+                t.entered_wait = now
+                t.load_blocks.append(list(self.scheduler.kv_cache_manager.get_block_ids(t.request.request_id)[0]))
+        # What crosses from the scheduler process to the worker is pickled, as in vLLM.
+        wire = pickle.dumps(so.kv_connector_metadata)
+        self.meta_sizes.append(len(wire))
+        so.kv_connector_metadata = pickle.loads(wire)
+        if so.total_num_scheduled_tokens == 0:
+            out = self.driver.no_forward(so)
+        else:
+            self.driver.pre_forward(so)
+            out = self._forward(so)
+            self.driver.finish_forward()
+            out.kv_connector_output = self.driver.post_forward(so.finished_req_ids)
+        kvo = out.kv_connector_output
+        now = time.monotonic()
+        if kvo is not None and kvo.kv_connector_worker_meta is not None:
+            kvo.kv_connector_worker_meta = pickle.loads(pickle.dumps(kvo.kv_connector_worker_meta))
+        if kvo is not None:
+            if kvo.invalid_block_ids:
+                self.invalid_reported.append(set(kvo.invalid_block_ids))
+            for r in kvo.finished_recving or ():
+                self.recv_reported.add(r)
+                t = self.tracked.get(r)
+                if t is not None and t.entered_wait is not None:
+                    t.waits.append(now - t.entered_wait)
+                    t.entered_wait = None
+            self.send_reported.extend(kvo.finished_sending or ())
+        outputs = self.scheduler.update_from_output(so, out)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    t = self.tracked[o.request_id]
+                    t.finished_status = t.request.status
+        self.steps += 1
+
+    def run(self, timeout: float = 30.0, until=None) -> None:
+        """Step until every request finished and kvx and vLLM are idle (or ``until()``)."""
+        end = time.monotonic() + timeout
+        while True:
+            self.step()
+            if until is not None and until():
+                return
+            if until is None and self.idle():
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"not idle after {timeout}s: {self.state()}")
+            if self.scheduler.get_num_unfinished_requests() == 0:
+                time.sleep(0.001)
+
+    # -- state ------------------------------------------------------------------------------
+    def state(self) -> dict:
+        s = self.scheduler
+        return {
+            "vllm_requests": len(s.requests),
+            "vllm_unfinished": s.get_num_unfinished_requests(),
+            "vllm_recving": len(s.finished_recving_kv_req_ids) + len(s.failed_recving_kv_req_ids),
+            "vllm_used_blocks": self.num_blocks - 1 - s.kv_cache_manager.block_pool.get_num_free_blocks(),
+            **{f"sched_{k}": v for k, v in self.conn.state_counts().items()},
+            **{f"worker_{k}": v for k, v in self.worker.state_counts().items()},
+        }
+
+    def idle(self) -> bool:
+        return all(v == 0 for v in self.state().values())
+
+    def keys_of(self, req_id: str) -> bytes:
+        """kvx block keys of a request's full blocks (16 bytes each)."""
+        part = self.conn._sched
+        return part._keys(part._req(self.tracked[req_id].request))
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """A deterministic prompt of ``n`` tokens."""
+    x = seed * 7919 + 17
+    out = []
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+        out.append(x % (VOCAB - 10) + 5)
+    return out

@@ -1,0 +1,159 @@
+"""Bad input is a clear error at construction, naming the problem — never a crash in a step."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from harness import BLOCK, HEAD, KV_HEADS, LAYERS, Engine, prompt
+
+from kvx import KvxConfig, KvxError, WorkerHalf
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"host_blocks": 8, "hots_blocks": 8}, ["unknown key", "'hots_blocks'"]),
+        ({"host_blocks": "8"}, ["'host_blocks'", "positive integer", "'8'"]),
+        ({"host_blocks": 0}, ["'host_blocks'", "positive integer"]),
+        ({"host_blocks": True}, ["'host_blocks'", "positive integer"]),
+        ({"load_deadline_ms": -5}, ["'load_deadline_ms'"]),
+        ({"store_deadline_ms": 1.5}, ["'store_deadline_ms'"]),
+        ({"io_engine": "aio"}, ["'io_engine'", "'uring' or 'psync'", "'aio'"]),
+        ({"eviction": "fifo"}, ["'eviction'", "'lru' or 'arc'", "'fifo'"]),
+        ({"file_dirs": "/tmp"}, ["'file_dirs'", "list"]),
+        ({"file_dirs": []}, ["'file_dirs'", "list"]),
+        ({"file_dirs": ["/nonexistent/kvx-dir"]}, ["'file_dirs'", "/nonexistent/kvx-dir", "does not exist"]),
+    ],
+)
+def test_bad_extra_config_fails_at_construction(tmp_path, extra, words):
+    with pytest.raises(ValueError) as e:
+        Engine(tmp_path, extra)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_defaults_are_documented_values():
+    c = KvxConfig.from_extra(None)
+    assert (c.host_blocks, c.file_dirs, c.file_blocks, c.io_engine) == (1024, None, 16384, "uring")
+    assert (c.load_deadline_ms, c.store_deadline_ms, c.eviction) == (10_000, 30_000, "lru")
+
+
+def test_read_only_file_dir_fails_at_construction(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    if r.returncode != 0:
+        reason = f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}"
+        print(f"skip: test_read_only_file_dir_fails_at_construction: {reason}")
+        pytest.skip(reason)
+    try:
+        with pytest.raises(ValueError) as e:
+            Engine(tmp_path, {"file_dirs": [str(ro)]})
+        assert "'file_dirs'" in str(e.value) and str(ro) in str(e.value) and "not writable" in str(e.value)
+        # The native half checks for itself too (the store's write probe), naming the root.
+        with pytest.raises(ValueError) as e:
+            t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
+            WorkerHalf(
+                [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")],
+                [t], 8, BLOCK, 4, 100, 100, "psync", file_dirs=[str(ro)], file_blocks=16,
+            )
+        assert str(ro) in str(e.value)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def layers(make):
+    return {f"layer{i}": make() for i in range(LAYERS)}
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        # No dimension holds the blocks (vLLM's num_blocks is 64 here).
+        (lambda: torch.zeros((2, 63, BLOCK, KV_HEADS, HEAD), dtype=torch.float16), ["no dimension of size num_blocks=64"]),
+        # Heads and positions swapped by a view: a block is not one run per plane.
+        (
+            lambda: torch.zeros((2, 64, KV_HEADS, BLOCK, HEAD), dtype=torch.float16).transpose(2, 3),
+            ["not contiguous", "layer0"],
+        ),
+        (lambda: torch.zeros((2, 64, BLOCK, KV_HEADS, HEAD), dtype=torch.float16, device="meta"), ["unsupported device", "meta"]),
+    ],
+)
+def test_undescribable_tensor_layout_fails_at_registration(tmp_path, make, words):
+    with pytest.raises(ValueError) as e:
+        Engine(tmp_path, {"host_blocks": 8}, kv_caches=layers(make))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_cuda_tensor_is_a_clear_error():
+    with pytest.raises(ValueError) as e:
+        WorkerHalf(
+            [("layer0", 0x7F0000000000, [2, 8, BLOCK, KV_HEADS, HEAD], [8 * BLOCK * KV_HEADS * HEAD, BLOCK * KV_HEADS * HEAD, KV_HEADS * HEAD, HEAD, 1], 2, "cuda:0")],
+            [], 8, BLOCK, 4, 100, 100, "psync",
+        )
+    assert "CUDA tensors need the kvx-cuda backend: not wired in this build" in str(e.value)
+
+
+def test_malformed_step_metadata_is_an_error_not_a_crash():
+    t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
+    w = WorkerHalf(
+        [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")], [t], 8, BLOCK, 4, 100, 100, "psync"
+    )
+    try:
+        for bad in (b"", b"\x07", b"\x01\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x01" + bytes(40)):
+            with pytest.raises(KvxError):
+                w.start_step(bad)
+        assert w.in_flight() == 0
+    finally:
+        w.close()
+    with pytest.raises(KvxError):
+        w.start_step(b"\x01")
+
+
+def test_cross_layer_tensor_is_one_contiguous_region_and_round_trips(tmp_path):
+    e = Engine(tmp_path, {"host_blocks": 16}, cross_layer=True)
+    try:
+        half = e.worker._worker.half
+        block_bytes = LAYERS * 2 * BLOCK * KV_HEADS * HEAD * 2
+        assert half.block_bytes() == block_bytes
+        (base, stride, seg), = half.regions()
+        assert (base, stride, seg) == (e.kv["layer0"].data_ptr(), block_bytes, block_bytes)
+        p = prompt(40, 3 * BLOCK + 1)
+        e.add("a", p)
+        e.run()
+        e.add("b", p)
+        e.run()
+        assert e.conn.stats()["host_hit_blocks"] == 3
+        assert e.verified_blocks == 3
+    finally:
+        e.close()
+
+
+def test_per_layer_tensors_are_strided_regions_in_layer_then_kv_order(tmp_path):
+    e = Engine(tmp_path, {"host_blocks": 8})
+    try:
+        regions = e.worker._worker.half.regions()
+        seg = BLOCK * KV_HEADS * HEAD * 2
+        want = []
+        for i in range(LAYERS):
+            t = e.kv[f"layer{i}"]
+            for plane in range(2):
+                want.append((t[plane].data_ptr(), seg, seg))
+        assert regions == want
+    finally:
+        e.close()
+
+
+def test_connector_worker_does_not_swallow_a_bad_step(tmp_path):
+    from kvx.vllm import KvxConnectorMetadata
+
+    e = Engine(tmp_path, {"host_blocks": 8})
+    try:
+        with pytest.raises(KvxError) as err:
+            e.worker.handle_preemptions(KvxConnectorMetadata(b"\x07", {}, {}, []))
+        assert "encoding version 7" in str(err.value)
+    finally:
+        e.close()
