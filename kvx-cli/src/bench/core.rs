@@ -1,0 +1,298 @@
+//! `kvx bench core [--json]`: the kvx-core tracker on its own, on one core, with no backend and
+//! no I/O: tasks per second through submit → op handed out → completion → verdict (one block
+//! per task, an engine block each), the cost of expiring 1,000 tasks among 10 k and among 1 M
+//! in flight, and the heap allocations each task costs.
+
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kvx_core::{
+    BackendCommand, BackendId, BlockKey, Buf, BufferPool, Direction, EngineBlockId, OpBlock,
+    OpCompletion, RequestId, TaskSpec, Tracker, TrackerConfig,
+};
+
+use super::counting_alloc::allocations;
+
+/// Options of `kvx bench core`.
+#[derive(Args)]
+pub struct CoreArgs {
+    /// Tasks per throughput round.
+    #[arg(long, default_value_t = 200_000)]
+    tasks: u64,
+    /// Throughput rounds (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Expiry rounds per size (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    expiry_rounds: usize,
+    /// Print the results as JSON (one line).
+    #[arg(long)]
+    json: bool,
+}
+
+/// Engine blocks the throughput tasks cycle through.
+const ENGINE_BLOCKS: u64 = 4096;
+/// Tasks expired per expiry round.
+const EXPIRED: usize = 1000;
+
+/// A one-block load task of request `req`.
+fn spec(
+    pool: &BufferPool,
+    req: u64,
+    engine: Option<u32>,
+    route: BackendId,
+    at: Instant,
+) -> TaskSpec {
+    TaskSpec {
+        request: RequestId(req),
+        dir: Direction::Load,
+        route: vec![route],
+        blocks: vec![OpBlock {
+            key: BlockKey(req as u128),
+            engine: engine.map(EngineBlockId),
+            buf: Buf::Owned(pool.take().expect("the bench pool holds a buffer per task")),
+        }],
+        deadline: at,
+        deferred: false,
+    }
+}
+
+/// Run the benchmark; returns the exit code.
+pub fn run(args: CoreArgs) -> i32 {
+    match measure(&args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kvx bench core: {e}");
+            1
+        }
+    }
+}
+
+/// A tracker with one backend and a pool for the throughput tasks.
+struct Rig {
+    tracker: Tracker,
+    backend: BackendId,
+    pool: BufferPool,
+    now: Instant,
+    deadline: Instant,
+    ops: Vec<kvx_core::Op>,
+}
+
+impl Rig {
+    fn new() -> Result<Rig, String> {
+        let mut tracker = Tracker::new(TrackerConfig::default());
+        let backend = tracker.add_backend(true);
+        let now = Instant::now();
+        Ok(Rig {
+            tracker,
+            backend,
+            pool: BufferPool::new(64, 64, 64).map_err(|e| e.to_string())?,
+            now,
+            deadline: now + Duration::from_secs(3600),
+            ops: Vec::with_capacity(4),
+        })
+    }
+
+    fn spec(&self, i: u64) -> TaskSpec {
+        let engine = Some((i % ENGINE_BLOCKS) as u32);
+        spec(&self.pool, i, engine, self.backend, self.deadline)
+    }
+
+    /// One task through the tracker; returns false when its verdict was not Done.
+    fn one_task(&mut self, s: TaskSpec) -> bool {
+        let Rig {
+            tracker, ops, now, ..
+        } = self;
+        tracker.submit(s, *now);
+        while let Some(BackendCommand::Submit { op, .. }) = tracker.poll_backend_command() {
+            ops.push(op);
+        }
+        for op in ops.drain(..) {
+            tracker.handle_completion(OpCompletion::all(op, Ok(())), *now);
+        }
+        let mut ok = false;
+        while let Some(ev) = tracker.poll_event() {
+            if let kvx_core::Event::TaskFinished(r) = ev {
+                ok = r.is_ok();
+            }
+        }
+        ok
+    }
+
+    /// `n` tasks, one after the other; the time they took.
+    #[inline(never)]
+    fn throughput_round(&mut self, first: u64, n: u64) -> Result<Duration, String> {
+        let start = Instant::now();
+        for i in first..first + n {
+            let s = self.spec(i);
+            if !self.one_task(s) {
+                return Err(format!("task {i} did not end Done"));
+            }
+        }
+        Ok(start.elapsed())
+    }
+
+    /// Allocations per task inside the tracker's calls, and outside them (the spec's two
+    /// vectors and the completion's result vector, which the caller and the backend build).
+    fn allocations_per_task(&mut self, first: u64, n: u64) -> (f64, f64) {
+        let (mut inside, mut outside) = (0u64, 0u64);
+        for i in first..first + n {
+            let a0 = allocations();
+            let s = self.spec(i);
+            let a1 = allocations();
+            self.tracker.submit(s, self.now);
+            while let Some(BackendCommand::Submit { op, .. }) = self.tracker.poll_backend_command()
+            {
+                self.ops.push(op);
+            }
+            let a2 = allocations();
+            let completions: Vec<OpCompletion> = self
+                .ops
+                .drain(..)
+                .map(|op| OpCompletion::all(op, Ok(())))
+                .collect();
+            let a3 = allocations();
+            for c in completions {
+                self.tracker.handle_completion(c, self.now);
+            }
+            while self.tracker.poll_event().is_some() {}
+            let a4 = allocations();
+            outside += (a1 - a0) + (a3 - a2);
+            // The `completions` vector itself is bench scaffolding, not the backend's.
+            outside -= 1;
+            inside += (a2 - a1) + (a4 - a3);
+        }
+        (inside as f64 / n as f64, outside as f64 / n as f64)
+    }
+}
+
+/// `in_flight` tasks far from their deadline, then rounds of 1,000 more that expire together:
+/// the median time `handle_timeout` takes to end the 1,000, in milliseconds.
+fn expiry_ms(in_flight: usize, rounds: usize) -> Result<f64, String> {
+    let pool = BufferPool::new(in_flight + EXPIRED, 8, 8).map_err(|e| e.to_string())?;
+    let mut t = Tracker::new(TrackerConfig {
+        zombie_budget_ops: usize::MAX,
+        zombie_budget_bytes: u64::MAX,
+    });
+    let file = t.add_backend(false);
+    let mut now = Instant::now();
+    let far = now + Duration::from_secs(24 * 3600);
+    let mut held = Vec::with_capacity(in_flight);
+    for i in 0..in_flight as u64 {
+        t.submit(spec(&pool, i, None, file, far), now);
+    }
+    while let Some(BackendCommand::Submit { op, .. }) = t.poll_backend_command() {
+        held.push(op);
+    }
+    let mut req = in_flight as u64;
+    let mut times = Vec::with_capacity(rounds);
+    let mut victims = Vec::with_capacity(EXPIRED);
+    // Three warm-up rounds, not counted.
+    for round in 0..rounds + 3 {
+        let soon = now + Duration::from_millis(1);
+        for _ in 0..EXPIRED {
+            req += 1;
+            t.submit(spec(&pool, req, None, file, soon), now);
+        }
+        while let Some(BackendCommand::Submit { op, .. }) = t.poll_backend_command() {
+            victims.push(op);
+        }
+        now = soon;
+        let took = expire(&mut t, now);
+        if round >= 3 {
+            times.push(took);
+        }
+        let mut timed_out = 0;
+        while let Some(ev) = t.poll_event() {
+            if let kvx_core::Event::TaskFinished(r) = ev {
+                timed_out += usize::from(r.state == kvx_core::TaskState::TimedOut);
+            }
+        }
+        if timed_out != EXPIRED {
+            return Err(format!("{timed_out} of {EXPIRED} tasks timed out"));
+        }
+        while t.poll_backend_command().is_some() {}
+        for op in victims.drain(..) {
+            t.handle_completion(OpCompletion::all(op, Ok(())), now);
+        }
+        let s = t.stats();
+        if s.live_tasks != in_flight || s.zombie_ops != 0 {
+            return Err(format!(
+                "after a round: {} live tasks (want {in_flight}), {} zombies (want 0)",
+                s.live_tasks, s.zombie_ops
+            ));
+        }
+    }
+    drop(held);
+    Ok(median(&mut times).as_secs_f64() * 1e3)
+}
+
+/// The timed part of an expiry round.
+#[inline(never)]
+fn expire(t: &mut Tracker, now: Instant) -> Duration {
+    let start = Instant::now();
+    t.handle_timeout(now);
+    start.elapsed()
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn measure(args: &CoreArgs) -> Result<(), String> {
+    if args.tasks == 0 || args.rounds == 0 || args.expiry_rounds == 0 {
+        return Err("--tasks, --rounds and --expiry-rounds must be positive".into());
+    }
+    let mut rig = Rig::new()?;
+    // Warm-up: the tracker's maps and queues reach their steady size.
+    rig.throughput_round(0, args.tasks.min(20_000))?;
+    let (allocs, caller_allocs) = rig.allocations_per_task(0, 10_000);
+    let mut times = Vec::with_capacity(args.rounds);
+    for _ in 0..args.rounds {
+        times.push(rig.throughput_round(0, args.tasks)?);
+    }
+    let per_round = median(&mut times);
+    let tasks_per_s = args.tasks as f64 / per_round.as_secs_f64();
+    if rig.tracker.stats().live_tasks != 0 {
+        return Err("tasks left live after the throughput rounds".into());
+    }
+    let at_10k = expiry_ms(10_000, args.expiry_rounds)?;
+    let at_1m = expiry_ms(1_000_000, args.expiry_rounds)?;
+    if args.json {
+        let v = serde_json::json!({
+            "bench": "core",
+            "tasks": args.tasks,
+            "rounds": args.rounds,
+            "tasks_per_s": tasks_per_s,
+            "ns_per_task": 1e9 / tasks_per_s,
+            "allocs_per_task": allocs,
+            "caller_allocs_per_task": caller_allocs,
+            "expire_1000_ms_at_10k": at_10k,
+            "expire_1000_ms_at_1m": at_1m,
+            "expire_ratio_1m_to_10k": at_1m / at_10k,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "kvx bench core: the tracker alone, one core; {} rounds of {} one-block tasks",
+            args.rounds, args.tasks
+        );
+        println!(
+            "  submit -> complete       {:10.0} tasks/s  ({:.0} ns per task, median round)",
+            tasks_per_s,
+            1e9 / tasks_per_s
+        );
+        println!(
+            "  allocations per task     {allocs:10.2} in the tracker, {caller_allocs:.2} by the \
+             caller and backend"
+        );
+        println!(
+            "  expire 1000 tasks        {at_10k:10.3} ms among 10 k in flight, {at_1m:.3} ms \
+             among 1 M ({:.2}x), median of {} rounds",
+            at_1m / at_10k,
+            args.expiry_rounds
+        );
+    }
+    Ok(())
+}
