@@ -25,9 +25,21 @@ pub struct CoreArgs {
     /// Expiry rounds per size (the median is reported).
     #[arg(long, default_value_t = 30)]
     expiry_rounds: usize,
+    /// Run only one part (for profilers); the other part's figures are left out.
+    #[arg(long, value_enum)]
+    only: Option<Part>,
     /// Print the results as JSON (one line).
     #[arg(long)]
     json: bool,
+}
+
+/// The two parts of the benchmark.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    /// Tasks per second and allocations per task.
+    Throughput,
+    /// The cost of expiring 1,000 tasks among 10 k and 1 M in flight.
+    Expiry,
 }
 
 /// Engine blocks the throughput tasks cycle through.
@@ -240,10 +252,14 @@ fn median(v: &mut [Duration]) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
-fn measure(args: &CoreArgs) -> Result<(), String> {
-    if args.tasks == 0 || args.rounds == 0 || args.expiry_rounds == 0 {
-        return Err("--tasks, --rounds and --expiry-rounds must be positive".into());
-    }
+/// Tasks per second (median round) and allocations per task, inside and outside the tracker.
+struct Throughput {
+    tasks_per_s: f64,
+    allocs: f64,
+    caller_allocs: f64,
+}
+
+fn throughput(args: &CoreArgs) -> Result<Throughput, String> {
     let mut rig = Rig::new()?;
     // Warm-up: the tracker's maps and queues reach their steady size.
     rig.throughput_round(0, args.tasks.min(20_000))?;
@@ -252,44 +268,70 @@ fn measure(args: &CoreArgs) -> Result<(), String> {
     for _ in 0..args.rounds {
         times.push(rig.throughput_round(0, args.tasks)?);
     }
-    let per_round = median(&mut times);
-    let tasks_per_s = args.tasks as f64 / per_round.as_secs_f64();
     if rig.tracker.stats().live_tasks != 0 {
         return Err("tasks left live after the throughput rounds".into());
     }
-    let at_10k = expiry_ms(10_000, args.expiry_rounds)?;
-    let at_1m = expiry_ms(1_000_000, args.expiry_rounds)?;
+    Ok(Throughput {
+        tasks_per_s: args.tasks as f64 / median(&mut times).as_secs_f64(),
+        allocs,
+        caller_allocs,
+    })
+}
+
+fn measure(args: &CoreArgs) -> Result<(), String> {
+    if args.tasks == 0 || args.rounds == 0 || args.expiry_rounds == 0 {
+        return Err("--tasks, --rounds and --expiry-rounds must be positive".into());
+    }
+    let tp = match args.only {
+        Some(Part::Expiry) => None,
+        _ => Some(throughput(args)?),
+    };
+    let expiry = match args.only {
+        Some(Part::Throughput) => None,
+        _ => Some((
+            expiry_ms(10_000, args.expiry_rounds)?,
+            expiry_ms(1_000_000, args.expiry_rounds)?,
+        )),
+    };
     if args.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "bench": "core",
             "tasks": args.tasks,
             "rounds": args.rounds,
-            "tasks_per_s": tasks_per_s,
-            "ns_per_task": 1e9 / tasks_per_s,
-            "allocs_per_task": allocs,
-            "caller_allocs_per_task": caller_allocs,
-            "expire_1000_ms_at_10k": at_10k,
-            "expire_1000_ms_at_1m": at_1m,
-            "expire_ratio_1m_to_10k": at_1m / at_10k,
+            "expiry_rounds": args.expiry_rounds,
         });
+        if let Some(tp) = &tp {
+            v["tasks_per_s"] = tp.tasks_per_s.into();
+            v["ns_per_task"] = (1e9 / tp.tasks_per_s).into();
+            v["allocs_per_task"] = tp.allocs.into();
+            v["caller_allocs_per_task"] = tp.caller_allocs.into();
+        }
+        if let Some((at_10k, at_1m)) = expiry {
+            v["expire_1000_ms_at_10k"] = at_10k.into();
+            v["expire_1000_ms_at_1m"] = at_1m.into();
+            v["expire_ratio_1m_to_10k"] = (at_1m / at_10k).into();
+        }
         println!("{v}");
-    } else {
+        return Ok(());
+    }
+    println!("kvx bench core: the tracker alone on one core, one-block tasks");
+    if let Some(tp) = &tp {
         println!(
-            "kvx bench core: the tracker alone, one core; {} rounds of {} one-block tasks",
-            args.rounds, args.tasks
+            "  submit -> complete   {:10.0} tasks/s  ({:.0} ns per task; median of {} rounds of {})",
+            tp.tasks_per_s,
+            1e9 / tp.tasks_per_s,
+            args.rounds,
+            args.tasks
         );
         println!(
-            "  submit -> complete       {:10.0} tasks/s  ({:.0} ns per task, median round)",
-            tasks_per_s,
-            1e9 / tasks_per_s
+            "  allocations per task {:10.2} in the tracker, {:.2} by the caller and backend",
+            tp.allocs, tp.caller_allocs
         );
+    }
+    if let Some((at_10k, at_1m)) = expiry {
         println!(
-            "  allocations per task     {allocs:10.2} in the tracker, {caller_allocs:.2} by the \
-             caller and backend"
-        );
-        println!(
-            "  expire 1000 tasks        {at_10k:10.3} ms among 10 k in flight, {at_1m:.3} ms \
-             among 1 M ({:.2}x), median of {} rounds",
+            "  expire 1000 tasks    {at_10k:10.3} ms among 10 k in flight, {at_1m:.3} ms among \
+             1 M ({:.2}x); median of {} rounds",
             at_1m / at_10k,
             args.expiry_rounds
         );

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::backend::SubmitError;
 use crate::buffer::{Buf, BufferPool};
+use crate::ids::{BlockKey, EngineBlockId};
 use crate::op::{BlockError, Op, OpCompletion};
 use crate::task::{FailReason, TaskReport, TaskSpec, TaskState};
 
@@ -13,7 +14,8 @@ const MS: Duration = Duration::from_millis(1);
 impl Tracker {
     /// State of a live task (`None` once it ended).
     fn task_state(&self, task: TaskId) -> Option<TaskState> {
-        self.tasks.get(&task).map(|t| match t.phase {
+        let slot = *self.task_slots.get(&task)?;
+        self.tasks.get(slot).map(|t| match t.phase {
             Phase::InFlight(_) => TaskState::InFlight,
             _ => TaskState::Queued,
         })
