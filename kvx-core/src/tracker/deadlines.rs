@@ -1,7 +1,11 @@
 //! Task deadlines in slots of one [`crate::TICK`] (1 ms) in an ordered map (a timer wheel
 //! without wrap-around): expiring N tasks costs O(N) plus one map step per slot, whatever the
-//! number of tasks in flight; finding the next deadline looks at the first slot only. Emptied
-//! slot vectors are kept for new slots, so a steady load allocates nothing here.
+//! number of tasks in flight; finding the next deadline looks at the first slot only.
+//!
+//! Deadlines mostly arrive in order (the same timeout after a later `now`), so the latest slot
+//! is kept out of the map: most pushes land in it without a map step, and the map gains one
+//! node per millisecond, not one per task. Emptied slot vectors are kept for new slots, so a
+//! steady load allocates nothing here.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -14,6 +18,9 @@ pub(crate) type Entry = (Instant, TaskId, u32);
 /// Emptied slot vectors kept for reuse, at most.
 const SPARES: usize = 64;
 
+/// One tick in nanoseconds.
+const TICK_NS: u64 = crate::TICK.as_nanos() as u64;
+
 /// Deadlines of live tasks. Entries of tasks that ended are dropped lazily: when their slot
 /// comes up, when stale entries dominate, or all at once when no task is live any more (so an
 /// idle tracker holds no timer).
@@ -22,7 +29,11 @@ pub(crate) struct Deadlines {
     /// Slot 0 starts here: the `now` of the first push since the last clear (deadlines are
     /// never before the `now` they were submitted at).
     origin: Option<Instant>,
+    /// Every slot but the latest.
     slots: BTreeMap<u64, Vec<Entry>>,
+    /// The latest slot: later than every slot in `slots`, and `None` only when `slots` is
+    /// empty too.
+    latest: Option<(u64, Vec<Entry>)>,
     len: usize,
     /// Emptied slot vectors, for new slots.
     spares: Vec<Vec<Entry>>,
@@ -32,19 +43,32 @@ impl Deadlines {
     /// The slot of `at`: ticks since the origin.
     fn slot(&self, at: Instant) -> u64 {
         self.origin.map_or(0, |o| {
-            (at.saturating_duration_since(o).as_nanos() / crate::TICK.as_nanos()) as u64
+            let ns = at.saturating_duration_since(o).as_nanos();
+            u64::try_from(ns).unwrap_or(u64::MAX) / TICK_NS
         })
     }
 
     pub(crate) fn push(&mut self, now: Instant, e: Entry) {
         self.origin.get_or_insert(now);
         let s = self.slot(e.0);
-        let spares = &mut self.spares;
-        self.slots
-            .entry(s)
-            .or_insert_with(|| spares.pop().unwrap_or_default())
-            .push(e);
         self.len += 1;
+        match &mut self.latest {
+            Some((latest, v)) if *latest == s => v.push(e),
+            Some((latest, _)) if *latest > s => {
+                let spares = &mut self.spares;
+                self.slots
+                    .entry(s)
+                    .or_insert_with(|| spares.pop().unwrap_or_default())
+                    .push(e);
+            }
+            _ => {
+                let mut v = self.spares.pop().unwrap_or_default();
+                v.push(e);
+                if let Some((older, w)) = self.latest.replace((s, v)) {
+                    self.slots.insert(older, w);
+                }
+            }
+        }
     }
 
     /// Keep an emptied slot vector for a later slot.
@@ -55,38 +79,57 @@ impl Deadlines {
         }
     }
 
+    /// The earliest slot and its entries.
+    fn first_mut(&mut self) -> Option<(u64, &mut Vec<Entry>)> {
+        match self.slots.first_entry() {
+            Some(e) => Some((*e.key(), e.into_mut())),
+            None => self.latest.as_mut().map(|(s, v)| (*s, v)),
+        }
+    }
+
+    /// Remove the earliest slot (its entries are no longer counted) and keep its vector.
+    fn drop_first(&mut self) {
+        let v = match self.slots.pop_first() {
+            Some((_, v)) => v,
+            None => match self.latest.take() {
+                Some((_, v)) => v,
+                None => return,
+            },
+        };
+        self.len -= v.len();
+        self.recycle(v);
+    }
+
     /// Earliest live entry, after dropping those for which `is_live` says the task ended.
     pub(crate) fn peek(&mut self, mut is_live: impl FnMut(&Entry) -> bool) -> Option<Instant> {
-        while let Some(mut first) = self.slots.first_entry() {
-            let v = first.get_mut();
+        loop {
+            let (_, v) = self.first_mut()?;
             let before = v.len();
             v.retain(&mut is_live);
-            self.len -= before - v.len();
-            if let Some(min) = v.iter().map(|e| e.0).min() {
-                return Some(min);
+            let (removed, min) = (before - v.len(), v.iter().map(|e| e.0).min());
+            self.len -= removed;
+            if min.is_some() {
+                return min;
             }
-            let v = first.remove();
-            self.recycle(v);
+            self.drop_first();
         }
-        None
     }
 
     /// Move every entry due at or before `now` into `out`.
     pub(crate) fn drain_due(&mut self, now: Instant, out: &mut Vec<Entry>) {
         let now_slot = self.slot(now);
-        while let Some(mut first) = self.slots.first_entry() {
-            if *first.key() > now_slot {
+        while let Some((s, v)) = self.first_mut() {
+            if s > now_slot {
                 break;
             }
-            if *first.key() < now_slot {
-                let mut v = first.remove();
-                self.len -= v.len();
-                out.append(&mut v);
-                self.recycle(v);
+            if s < now_slot {
+                let n = v.len();
+                out.append(v);
+                self.len -= n;
+                self.drop_first();
                 continue;
             }
             // The current millisecond: only what is really due.
-            let v = first.get_mut();
             let before = v.len();
             let mut i = 0;
             while i < v.len() {
@@ -96,10 +139,10 @@ impl Deadlines {
                     i += 1;
                 }
             }
-            self.len -= before - v.len();
-            if v.is_empty() {
-                let v = first.remove();
-                self.recycle(v);
+            let (removed, empty) = (before - v.len(), v.is_empty());
+            self.len -= removed;
+            if empty {
+                self.drop_first();
             }
             break;
         }
@@ -114,7 +157,17 @@ impl Deadlines {
                 v.retain(&mut is_live);
             }
             self.slots.retain(|_, v| !v.is_empty());
-            self.len = self.slots.values().map(Vec::len).sum();
+            if let Some((_, v)) = &mut self.latest {
+                v.retain(&mut is_live);
+            }
+            self.len = self.slots.values().map(Vec::len).sum::<usize>()
+                + self.latest.as_ref().map_or(0, |(_, v)| v.len());
+            if self.latest.as_ref().is_some_and(|(_, v)| v.is_empty()) {
+                let empty = std::mem::replace(&mut self.latest, self.slots.pop_last());
+                if let Some((_, v)) = empty {
+                    self.recycle(v);
+                }
+            }
         }
     }
 
@@ -126,6 +179,9 @@ impl Deadlines {
     /// for reuse, so a tracker that keeps going from one task to none allocates nothing.)
     pub(crate) fn clear(&mut self) {
         while let Some((_, v)) = self.slots.pop_first() {
+            self.recycle(v);
+        }
+        if let Some((_, v)) = self.latest.take() {
             self.recycle(v);
         }
         self.len = 0;
@@ -164,5 +220,37 @@ mod tests {
         assert_eq!(d.len(), 0);
         assert_eq!(d.peek(|_| true), None);
         assert!(!d.spares.is_empty(), "emptied slot vectors are kept");
+    }
+
+    #[test]
+    fn out_of_order_pushes_drain_in_order_through_the_latest_slot() {
+        let t0 = Instant::now();
+        let mut d = Deadlines::default();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        // In order, out of order, into the latest slot, then a new latest slot.
+        for (i, at) in [3, 7, 5, 7, 1, 9, 5].into_iter().enumerate() {
+            d.push(t0, (ms(at), TaskId(i as u64), 0));
+        }
+        assert_eq!(d.len(), 7);
+        assert_eq!(d.peek(|_| true), Some(ms(1)));
+        let mut out = Vec::new();
+        d.drain_due(ms(7), &mut out);
+        let mut got: Vec<u64> = out.iter().map(|e| e.1.0).collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 1, 2, 3, 4, 6], "everything up to 7 ms");
+        assert_eq!(d.len(), 1);
+        assert_eq!(d.peek(|_| true), Some(ms(9)));
+        // Stale entries dominate: compaction drops them, the latest slot included.
+        for i in 0..2000 {
+            d.push(t0, (ms(20 + i % 3), TaskId(100 + i), 0));
+        }
+        d.compact(1, |e| e.1 == TaskId(5));
+        assert_eq!(d.len(), 1);
+        assert_eq!(d.peek(|_| true), Some(ms(9)));
+        out.clear();
+        d.drain_due(ms(100), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(d.len(), 0);
+        assert_eq!(d.peek(|_| true), None);
     }
 }
