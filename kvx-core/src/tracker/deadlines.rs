@@ -129,16 +129,16 @@ impl Deadlines {
                 self.drop_first();
                 continue;
             }
-            // The current millisecond: only what is really due.
+            // The current millisecond: only what is really due, in push order (mostly the
+            // deadline order already, which keeps the caller's sort cheap).
             let before = v.len();
-            let mut i = 0;
-            while i < v.len() {
-                if v[i].0 <= now {
-                    out.push(v.swap_remove(i));
-                } else {
-                    i += 1;
+            v.retain(|e| {
+                let due = e.0 <= now;
+                if due {
+                    out.push(*e);
                 }
-            }
+                !due
+            });
             let (removed, empty) = (before - v.len(), v.is_empty());
             self.len -= removed;
             if empty {

@@ -4,12 +4,12 @@
 //! stage machine: submit, hand ops out, complete, time out, terminate), `ordering` (who may
 //! touch an engine block when: per-block queues and fences), `lifecycle` (a request's life:
 //! preempt, finish, release, reset), `requests` (a request's list of live tasks), and the data
-//! structures: `slab` (where tasks, ops and requests live), `engine_set`, `holders` and
-//! `deadlines`.
+//! structures: `slab` (where tasks, ops and requests live), `task_index`, `engine_set`,
+//! `holders` and `deadlines`.
 //!
 //! Tasks, ops and requests live in slabs and refer to each other by slot, so the hot path
-//! (submit → op out → completion → verdict) hashes only the task id (and the request id when
-//! a request is new or ends); an op id carries its slot. A one-block task allocates only the
+//! (submit → op out → completion → verdict) hashes only the request id; a task id finds its
+//! slot through a window over recent ids, and an op id carries its slot. A one-block task allocates only the
 //! vector of its verdict's block reports.
 
 mod deadlines;
@@ -20,6 +20,7 @@ mod ordering;
 mod requests;
 mod slab;
 mod stages;
+mod task_index;
 mod types;
 
 use std::collections::VecDeque;
@@ -34,6 +35,7 @@ use deadlines::Deadlines;
 use engine_set::EngineSet;
 use holders::Holders;
 use slab::Slab;
+use task_index::TaskIndex;
 pub use types::{BackendCommand, Event, Fence, TrackerConfig, TrackerStats};
 
 /// What the tracker keeps per backend: whether it touches engine memory, and its zombies.
@@ -148,7 +150,7 @@ pub struct Tracker {
     cfg: TrackerConfig,
     backends: Vec<BackendSlot>,
     tasks: Slab<TaskEntry>,
-    task_slots: FxHashMap<TaskId, u32>,
+    task_slots: TaskIndex,
     ops: Slab<OpEntry>,
     requests: Slab<RequestEntry>,
     request_slots: FxHashMap<RequestId, u32>,
@@ -177,7 +179,7 @@ impl Tracker {
             cfg,
             backends: Vec::new(),
             tasks: Slab::default(),
-            task_slots: FxHashMap::default(),
+            task_slots: TaskIndex::default(),
             ops: Slab::default(),
             requests: Slab::default(),
             request_slots: FxHashMap::default(),

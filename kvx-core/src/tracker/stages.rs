@@ -39,7 +39,7 @@ impl Tracker {
         spec: TaskSpec,
         now: Instant,
     ) -> Result<(), CoreError> {
-        if self.task_slots.contains_key(&id) {
+        if self.task_slots.contains(id) {
             return Err(CoreError::DuplicateTask(id));
         }
         self.next_task = self.next_task.max(id.0 + 1);
@@ -355,7 +355,7 @@ impl Tracker {
         let Some(mut t) = self.tasks.remove(slot) else {
             return;
         };
-        self.task_slots.remove(&t.id);
+        self.task_slots.remove(t.id);
         let _g = t.span.enter();
         let block_err = match state {
             TaskState::TimedOut => BlockError::TimedOut,
@@ -424,7 +424,7 @@ impl Tracker {
 
     /// Cancel one task (no-op if it already ended).
     pub fn cancel(&mut self, task: TaskId, now: Instant) {
-        if let Some(&slot) = self.task_slots.get(&task) {
+        if let Some(slot) = self.task_slots.get(task) {
             self.terminate(slot, TaskState::Cancelled, now);
         }
     }

@@ -14,7 +14,7 @@ const MS: Duration = Duration::from_millis(1);
 impl Tracker {
     /// State of a live task (`None` once it ended).
     fn task_state(&self, task: TaskId) -> Option<TaskState> {
-        let slot = *self.task_slots.get(&task)?;
+        let slot = self.task_slots.get(task)?;
         self.tasks.get(slot).map(|t| match t.phase {
             Phase::InFlight(_) => TaskState::InFlight,
             _ => TaskState::Queued,
