@@ -99,11 +99,9 @@ impl TaskIndex {
         self.away.remove(&id)
     }
 
-    /// Drop free places at both ends; move the oldest live ids away while free places dominate.
+    /// Drop free places at the front; move the oldest live ids away while free places
+    /// dominate. (Free places at the back stay: the next ids land right after them.)
     fn tidy(&mut self) {
-        while self.window.back() == Some(&NIL) {
-            self.window.pop_back();
-        }
         let mut moves = 0;
         loop {
             while self.window.front() == Some(&NIL) {
@@ -153,6 +151,38 @@ mod tests {
         );
         assert_eq!(x.remove(TaskId(1499)), Some(999));
         assert_eq!((x.len(), x.window.len()), (0, 0));
+    }
+
+    #[test]
+    fn bursts_behind_a_block_of_live_ids_stay_in_a_bounded_window() {
+        let mut x = TaskIndex::default();
+        for i in 0..100 {
+            x.insert(TaskId(i), 0);
+        }
+        let mut next = 100;
+        for _ in 0..200 {
+            for k in 0..10 {
+                x.insert(TaskId(next + k), 1);
+                assert!(
+                    x.place(TaskId(next + k)).is_some(),
+                    "a new id is in the window"
+                );
+            }
+            for k in 0..10 {
+                assert_eq!(x.remove(TaskId(next + k)), Some(1));
+            }
+            next += 10;
+            // At most twice the peak of live ids, plus slack, plus one burst.
+            assert!(x.window.len() <= 2 * 110 + SLACK + 20, "{}", x.window.len());
+        }
+        assert!(x.window.len() <= 2 * x.in_window + SLACK);
+        assert_eq!(x.len(), 100);
+        assert_eq!(
+            x.away.len(),
+            100,
+            "the old block moved out of the window's way"
+        );
+        assert_eq!(x.get(TaskId(42)), Some(0));
     }
 
     #[test]
