@@ -9,6 +9,7 @@
 //! allocation.
 
 use std::collections::VecDeque;
+use std::collections::hash_map::Entry;
 
 use rustc_hash::FxHashMap;
 
@@ -48,19 +49,16 @@ impl Holders {
         let seq = self.seq;
         let mut first = true;
         for b in blocks {
-            match self.lines.get_mut(b) {
-                Some(line) => {
+            match self.lines.entry(*b) {
+                Entry::Occupied(mut line) => {
                     first = false;
-                    line.rest.push_back((seq, h));
+                    line.get_mut().rest.push_back((seq, h));
                 }
-                None => {
-                    self.lines.insert(
-                        *b,
-                        Line {
-                            first: (seq, h),
-                            rest: VecDeque::new(),
-                        },
-                    );
+                Entry::Vacant(v) => {
+                    v.insert(Line {
+                        first: (seq, h),
+                        rest: VecDeque::new(),
+                    });
                 }
             }
         }
@@ -109,15 +107,18 @@ impl Holders {
     /// Remove `h` from `blocks`.
     pub(crate) fn remove(&mut self, blocks: &[EngineBlockId], h: Holder) {
         for b in blocks {
-            let Some(line) = self.lines.get_mut(b) else {
+            let Entry::Occupied(mut entry) = self.lines.entry(*b) else {
                 continue;
             };
-            line.rest.retain(|(_, x)| *x != h);
+            let line = entry.get_mut();
+            if !line.rest.is_empty() {
+                line.rest.retain(|(_, x)| *x != h);
+            }
             if line.first.1 == h {
                 match line.rest.pop_front() {
                     Some(next) => line.first = next,
                     None => {
-                        self.lines.remove(b);
+                        entry.remove();
                     }
                 }
             }

@@ -60,7 +60,11 @@ impl TaskIndex {
             self.base = id.0;
         }
         let end = self.base + self.window.len() as u64;
-        if let Some(i) = self.place(id) {
+        if id.0 == end {
+            // The common case: the next id.
+            self.window.push_back(slot);
+            self.in_window += 1;
+        } else if let Some(i) = self.place(id) {
             self.window[i] = slot;
             self.in_window += 1;
         } else if id.0 >= end && id.0 - end <= (self.window.len() + SLACK) as u64 {
@@ -92,7 +96,12 @@ impl TaskIndex {
             let slot = std::mem::replace(&mut self.window[i], NIL);
             if slot != NIL {
                 self.in_window -= 1;
-                self.tidy();
+                if self.in_window == 0 {
+                    // The common case: the only live id ended.
+                    self.window.clear();
+                } else {
+                    self.tidy();
+                }
                 return Some(slot);
             }
         }
@@ -102,6 +111,9 @@ impl TaskIndex {
     /// Drop free places at the front; move the oldest live ids away while free places
     /// dominate. (Free places at the back stay: the next ids land right after them.)
     fn tidy(&mut self) {
+        if self.window.front() != Some(&NIL) && self.window.len() <= 2 * self.in_window + SLACK {
+            return;
+        }
         let mut moves = 0;
         loop {
             while self.window.front() == Some(&NIL) {
