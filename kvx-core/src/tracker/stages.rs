@@ -392,7 +392,7 @@ impl Tracker {
                 t.reports[t.in_op_at.at(i)].result = Err(block_err.clone());
             }
         }
-        for (i, blk) in t.waiting.drain(..).enumerate() {
+        for (i, blk) in std::mem::take(&mut t.waiting).into_iter().enumerate() {
             let r = &mut t.reports[t.waiting_at.at(i)];
             r.result = Err(block_err.clone());
             r.buf = Some(blk.buf);
