@@ -7,6 +7,10 @@ mod replay;
 
 use clap::{Parser, Subcommand};
 
+/// Counts allocations per thread, for `kvx bench core`; otherwise the system allocator.
+#[global_allocator]
+static ALLOCATOR: bench::counting_alloc::CountingAlloc = bench::counting_alloc::CountingAlloc;
+
 /// kvx: move LLM KV-cache blocks on a deadline.
 #[derive(Parser)]
 #[command(name = "kvx", version, about)]

@@ -20,7 +20,8 @@ pub struct OpBlock {
 /// An operation a backend executes for one stage of a task.
 #[derive(Debug)]
 pub struct Op {
-    /// Unique op id.
+    /// Op id: unique among the ops out with backends (a tracker reuses an id only after 2^32
+    /// further ops).
     pub id: OpId,
     /// Task this op works for.
     pub task: TaskId,

@@ -7,7 +7,7 @@ use std::time::Instant;
 use tracing::{debug, info};
 
 use super::{Event, Fence, Tracker};
-use crate::ids::{Direction, EngineBlockId, RequestId, TaskId};
+use crate::ids::{Direction, EngineBlockId, RequestId};
 use crate::task::TaskState;
 
 impl Tracker {
@@ -16,30 +16,39 @@ impl Tracker {
     /// of it is out, else once its stores ended and its engine copies returned. Returns true
     /// when something of it was still out (the release comes later).
     pub fn finish(&mut self, req: RequestId, now: Instant) -> bool {
-        let Some(r) = self.requests.get(&req) else {
+        let Some(&rs) = self.request_slots.get(&req) else {
             self.events.push_back(Event::RequestReleased(req));
             return false;
         };
-        let loads: Vec<TaskId> = r
-            .tasks
-            .iter()
-            .copied()
-            .filter(|t| self.tasks.get(t).is_some_and(|t| t.dir == Direction::Load))
-            .collect();
-        for t in loads {
-            self.cancel(t, now);
+        let mut list = std::mem::take(&mut self.scratch);
+        list.clear();
+        self.request_tasks(rs, &mut list);
+        for &slot in &list {
+            if self
+                .tasks
+                .get(slot)
+                .is_some_and(|t| t.dir == Direction::Load)
+            {
+                self.terminate(slot, TaskState::Cancelled, now);
+            }
         }
-        let Some(r) = self.requests.get_mut(&req) else {
-            return false;
+        list.clear();
+        let delay = match self.requests.get_mut(rs) {
+            Some(r) => {
+                r.finished = true;
+                r.report_release = true;
+                r.tasks > 0 || !r.zombies.is_empty()
+            }
+            None => false,
         };
-        r.finished = true;
-        r.report_release = true;
-        let delay = !r.tasks.is_empty() || !r.zombies.is_empty();
-        let stores = r.tasks.clone();
-        for t in stores {
-            self.flush_ahead(t);
+        // What is left are stores.
+        self.request_tasks(rs, &mut list);
+        for &slot in &list {
+            self.flush_ahead(slot);
         }
-        self.maybe_release(req);
+        list.clear();
+        self.scratch = list;
+        self.maybe_release(rs);
         delay
     }
 
@@ -47,31 +56,36 @@ impl Tracker {
     /// returned fence holds once no op of the request touches its engine blocks any more (its
     /// stores ended, its loads' engine copies returned).
     pub fn preempt(&mut self, req: RequestId, now: Instant) -> Fence {
-        let Some(r) = self.requests.get(&req) else {
+        let seq = self.holders.seq();
+        let Some(&rs) = self.request_slots.get(&req) else {
             return Fence {
                 blocks: Vec::new(),
-                seq: self.holders.seq(),
+                seq,
             };
         };
-        let tasks = r.tasks.clone();
-        let zombies = r.zombies.clone();
         let mut blocks: Vec<EngineBlockId> = Vec::new();
-        for z in &zombies {
-            if let Some(o) = self.ops.get(z) {
-                blocks.extend_from_slice(&o.engine_blocks);
+        if let Some(r) = self.requests.get(rs) {
+            for z in &r.zombies {
+                if let Some(o) = self.ops.get(*z) {
+                    blocks.extend_from_slice(&o.engine_blocks);
+                }
             }
         }
-        let seq = self.holders.seq();
-        for id in tasks {
-            let Some(t) = self.tasks.get(&id) else {
+        let mut list = std::mem::take(&mut self.scratch);
+        list.clear();
+        self.request_tasks(rs, &mut list);
+        for &slot in &list {
+            let Some(t) = self.tasks.get(slot) else {
                 continue;
             };
             blocks.extend_from_slice(&t.engine_blocks);
             match t.dir {
-                Direction::Load => self.cancel(id, now),
-                Direction::Store => self.flush_ahead(id),
+                Direction::Load => self.terminate(slot, TaskState::Cancelled, now),
+                Direction::Store => self.flush_ahead(slot),
             }
         }
+        list.clear();
+        self.scratch = list;
         blocks.sort_unstable();
         blocks.dedup();
         info!(request = %req, blocks = blocks.len(), "preempt: fence created");
@@ -86,18 +100,23 @@ impl Tracker {
     /// once as [`Event::RequestReleased`], when its own engine-memory ops have returned (at once
     /// when it has none).
     pub fn reset(&mut self, now: Instant) -> Fence {
-        let ids: Vec<TaskId> = self.tasks.keys().copied().collect();
-        for id in ids {
-            self.terminate(id, TaskState::Cancelled, now);
+        let live: Vec<u32> = self.tasks.iter().map(|(slot, _)| slot).collect();
+        for slot in live {
+            self.terminate(slot, TaskState::Cancelled, now);
         }
         // Queued submits stay: their ops are zombies now and must still reach their backend so
         // that they complete and give their buffers back.
         self.events
             .retain(|e| matches!(e, Event::RequestReleased(_)));
-        self.requests.retain(|_, r| {
-            r.finished = true;
-            !r.zombies.is_empty()
-        });
+        let requests: Vec<u32> = self.requests.iter().map(|(rs, _)| rs).collect();
+        for rs in requests {
+            if let Some(r) = self.requests.get_mut(rs) {
+                r.finished = true;
+                if r.zombies.is_empty() {
+                    self.drop_request(rs);
+                }
+            }
+        }
         self.deferred.clear();
         self.blocked.clear();
         self.deadlines.clear();
@@ -107,14 +126,14 @@ impl Tracker {
         }
     }
 
-    /// Drop a finished request's entry once nothing of it is outstanding.
-    pub(super) fn maybe_release(&mut self, req: RequestId) {
-        let Some(r) = self.requests.get(&req) else {
+    /// Drop the entry of a finished request (by slot) once nothing of it is outstanding.
+    pub(super) fn maybe_release(&mut self, rs: u32) {
+        let Some(r) = self.requests.get(rs) else {
             return;
         };
-        if r.finished && r.tasks.is_empty() && r.zombies.is_empty() {
-            let report = r.report_release;
-            self.requests.remove(&req);
+        if r.finished && r.tasks == 0 && r.zombies.is_empty() {
+            let (req, report) = (r.id, r.report_release);
+            self.drop_request(rs);
             if report {
                 debug!(request = %req, "request released");
                 self.events.push_back(Event::RequestReleased(req));

@@ -3,13 +3,24 @@
 //! The files of this module, one idea each: `types` (the public types), `stages` (a task's
 //! stage machine: submit, hand ops out, complete, time out, terminate), `ordering` (who may
 //! touch an engine block when: per-block queues and fences), `lifecycle` (a request's life:
-//! preempt, finish, release, reset), `holders` and `deadlines` (the two data structures).
+//! preempt, finish, release, reset), `requests` (a request's list of live tasks), and the data
+//! structures: `slab` (where tasks, ops and requests live), `task_index`, `engine_set`,
+//! `holders` and `deadlines`.
+//!
+//! Tasks, ops and requests live in slabs and refer to each other by slot, so the hot path
+//! (submit → op out → completion → verdict) hashes only the request id; a task id finds its
+//! slot through a window over recent ids, and an op id carries its slot. A one-block task allocates only the
+//! vector of its verdict's block reports.
 
 mod deadlines;
+mod engine_set;
 mod holders;
 mod lifecycle;
 mod ordering;
+mod requests;
+mod slab;
 mod stages;
+mod task_index;
 mod types;
 
 use std::collections::VecDeque;
@@ -17,11 +28,14 @@ use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 
-use crate::ids::{BackendId, BlockKey, Direction, EngineBlockId, OpId, RequestId, TaskId};
+use crate::ids::{BackendId, Direction, EngineBlockId, OpId, RequestId, TaskId};
 use crate::op::OpBlock;
 use crate::task::BlockReport;
 use deadlines::Deadlines;
+use engine_set::EngineSet;
 use holders::Holders;
+use slab::Slab;
+use task_index::TaskIndex;
 pub use types::{BackendCommand, Event, Fence, TrackerConfig, TrackerStats};
 
 /// What the tracker keeps per backend: whether it touches engine memory, and its zombies.
@@ -39,45 +53,87 @@ enum Phase {
     Deferred,
     /// Waiting to be first in line on its engine blocks.
     Blocked,
-    /// An op is with a backend.
-    InFlight(OpId),
+    /// An op (by slot) is with a backend.
+    InFlight(u32),
     /// Its last op returned; it is being given its verdict.
     Finishing,
 }
 
+/// Where some blocks of a task sit in its spec: the first `n` positions in order (the common
+/// case: every block of the task together), or a list.
+#[derive(Debug, Clone)]
+enum Positions {
+    Leading(usize),
+    List(Vec<usize>),
+}
+
+impl Positions {
+    /// Position in the spec of the `i`th block.
+    fn at(&self, i: usize) -> usize {
+        match self {
+            Positions::Leading(_) => i,
+            Positions::List(v) => v[i],
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Positions::Leading(n) => *n,
+            Positions::List(v) => v.len(),
+        }
+    }
+}
+
 /// A live task.
 struct TaskEntry {
+    id: TaskId,
     request: RequestId,
+    /// Its request's slot, and its neighbours in that request's list of tasks.
+    req_slot: u32,
+    prev: u32,
+    next: u32,
     dir: Direction,
     route: Vec<BackendId>,
     stage: usize,
     deadline: Instant,
     phase: Phase,
     deferred: bool,
-    /// Blocks not with a backend right now, with their position in the spec.
-    waiting: Vec<(usize, OpBlock)>,
-    /// Position (in the spec), key and engine block of each block of the op in flight.
-    in_op: Vec<(usize, BlockKey, Option<EngineBlockId>)>,
-    reports: Vec<Option<BlockReport>>,
-    engine_blocks: Vec<EngineBlockId>,
+    /// Blocks not with a backend right now, and where they sit in the spec.
+    waiting: Vec<OpBlock>,
+    waiting_at: Positions,
+    /// Where the blocks of the op in flight sit in the spec.
+    in_op_at: Positions,
+    /// The verdict's block reports in spec order, key and engine block filled in at submit; a
+    /// block's result and buffer are written when it leaves the task for good.
+    reports: Vec<BlockReport>,
+    engine_blocks: EngineSet,
     span: tracing::Span,
 }
 
 /// An op out with a backend, for a live task or as a zombie.
 struct OpEntry {
+    id: OpId,
     task: TaskId,
+    task_slot: u32,
     request: RequestId,
+    req_slot: u32,
     backend: BackendId,
     zombie: bool,
     bytes: u64,
-    engine_blocks: Vec<EngineBlockId>,
+    /// Engine blocks a zombie op may still touch (taken over from its task when it ended;
+    /// empty while the task lives, or when the backend does not touch engine memory).
+    engine_blocks: EngineSet,
 }
 
 /// A request with live tasks or engine-memory zombies.
-#[derive(Default)]
 struct RequestEntry {
-    tasks: Vec<TaskId>,
-    zombies: Vec<OpId>,
+    id: RequestId,
+    /// Its live tasks in submission order: a list threaded through the task slab.
+    first_task: u32,
+    last_task: u32,
+    tasks: usize,
+    /// Slots of its zombie ops that may still touch engine memory.
+    zombies: Vec<u32>,
     /// No new task is accepted (the engine finished it, or a reset dropped it).
     finished: bool,
     /// The engine finished it: report [`Event::RequestReleased`] once nothing of it is out.
@@ -93,19 +149,25 @@ struct RequestEntry {
 pub struct Tracker {
     cfg: TrackerConfig,
     backends: Vec<BackendSlot>,
-    tasks: FxHashMap<TaskId, TaskEntry>,
-    ops: FxHashMap<OpId, OpEntry>,
-    requests: FxHashMap<RequestId, RequestEntry>,
+    tasks: Slab<TaskEntry>,
+    task_slots: TaskIndex,
+    ops: Slab<OpEntry>,
+    requests: Slab<RequestEntry>,
+    request_slots: FxHashMap<RequestId, u32>,
     holders: Holders,
     deadlines: Deadlines,
     /// Scratch space for the entries `handle_timeout` drains.
-    due: Vec<(Instant, TaskId)>,
-    deferred: Vec<TaskId>,
-    blocked: Vec<TaskId>,
+    due: Vec<deadlines::Entry>,
+    /// Scratch space for lists of task slots.
+    scratch: Vec<u32>,
+    /// Tasks (slot and id) waiting for `start_step`, and waiting for their engine blocks.
+    deferred: Vec<(u32, TaskId)>,
+    blocked: Vec<(u32, TaskId)>,
     commands: VecDeque<BackendCommand>,
     events: VecDeque<Event>,
     next_task: u64,
-    next_op: u64,
+    /// Ops handed out so far: the upper half of an op id (the lower half is its slot).
+    ops_issued: u64,
     late: u64,
     timed_out: u64,
 }
@@ -116,18 +178,21 @@ impl Tracker {
         Tracker {
             cfg,
             backends: Vec::new(),
-            tasks: FxHashMap::default(),
-            ops: FxHashMap::default(),
-            requests: FxHashMap::default(),
+            tasks: Slab::default(),
+            task_slots: TaskIndex::default(),
+            ops: Slab::default(),
+            requests: Slab::default(),
+            request_slots: FxHashMap::default(),
             holders: Holders::default(),
             deadlines: Deadlines::default(),
             due: Vec::new(),
+            scratch: Vec::new(),
             deferred: Vec::new(),
             blocked: Vec::new(),
             commands: VecDeque::new(),
             events: VecDeque::new(),
             next_task: 1,
-            next_op: 1,
+            ops_issued: 0,
             late: 0,
             timed_out: 0,
         }
@@ -155,17 +220,21 @@ impl Tracker {
     /// When `handle_timeout` must be called next.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         let tasks = &self.tasks;
-        self.deadlines
-            .peek(|t, at| tasks.get(&t).is_some_and(|e| e.deadline == at))
+        self.deadlines.peek(|e| deadline_is_live(tasks, e))
     }
 
     /// Engine blocks that an op out with a backend may still read or write (sorted).
     pub(crate) fn engine_blocks_out(&self) -> Vec<EngineBlockId> {
-        let mut blocks: Vec<EngineBlockId> = self
-            .ops
-            .values()
-            .flat_map(|o| o.engine_blocks.iter().copied())
-            .collect();
+        let mut blocks: Vec<EngineBlockId> = Vec::new();
+        for (_, o) in self.ops.iter() {
+            if o.zombie {
+                blocks.extend_from_slice(&o.engine_blocks);
+            } else if self.backends[o.backend.0 as usize].touches_engine {
+                if let Some(t) = self.tasks.get(o.task_slot) {
+                    blocks.extend_from_slice(&t.engine_blocks);
+                }
+            }
+        }
         blocks.sort_unstable();
         blocks.dedup();
         blocks
@@ -199,6 +268,13 @@ impl Tracker {
             && self.commands.is_empty()
             && self.events.is_empty()
     }
+}
+
+/// True while the task a deadline entry was made for is still live.
+fn deadline_is_live(tasks: &Slab<TaskEntry>, e: &deadlines::Entry) -> bool {
+    tasks
+        .get(e.2)
+        .is_some_and(|t| t.id == e.1 && t.deadline == e.0)
 }
 
 #[cfg(test)]

@@ -4,27 +4,31 @@
 
 use super::holders::Holder;
 use super::{Fence, Phase, Tracker};
-use crate::ids::{EngineBlockId, TaskId};
+use crate::ids::EngineBlockId;
 
 impl Tracker {
-    /// Stop deferring `id` and, if it is blocked, everything ahead of it.
-    pub(super) fn flush_ahead(&mut self, id: TaskId) {
-        let mut work = vec![id];
-        while let Some(t) = work.pop() {
-            let Some(e) = self.tasks.get_mut(&t) else {
+    /// Stop deferring the task in `slot` and, if it is blocked, everything ahead of it.
+    pub(super) fn flush_ahead(&mut self, slot: u32) {
+        // Allocated only when a blocked task has others ahead of it.
+        let (mut work, mut ahead) = (Vec::new(), Vec::new());
+        let mut next = Some(slot);
+        while let Some(t) = next.take().or_else(|| work.pop()) {
+            let Some(e) = self.tasks.get_mut(t) else {
                 continue;
             };
             e.deferred = false;
             match e.phase {
                 Phase::Deferred => {
-                    self.deferred.retain(|x| *x != t);
+                    self.deferred.retain(|x| x.0 != t);
                     self.start_stage(t);
                 }
                 Phase::Blocked => {
-                    let blocks = e.engine_blocks.clone();
-                    for h in self.holders.ahead_of(&blocks, Holder::Task(t)) {
+                    ahead.clear();
+                    self.holders
+                        .ahead_of(&e.engine_blocks, Holder::Task(t), &mut ahead);
+                    for h in &ahead {
                         if let Holder::Task(a) = h {
-                            work.push(a);
+                            work.push(*a);
                         }
                     }
                 }
@@ -38,22 +42,28 @@ impl Tracker {
         if self.blocked.is_empty() {
             return;
         }
-        let blocked = std::mem::take(&mut self.blocked);
-        for id in blocked {
-            let Some(t) = self.tasks.get_mut(&id) else {
-                continue;
+        let mut list = std::mem::take(&mut self.blocked);
+        let mut kept = 0;
+        for i in 0..list.len() {
+            let (slot, id) = list[i];
+            let Some(t) = self.tasks.get_mut(slot).filter(|t| t.id == id) else {
+                continue; // it ended
             };
-            if !self.holders.is_first(&t.engine_blocks, Holder::Task(id)) {
-                self.blocked.push(id);
+            if !self.holders.is_first(&t.engine_blocks, Holder::Task(slot)) {
+                list[kept] = (slot, id);
+                kept += 1;
                 continue;
             }
             if t.deferred {
                 t.phase = Phase::Deferred;
-                self.deferred.push(id);
+                self.deferred.push((slot, id));
             } else {
-                self.start_stage(id);
+                self.start_stage(slot);
             }
         }
+        list.truncate(kept);
+        list.append(&mut self.blocked);
+        self.blocked = list;
     }
 
     /// A fence over `blocks`: holds once every op queued on them before now has ended. Queued
@@ -63,7 +73,7 @@ impl Tracker {
         blocks.sort_unstable();
         blocks.dedup();
         let seq = self.holders.seq();
-        let live: Vec<TaskId> = self
+        let live: Vec<u32> = self
             .tasks
             .iter()
             .filter(|(_, t)| {
@@ -71,10 +81,10 @@ impl Tracker {
                     .iter()
                     .any(|b| blocks.binary_search(b).is_ok())
             })
-            .map(|(id, _)| *id)
+            .map(|(slot, _)| slot)
             .collect();
-        for id in live {
-            self.flush_ahead(id);
+        for slot in live {
+            self.flush_ahead(slot);
         }
         Fence { blocks, seq }
     }

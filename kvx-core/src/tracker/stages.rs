@@ -6,13 +6,20 @@ use std::time::Instant;
 
 use tracing::{debug, info, warn};
 
+use super::engine_set::EngineSet;
 use super::holders::Holder;
-use super::{BackendCommand, Event, OpEntry, Phase, TaskEntry, Tracker};
+use super::slab::NIL;
+use super::{
+    BackendCommand, Event, OpEntry, Phase, Positions, TaskEntry, Tracker, deadline_is_live,
+};
 use crate::backend::SubmitError;
 use crate::error::CoreError;
-use crate::ids::{BackendId, EngineBlockId, OpId, TaskId};
+use crate::ids::{BackendId, OpId, TaskId};
 use crate::op::{BlockError, Op, OpCompletion};
 use crate::task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
+
+/// The lower half of an op id: its slot in the op slab.
+const OP_SLOT_BITS: u32 = 32;
 
 impl Tracker {
     /// Submit a task under a fresh id. Never fails: a task that cannot run ends at once with a
@@ -32,7 +39,7 @@ impl Tracker {
         spec: TaskSpec,
         now: Instant,
     ) -> Result<(), CoreError> {
-        if self.tasks.contains_key(&id) {
+        if self.task_slots.contains(id) {
             return Err(CoreError::DuplicateTask(id));
         }
         self.next_task = self.next_task.max(id.0 + 1);
@@ -50,45 +57,36 @@ impl Tracker {
             deferred,
         } = spec;
         let n = blocks.len();
-        let mut engine_blocks: Vec<EngineBlockId> =
-            blocks.iter().filter_map(|b| b.engine).collect();
-        engine_blocks.sort_unstable();
-        engine_blocks.dedup();
+        let mut reports: Vec<BlockReport> = blocks
+            .iter()
+            .map(|b| BlockReport {
+                key: b.key,
+                engine: b.engine,
+                result: Ok(()),
+                buf: None,
+            })
+            .collect();
         let span = tracing::debug_span!("kvx_task", task = %id, request = %request, dir = %dir, blocks = n);
-        let mut entry = TaskEntry {
-            request,
-            dir,
-            route,
-            stage: 0,
-            deadline,
-            phase: Phase::Blocked,
-            deferred,
-            waiting: blocks.into_iter().enumerate().collect(),
-            in_op: Vec::new(),
-            reports: (0..n).map(|_| None).collect(),
-            engine_blocks,
-            span,
-        };
+        let req_slot = self.request_slots.get(&request).copied();
         // Refusals: the task ends at once, buffers handed back.
         let refuse = if n == 0 {
             Some(TaskState::Failed(FailReason::Invalid(
                 "task has no blocks".into(),
             )))
-        } else if entry.route.is_empty() {
+        } else if route.is_empty() {
             Some(TaskState::Failed(FailReason::Invalid(
                 "task has an empty route".into(),
             )))
-        } else if let Some(b) = entry
-            .route
-            .iter()
-            .find(|b| b.0 as usize >= self.backends.len())
-        {
+        } else if let Some(b) = route.iter().find(|b| b.0 as usize >= self.backends.len()) {
             Some(TaskState::Failed(FailReason::Invalid(format!(
                 "{b} is not registered"
             ))))
-        } else if self.requests.get(&request).is_some_and(|r| r.finished) {
+        } else if req_slot
+            .and_then(|rs| self.requests.get(rs))
+            .is_some_and(|r| r.finished)
+        {
             Some(TaskState::Failed(FailReason::RequestFinished))
-        } else if let Some(b) = entry.route.iter().find(|b| self.over_budget(**b)) {
+        } else if let Some(b) = route.iter().find(|b| self.over_budget(**b)) {
             Some(TaskState::Failed(FailReason::ZombieBudget { backend: *b }))
         } else if deadline <= now {
             Some(TaskState::TimedOut)
@@ -104,51 +102,67 @@ impl Tracker {
                 TaskState::Failed(r) => BlockError::Invalid(format!("{r:?}")),
                 _ => BlockError::Cancelled,
             };
-            entry.span.in_scope(|| debug!(?state, "task refused"));
+            span.in_scope(|| debug!(?state, "task refused"));
             if state == TaskState::TimedOut {
                 self.timed_out += 1;
             }
-            let blocks = entry
-                .waiting
-                .drain(..)
-                .map(|(_, b)| BlockReport {
-                    key: b.key,
-                    engine: b.engine,
-                    result: Err(err.clone()),
-                    buf: Some(b.buf),
-                })
-                .collect();
+            for (report, b) in reports.iter_mut().zip(blocks) {
+                report.result = Err(err.clone());
+                report.buf = Some(b.buf);
+            }
             self.events.push_back(Event::TaskFinished(TaskReport {
                 task: id,
                 request,
                 dir,
                 state,
-                blocks,
+                blocks: reports,
                 finished_at: now,
             }));
             return;
         }
-        let first = self
-            .holders
-            .register(&entry.engine_blocks, Holder::Task(id));
-        self.requests.entry(request).or_default().tasks.push(id);
-        self.deadlines.push(now, deadline, id);
-        entry
-            .span
-            .in_scope(|| debug!(?deadline, deferred, first, "task submitted"));
-        if !first {
-            entry.phase = Phase::Blocked;
-            self.tasks.insert(id, entry);
-            self.blocked.push(id);
-            // Whatever is ahead of us must not wait for a step that may never come.
-            self.flush_ahead(id);
-        } else if deferred {
-            entry.phase = Phase::Deferred;
-            self.tasks.insert(id, entry);
-            self.deferred.push(id);
-        } else {
-            self.tasks.insert(id, entry);
-            self.start_stage(id);
+        let engine_blocks = EngineSet::of(&blocks);
+        let slot = self.tasks.next_slot();
+        let first = self.holders.register(&engine_blocks, Holder::Task(slot));
+        let req_slot = match req_slot {
+            Some(rs) => rs,
+            None => self.request_slot(request),
+        };
+        span.in_scope(|| debug!(?deadline, deferred, first, "task submitted"));
+        let phase = match (first, deferred) {
+            (false, _) => Phase::Blocked,
+            (true, true) => Phase::Deferred,
+            (true, false) => Phase::Finishing, // start_stage below sets InFlight
+        };
+        self.tasks.insert(TaskEntry {
+            id,
+            request,
+            req_slot,
+            prev: NIL,
+            next: NIL,
+            dir,
+            route,
+            stage: 0,
+            deadline,
+            phase,
+            deferred,
+            waiting: blocks,
+            waiting_at: Positions::Leading(n),
+            in_op_at: Positions::Leading(0),
+            reports,
+            engine_blocks,
+            span,
+        });
+        self.task_slots.insert(id, slot);
+        self.link_task(slot);
+        self.deadlines.push(now, (deadline, id, slot));
+        match phase {
+            Phase::Blocked => {
+                self.blocked.push((slot, id));
+                // Whatever is ahead of us must not wait for a step that may never come.
+                self.flush_ahead(slot);
+            }
+            Phase::Deferred => self.deferred.push((slot, id)),
+            _ => self.start_stage(slot),
         }
     }
 
@@ -157,59 +171,57 @@ impl Tracker {
         s.zombie_ops >= self.cfg.zombie_budget_ops || s.zombie_bytes >= self.cfg.zombie_budget_bytes
     }
 
-    /// Hand the task's waiting blocks to the backend of its current stage.
-    pub(super) fn start_stage(&mut self, id: TaskId) {
-        let Some(t) = self.tasks.get_mut(&id) else {
+    /// Hand the waiting blocks of the task in `slot` to the backend of its current stage.
+    pub(super) fn start_stage(&mut self, slot: u32) {
+        let Some(t) = self.tasks.get_mut(slot) else {
             return;
         };
-        let op_id = OpId(self.next_op);
-        self.next_op += 1;
         let backend = t.route[t.stage];
-        let mut blocks = Vec::with_capacity(t.waiting.len());
-        t.in_op.clear();
-        for (pos, b) in t.waiting.drain(..) {
-            t.in_op.push((pos, b.key, b.engine));
-            blocks.push(b);
-        }
-        t.phase = Phase::InFlight(op_id);
+        let blocks = std::mem::take(&mut t.waiting);
+        t.in_op_at = std::mem::replace(&mut t.waiting_at, Positions::Leading(0));
+        let op_slot = self.ops.next_slot();
+        self.ops_issued += 1;
+        let issued = u64::from(self.ops_issued as u32);
+        let op_id = OpId((issued << OP_SLOT_BITS) | u64::from(op_slot));
+        t.phase = Phase::InFlight(op_slot);
         let op = Op {
             id: op_id,
-            task: id,
+            task: t.id,
             request: t.request,
             dir: t.dir,
             deadline: t.deadline,
             blocks,
         };
-        let touches = self.backends[backend.0 as usize].touches_engine;
-        self.ops.insert(
-            op_id,
-            OpEntry {
-                task: id,
-                request: t.request,
-                backend,
-                zombie: false,
-                bytes: op.buffer_bytes(),
-                engine_blocks: if touches {
-                    t.engine_blocks.clone()
-                } else {
-                    Vec::new()
-                },
-            },
-        );
+        self.ops.insert(OpEntry {
+            id: op_id,
+            task: t.id,
+            task_slot: slot,
+            request: t.request,
+            req_slot: t.req_slot,
+            backend,
+            zombie: false,
+            bytes: op.buffer_bytes(),
+            engine_blocks: EngineSet::default(),
+        });
         self.commands
             .push_back(BackendCommand::Submit { backend, op });
     }
 
     /// Submit every deferred task now (call at the start of each engine step).
     pub fn start_step(&mut self) {
-        for id in std::mem::take(&mut self.deferred) {
-            if let Some(t) = self.tasks.get_mut(&id) {
+        let mut deferred = std::mem::take(&mut self.deferred);
+        for &(slot, id) in &deferred {
+            if let Some(t) = self.tasks.get_mut(slot).filter(|t| t.id == id) {
                 t.deferred = false;
                 if t.phase == Phase::Deferred {
-                    self.start_stage(id);
+                    self.start_stage(slot);
                 }
             }
         }
+        deferred.clear();
+        // Keep the vector (and anything deferred meanwhile, though nothing is).
+        deferred.append(&mut self.deferred);
+        self.deferred = deferred;
     }
 
     /// End every task whose deadline is at or before `now` as `TimedOut`.
@@ -218,16 +230,15 @@ impl Tracker {
         self.deadlines.drain_due(now, &mut due);
         // Earliest first, so verdicts come out in deadline order.
         due.sort_unstable();
-        for (at, id) in due.drain(..) {
-            if self.tasks.get(&id).is_some_and(|t| t.deadline == at) {
-                self.terminate(id, TaskState::TimedOut, now);
+        for e in due.drain(..) {
+            if deadline_is_live(&self.tasks, &e) {
+                self.terminate(e.2, TaskState::TimedOut, now);
             }
         }
         self.due = due;
         let tasks = &self.tasks;
-        self.deadlines.compact(tasks.len(), |t, at| {
-            tasks.get(&t).is_some_and(|e| e.deadline == at)
-        });
+        self.deadlines
+            .compact(tasks.len(), |e| deadline_is_live(tasks, e));
     }
 
     /// A backend refused an op: its blocks fail with the backend's reason.
@@ -246,7 +257,12 @@ impl Tracker {
     /// it fires timers for the same reason.
     pub fn handle_completion(&mut self, c: OpCompletion, now: Instant) {
         let OpCompletion { op, mut results } = c;
-        let Some(entry) = self.ops.remove(&op.id) else {
+        let op_slot = op.id.0 as u32;
+        let entry = match self.ops.get(op_slot) {
+            Some(e) if e.id == op.id => self.ops.remove(op_slot),
+            _ => None,
+        };
+        let Some(entry) = entry else {
             self.late += 1;
             debug!(op = %op.id, "completion of an unknown op dropped");
             return;
@@ -258,17 +274,22 @@ impl Tracker {
             slot.zombie_bytes -= entry.bytes;
             debug!(op = %op.id, task = %entry.task, bytes = entry.bytes, "late completion: buffers released");
             if !entry.engine_blocks.is_empty() {
-                self.holders.remove(&entry.engine_blocks, Holder::Op(op.id));
-                if let Some(r) = self.requests.get_mut(&entry.request) {
-                    r.zombies.retain(|z| *z != op.id);
+                self.holders
+                    .remove(&entry.engine_blocks, Holder::Op(op_slot));
+                if let Some(r) = self
+                    .requests
+                    .get_mut(entry.req_slot)
+                    .filter(|r| r.id == entry.request)
+                {
+                    r.zombies.retain(|z| *z != op_slot);
+                    self.maybe_release(entry.req_slot);
                 }
-                self.maybe_release(entry.request);
                 self.recheck_blocked();
             }
             return; // `op` drops here: its buffers go back to their pools.
         }
-        let id = entry.task;
-        let Some(t) = self.tasks.get_mut(&id) else {
+        let slot = entry.task_slot;
+        let Some(t) = self.tasks.get_mut(slot).filter(|t| t.id == entry.task) else {
             return;
         };
         if results.len() != op.blocks.len() {
@@ -279,53 +300,62 @@ impl Tracker {
             );
             results = vec![Err(BlockError::Io(msg)); op.blocks.len()];
         }
-        let positions = std::mem::take(&mut t.in_op);
-        let mut ok = Vec::new();
-        for ((&(pos, _, _), blk), res) in positions.iter().zip(op.blocks).zip(results) {
-            match res {
-                Ok(()) => ok.push((pos, blk)),
-                Err(e) => {
-                    t.reports[pos] = Some(BlockReport {
-                        key: blk.key,
-                        engine: blk.engine,
-                        result: Err(e),
-                        buf: Some(blk.buf),
-                    })
+        let at = std::mem::replace(&mut t.in_op_at, Positions::Leading(0));
+        let more_stages = t.stage + 1 < t.route.len();
+        if results.iter().all(Result::is_ok) {
+            if more_stages && !op.blocks.is_empty() {
+                t.stage += 1;
+                t.waiting = op.blocks;
+                t.waiting_at = at;
+                self.start_stage(slot);
+                return;
+            }
+            for (i, blk) in op.blocks.into_iter().enumerate() {
+                t.reports[at.at(i)].buf = Some(blk.buf);
+            }
+        } else {
+            let (mut ok, mut ok_at) = (Vec::new(), Vec::new());
+            for (i, (blk, res)) in op.blocks.into_iter().zip(results).enumerate() {
+                let pos = at.at(i);
+                match res {
+                    Ok(()) => {
+                        ok.push(blk);
+                        ok_at.push(pos);
+                    }
+                    Err(e) => {
+                        let r = &mut t.reports[pos];
+                        r.result = Err(e);
+                        r.buf = Some(blk.buf);
+                    }
                 }
             }
-        }
-        if t.stage + 1 < t.route.len() && !ok.is_empty() {
-            t.stage += 1;
-            t.waiting = ok;
-            self.start_stage(id);
-            return;
-        }
-        for (pos, blk) in ok {
-            t.reports[pos] = Some(BlockReport {
-                key: blk.key,
-                engine: blk.engine,
-                result: Ok(()),
-                buf: Some(blk.buf),
-            });
+            if more_stages && !ok.is_empty() {
+                t.stage += 1;
+                t.waiting = ok;
+                t.waiting_at = Positions::List(ok_at);
+                self.start_stage(slot);
+                return;
+            }
+            for (blk, pos) in ok.into_iter().zip(ok_at) {
+                t.reports[pos].buf = Some(blk.buf);
+            }
         }
         t.phase = Phase::Finishing;
-        let all_ok = t
-            .reports
-            .iter()
-            .all(|r| r.as_ref().is_some_and(|r| r.result.is_ok()));
-        let state = if all_ok {
+        let state = if t.reports.iter().all(|r| r.result.is_ok()) {
             TaskState::Done
         } else {
             TaskState::Failed(FailReason::Blocks)
         };
-        self.terminate(id, state, now);
+        self.terminate(slot, state, now);
     }
 
-    /// End a live task in `state`; its outstanding op, if any, becomes a zombie.
-    pub(super) fn terminate(&mut self, id: TaskId, state: TaskState, now: Instant) {
-        let Some(mut t) = self.tasks.remove(&id) else {
+    /// End the live task in `slot` in `state`; its outstanding op, if any, becomes a zombie.
+    pub(super) fn terminate(&mut self, slot: u32, state: TaskState, now: Instant) {
+        self.unlink_task(slot);
+        let Some(mut t) = self.tasks.remove(slot) else {
             return;
         };
+        self.task_slots.remove(t.id);
         let _g = t.span.enter();
         let block_err = match state {
             TaskState::TimedOut => BlockError::TimedOut,
@@ -338,74 +368,64 @@ impl Tracker {
             debug!(?state, "task finished");
         }
         let mut zombie_engine = None;
-        if let Phase::InFlight(op_id) = t.phase {
-            if let Some(e) = self.ops.get_mut(&op_id) {
+        if let Phase::InFlight(op_slot) = t.phase {
+            if let Some(e) = self.ops.get_mut(op_slot) {
                 e.zombie = true;
-                let slot = &mut self.backends[e.backend.0 as usize];
-                slot.zombie_ops += 1;
-                slot.zombie_bytes += e.bytes;
-                info!(op = %op_id, bytes = e.bytes, "op quarantined as zombie");
+                let b = &mut self.backends[e.backend.0 as usize];
+                b.zombie_ops += 1;
+                b.zombie_bytes += e.bytes;
+                info!(op = %e.id, bytes = e.bytes, "op quarantined as zombie");
                 self.commands.push_back(BackendCommand::Cancel {
                     backend: e.backend,
-                    op: op_id,
+                    op: e.id,
                 });
-                if !e.engine_blocks.is_empty() {
-                    zombie_engine = Some(op_id);
+                if b.touches_engine && !t.engine_blocks.is_empty() {
+                    // The op keeps the task's place on its engine blocks until it returns.
+                    self.holders
+                        .replace(&t.engine_blocks, Holder::Task(slot), Holder::Op(op_slot));
+                    e.engine_blocks = std::mem::take(&mut t.engine_blocks);
+                    zombie_engine = Some(op_slot);
                 }
             }
             // Blocks inside the op: their buffers stay with the op.
-            for (pos, key, engine) in std::mem::take(&mut t.in_op) {
-                t.reports[pos] = Some(BlockReport {
-                    key,
-                    engine,
-                    result: Err(block_err.clone()),
-                    buf: None,
-                });
+            for i in 0..t.in_op_at.len() {
+                t.reports[t.in_op_at.at(i)].result = Err(block_err.clone());
             }
         }
-        for (pos, blk) in t.waiting.drain(..) {
-            t.reports[pos] = Some(BlockReport {
-                key: blk.key,
-                engine: blk.engine,
-                result: Err(block_err.clone()),
-                buf: Some(blk.buf),
-            });
+        for (i, blk) in std::mem::take(&mut t.waiting).into_iter().enumerate() {
+            let r = &mut t.reports[t.waiting_at.at(i)];
+            r.result = Err(block_err.clone());
+            r.buf = Some(blk.buf);
         }
         drop(_g);
-        let blocks: Vec<BlockReport> = t.reports.into_iter().flatten().collect();
-        match zombie_engine {
-            Some(op) => self
-                .holders
-                .replace(&t.engine_blocks, Holder::Task(id), Holder::Op(op)),
-            None => self.holders.remove(&t.engine_blocks, Holder::Task(id)),
+        if zombie_engine.is_none() {
+            self.holders.remove(&t.engine_blocks, Holder::Task(slot));
         }
         if t.phase == Phase::Deferred {
-            self.deferred.retain(|x| *x != id);
+            self.deferred.retain(|x| x.0 != slot);
         }
-        if let Some(r) = self.requests.get_mut(&t.request) {
-            r.tasks.retain(|x| *x != id);
-            if let Some(op) = zombie_engine {
-                r.zombies.push(op);
-            }
+        if let (Some(op), Some(r)) = (zombie_engine, self.requests.get_mut(t.req_slot)) {
+            r.zombies.push(op);
         }
         self.events.push_back(Event::TaskFinished(TaskReport {
-            task: id,
+            task: t.id,
             request: t.request,
             dir: t.dir,
             state,
-            blocks,
+            blocks: t.reports,
             finished_at: now,
         }));
-        self.maybe_release(t.request);
+        self.maybe_release(t.req_slot);
         self.recheck_blocked();
         let tasks = &self.tasks;
-        self.deadlines.compact(tasks.len(), |t, at| {
-            tasks.get(&t).is_some_and(|e| e.deadline == at)
-        });
+        self.deadlines
+            .compact(tasks.len(), |e| deadline_is_live(tasks, e));
     }
 
     /// Cancel one task (no-op if it already ended).
     pub fn cancel(&mut self, task: TaskId, now: Instant) {
-        self.terminate(task, TaskState::Cancelled, now);
+        if let Some(slot) = self.task_slots.get(task) {
+            self.terminate(slot, TaskState::Cancelled, now);
+        }
     }
 }

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::backend::SubmitError;
 use crate::buffer::{Buf, BufferPool};
+use crate::ids::{BlockKey, EngineBlockId};
 use crate::op::{BlockError, Op, OpCompletion};
 use crate::task::{FailReason, TaskReport, TaskSpec, TaskState};
 
@@ -13,7 +14,8 @@ const MS: Duration = Duration::from_millis(1);
 impl Tracker {
     /// State of a live task (`None` once it ended).
     fn task_state(&self, task: TaskId) -> Option<TaskState> {
-        self.tasks.get(&task).map(|t| match t.phase {
+        let slot = self.task_slots.get(task)?;
+        self.tasks.get(slot).map(|t| match t.phase {
             Phase::InFlight(_) => TaskState::InFlight,
             _ => TaskState::Queued,
         })
@@ -169,6 +171,47 @@ fn failed_block_is_reported_and_skips_later_stages() {
     assert_eq!(r.failed_engine_blocks(), vec![EngineBlockId(1)]);
     let order: Vec<u32> = r.blocks.iter().map(|b| b.engine.unwrap().0).collect();
     assert_eq!(order, vec![0, 1, 2], "reports keep the spec's order");
+}
+
+#[test]
+fn timeout_in_a_later_stage_after_a_partial_failure_reports_each_block_in_place() {
+    let mut w = world();
+    let s = w.spec(1, Direction::Load, &[0, 1, 2, 3], vec![w.file, w.engine]);
+    w.t.submit(s, w.now);
+    let (_, op) = w.take_ops().into_iter().next().unwrap();
+    let results = vec![
+        Err(BlockError::NotFound),
+        Ok(()),
+        Err(BlockError::Corrupt("checksum".into())),
+        Ok(()),
+    ];
+    w.t.handle_completion(OpCompletion { op, results }, w.now);
+    let (_, second) = w.take_ops().into_iter().next().unwrap();
+    assert_eq!(second.blocks.len(), 2, "blocks 1 and 3 go on");
+    w.now += 100 * MS;
+    w.t.handle_timeout(w.now);
+    let r = w.reports().pop().unwrap();
+    assert_eq!(r.state, TaskState::TimedOut);
+    let got: Vec<(u32, Result<(), BlockError>, bool)> = r
+        .blocks
+        .iter()
+        .map(|b| (b.engine.unwrap().0, b.result.clone(), b.buf.is_some()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (0, Err(BlockError::NotFound), true),
+            (1, Err(BlockError::TimedOut), false),
+            (2, Err(BlockError::Corrupt("checksum".into())), true),
+            (3, Err(BlockError::TimedOut), false),
+        ],
+        "failed blocks keep their error and buffer; blocks in the zombie op time out"
+    );
+    drop(r);
+    assert_eq!(w.pool.lent(), 2, "the zombie op holds two buffers");
+    w.complete(second);
+    assert!(w.pool.is_whole());
+    assert_eq!(w.t.stats().late_completions, 1);
 }
 
 #[test]
@@ -364,6 +407,39 @@ fn reuse_behind_a_zombie_waits_for_its_late_completion() {
     assert!(w.take_ops().is_empty(), "the zombie still writes block 7");
     w.complete(old);
     assert_eq!(w.take_ops().len(), 1);
+}
+
+#[test]
+fn a_many_block_zombie_holds_every_block_until_it_returns() {
+    let mut w = world();
+    let blocks: Vec<u32> = (0..10).rev().collect(); // more than fit inline, unsorted
+    w.submit(1, Direction::Load, &blocks);
+    let (_, old) = w.take_ops().into_iter().next().unwrap();
+    w.now += 100 * MS;
+    w.t.handle_timeout(w.now);
+    let all: Vec<EngineBlockId> = (0..10).map(EngineBlockId).collect();
+    assert_eq!(
+        w.t.engine_blocks_out(),
+        all,
+        "the zombie may still write all ten"
+    );
+    let fence = w.t.fence_blocks(&[EngineBlockId(9)]);
+    let mut s = w.spec(2, Direction::Load, &[9, 4], vec![w.engine]);
+    s.deadline = w.now + 100 * MS;
+    w.t.submit(s, w.now);
+    assert!(
+        w.take_ops().is_empty(),
+        "the zombie still writes blocks 9 and 4"
+    );
+    assert!(!w.t.fence_holds(&fence));
+    w.complete(old);
+    assert!(w.t.fence_holds(&fence));
+    let ops = w.take_ops();
+    assert_eq!(ops.len(), 1, "the new load starts once the zombie returned");
+    assert_eq!(
+        w.t.engine_blocks_out(),
+        [EngineBlockId(4), EngineBlockId(9)]
+    );
 }
 
 #[test]
