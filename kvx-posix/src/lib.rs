@@ -63,6 +63,7 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod collector;
 mod config;
 mod error;
 pub mod format;
@@ -73,11 +74,15 @@ mod io;
 mod job;
 mod paths;
 mod probe;
+mod probes;
 mod store;
 #[cfg(test)]
 mod tests;
+mod touch;
 
-pub use config::{Capabilities, EngineKind, PosixConfig};
+pub use collector::{CollectReport, Collector, CollectorConfig};
+pub use config::{Capabilities, EngineKind, PosixConfig, SharedMount};
 pub use error::PosixError;
 pub use handle::{PosixHandle, PosixStats};
+pub use probes::ProbeAnswer;
 pub use store::PosixStore;

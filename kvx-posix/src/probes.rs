@@ -1,0 +1,187 @@
+//! The probe table of a store on a shared mount: what probes of keys missing from the index
+//! found, for how long that answer holds, and which probes are still in flight.
+//!
+//! A lookup never waits for a probe. It starts one (a header read on the engine's maintenance
+//! lane) and answers [`ProbeAnswer::Pending`]; asked again, it gives the cached answer. A probe
+//! not back within the deadline is a failure of its root's breaker and its key answers
+//! [`ProbeAnswer::Absent`] for the cache time; an open breaker answers `Absent` at once. The
+//! table holds at most `probe_entries` keys: when full (expired answers purged first), a new key
+//! answers `Absent` without a probe.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvx_core::{BlockError, BlockKey};
+use rustc_hash::FxHashMap;
+
+use crate::config::SharedMount;
+use crate::health::Health;
+
+/// What a probe of the shared mount says about a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeAnswer {
+    /// The block is on the mount (its header names this key and format version).
+    Present,
+    /// The block is not there, the mount did not answer in time, or its breaker is open.
+    Absent,
+    /// A probe is in flight: ask again later.
+    Pending,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Pending { since: Instant, root: usize },
+    Known { present: bool, until: Instant },
+}
+
+#[derive(Default)]
+struct Table {
+    slots: FxHashMap<BlockKey, Slot>,
+    /// Probes in flight, oldest first (some may have been answered already).
+    pending: VecDeque<(Instant, BlockKey)>,
+}
+
+/// See the module docs.
+pub(crate) struct ProbeTable {
+    cfg: SharedMount,
+    table: Mutex<Table>,
+}
+
+/// What [`ProbeTable::begin`] decided.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Begin {
+    /// The answer is known.
+    Answer(ProbeAnswer),
+    /// Start a probe now (the table records it as in flight).
+    Start,
+}
+
+impl ProbeTable {
+    pub(crate) fn new(cfg: SharedMount) -> ProbeTable {
+        ProbeTable {
+            cfg,
+            table: Mutex::new(Table::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Probes past their deadline become `Absent` and a failure of their root.
+    fn expire(&self, t: &mut Table, now: Instant, health: &Health) {
+        while let Some(&(since, key)) = t.pending.front() {
+            if now.saturating_duration_since(since) < self.cfg.probe_deadline {
+                break;
+            }
+            t.pending.pop_front();
+            if let Some(Slot::Pending { since: s, root }) = t.slots.get(&key).copied()
+                && s == since
+            {
+                tracing::warn!(%key, root, "posix: a probe of the shared mount timed out");
+                health.failure(root, now);
+                t.slots.insert(
+                    key,
+                    Slot::Known {
+                        present: false,
+                        until: now + self.cfg.probe_ttl,
+                    },
+                );
+            }
+        }
+    }
+
+    /// The answer for `key` on `root`, or `Start` when a probe must be started (the caller
+    /// then calls [`ProbeTable::started`] or [`ProbeTable::refused`]).
+    pub(crate) fn begin(
+        &self,
+        key: BlockKey,
+        root: usize,
+        now: Instant,
+        health: &Health,
+    ) -> Begin {
+        let mut t = self.lock();
+        self.expire(&mut t, now, health);
+        match t.slots.get(&key) {
+            Some(Slot::Pending { .. }) => return Begin::Answer(ProbeAnswer::Pending),
+            Some(Slot::Known { present, until }) if *until > now => {
+                return Begin::Answer(if *present {
+                    ProbeAnswer::Present
+                } else {
+                    ProbeAnswer::Absent
+                });
+            }
+            _ => {}
+        }
+        if health.admit(root, now) == kvx_policy::Admission::Rejected {
+            return Begin::Answer(ProbeAnswer::Absent);
+        }
+        if t.slots.len() >= self.cfg.probe_entries {
+            t.slots
+                .retain(|_, s| !matches!(s, Slot::Known { until, .. } if *until <= now));
+            if t.slots.len() >= self.cfg.probe_entries {
+                return Begin::Answer(ProbeAnswer::Absent);
+            }
+        }
+        t.slots.insert(key, Slot::Pending { since: now, root });
+        t.pending.push_back((now, key));
+        Begin::Start
+    }
+
+    /// The engine refused the probe of `key`: forget it.
+    pub(crate) fn refused(&self, key: BlockKey) {
+        let mut t = self.lock();
+        if matches!(t.slots.get(&key), Some(Slot::Pending { .. })) {
+            t.slots.remove(&key);
+        }
+    }
+
+    /// A probe of `key` came back with `result` at `now`.
+    pub(crate) fn answered(
+        &self,
+        key: BlockKey,
+        result: &Result<(), BlockError>,
+        now: Instant,
+        health: &Health,
+    ) {
+        let present = result.is_ok();
+        let mut t = self.lock();
+        if let Some(Slot::Pending { since, root }) = t.slots.get(&key).copied() {
+            // In time (a late one was already counted a failure by `expire`).
+            match result {
+                Err(BlockError::Io(e)) => {
+                    tracing::warn!(%key, error = %e, "posix: a probe of the shared mount failed");
+                    health.failure(root, now);
+                }
+                _ => health.success(root, now, now.saturating_duration_since(since)),
+            }
+        }
+        t.slots.insert(
+            key,
+            Slot::Known {
+                present,
+                until: now + self.cfg.probe_ttl,
+            },
+        );
+        self.expire(&mut t, now, health);
+    }
+
+    /// A load found `key` gone (or bad): drop a cached `Present`.
+    pub(crate) fn forget(&self, key: BlockKey) {
+        let mut t = self.lock();
+        if matches!(t.slots.get(&key), Some(Slot::Known { .. })) {
+            t.slots.remove(&key);
+        }
+    }
+
+    /// Keys remembered (answers and probes in flight).
+    pub(crate) fn len(&self) -> usize {
+        self.lock().slots.len()
+    }
+
+    /// The probe deadline.
+    pub(crate) fn deadline(&self) -> Duration {
+        self.cfg.probe_deadline
+    }
+}
