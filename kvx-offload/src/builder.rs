@@ -267,7 +267,11 @@ fn open_file_tier(cfg: &OffloadConfig, b: &mut DriverBuilder) -> Result<FileTier
         Some(_) => Some(Arc::new(handle.clone())),
         None => None,
     };
-    let collector = match f.shared.as_ref().and_then(|m| m.quota_bytes.map(|q| (m, q))) {
+    let collector = match f
+        .shared
+        .as_ref()
+        .and_then(|m| m.quota_bytes.map(|q| (m, q)))
+    {
         Some((m, quota)) => {
             let c = kvx_posix::CollectorConfig {
                 quota_bytes: quota,

@@ -214,8 +214,12 @@ impl Collector {
                     let started = Instant::now();
                     match handle.collect(&cfg, &s) {
                         Ok(r) if !r.removed.is_empty() || r.removed_temps > 0 => {
-                            tracing::info!(removed = r.removed.len(), bytes = r.removed_bytes,
-                                temps = r.removed_temps, "posix: collector pass");
+                            tracing::info!(
+                                removed = r.removed.len(),
+                                bytes = r.removed_bytes,
+                                temps = r.removed_temps,
+                                "posix: collector pass"
+                            );
                         }
                         Ok(_) => {}
                         Err(e) => tracing::warn!(error = %e, "posix: collector pass failed"),

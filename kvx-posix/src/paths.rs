@@ -221,7 +221,10 @@ mod tests {
         let hex = key.to_hex();
         assert_eq!(
             classify(&format!("{hex}.42-7.kvb.tmp"), "ab", "cd"),
-            Entry::Temp { host: None, pid: 42 }
+            Entry::Temp {
+                host: None,
+                pid: 42
+            }
         );
         assert_eq!(
             classify(&format!("{hex}.node-a_1-42-7.kvb.tmp"), "ab", "cd"),
@@ -230,7 +233,10 @@ mod tests {
                 pid: 42
             }
         );
-        assert_eq!(classify(&format!("{hex}.x-7.kvb.tmp"), "ab", "cd"), Entry::Other);
+        assert_eq!(
+            classify(&format!("{hex}.x-7.kvb.tmp"), "ab", "cd"),
+            Entry::Other
+        );
         assert_ne!(l.paths(key, true).temp, paths.temp, "temp names are unique");
         assert_eq!(classify("notes.txt", "ab", "cd"), Entry::Other);
         // Keys spread over both roots.

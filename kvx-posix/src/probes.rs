@@ -94,13 +94,7 @@ impl ProbeTable {
 
     /// The answer for `key` on `root`, or `Start` when a probe must be started (the caller
     /// then calls [`ProbeTable::started`] or [`ProbeTable::refused`]).
-    pub(crate) fn begin(
-        &self,
-        key: BlockKey,
-        root: usize,
-        now: Instant,
-        health: &Health,
-    ) -> Begin {
+    pub(crate) fn begin(&self, key: BlockKey, root: usize, now: Instant, health: &Health) -> Begin {
         let mut t = self.lock();
         self.expire(&mut t, now, health);
         match t.slots.get(&key) {

@@ -117,15 +117,16 @@ impl PosixStore {
             scanned_blocks: found.keys.len(),
             removed_temps: found.removed_temps,
         };
-        let touch = match &cfg.shared {
-            Some(m) if m.touch_on_load => {
-                Some(crate::touch::TouchLane::start().map_err(|e| PosixError::Engine {
-                    engine: "touch",
-                    msg: format!("cannot start the touch thread: {e}"),
-                })?)
-            }
-            _ => None,
-        };
+        let touch =
+            match &cfg.shared {
+                Some(m) if m.touch_on_load => Some(crate::touch::TouchLane::start().map_err(
+                    |e| PosixError::Engine {
+                        engine: "touch",
+                        msg: format!("cannot start the touch thread: {e}"),
+                    },
+                )?),
+                _ => None,
+            };
         let index = Index::default();
         index.extend(found.keys);
         let health = Health::new(&cfg.roots, cfg.breaker)?;
