@@ -183,8 +183,19 @@ impl SchedulerSide {
             return first;
         }
         let probe = probe.clone();
+        let hits = tiers.len();
+        // Adopting evicts this node's least recently used file-tier entries: refresh the hits
+        // first and adopt no more than the rest of the capacity, so the eviction never takes
+        // a block of this same prefix.
+        self.mgr.touch(&keys[..hits]);
+        let room = self
+            .mgr
+            .capacity(Tier::File)
+            .unwrap_or(0)
+            .saturating_sub(hits)
+            .min(MAX_PROBES_PER_LOOKUP);
         let mut pending = false;
-        for k in keys[tiers.len()..].iter().take(MAX_PROBES_PER_LOOKUP) {
+        for k in keys[hits..].iter().take(room) {
             match probe.probe(*k) {
                 FileProbe::Absent => break,
                 // Keep asking past a pending answer, so the probes of one prefix run together.

@@ -37,13 +37,13 @@ fn three_nodes_share_blocks(engine: EngineKind) {
     }
     // A block another node removes is gone for the others too (a miss, not an error).
     assert!(a.files.remove(key(0)) || !a.files.contains(key(0)));
-    assert!(wait_gone(&root, &a, key(0)));
+    assert!(wait_gone(&a, key(0)));
     assert_eq!(b.ask("load 0 1 1", "load"), vec![0, 0, 0, 1]);
     b.quit();
     c.quit();
 }
 
-fn wait_gone(_root: &std::path::Path, a: &Node, k: kvx_core::BlockKey) -> bool {
+fn wait_gone(a: &Node, k: kvx_core::BlockKey) -> bool {
     let path = a.files.block_path(k);
     let end = std::time::Instant::now() + SOON;
     while path.exists() {
