@@ -256,3 +256,97 @@ impl Drop for Collector {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{HEADER_LEN, encode_header};
+    use crate::{PosixConfig, PosixStore};
+
+    fn set_mtime(path: &std::path::Path, secs_ago: u64) {
+        let t = SystemTime::now() - Duration::from_secs(secs_ago);
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(t).unwrap();
+    }
+
+    fn write_block(h: &PosixHandle, key: BlockKey, secs_ago: u64) -> PathBuf {
+        let payload = vec![key.0 as u8; 4096];
+        let mut file = vec![0u8; HEADER_LEN];
+        encode_header(&mut file, key, &payload, 1);
+        file.extend_from_slice(&payload);
+        let p = h.block_path(key);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, file).unwrap();
+        set_mtime(&p, secs_ago);
+        p
+    }
+
+    fn wait_gone(p: &std::path::Path) -> bool {
+        let end = Instant::now() + Duration::from_secs(10);
+        while p.exists() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        !p.exists()
+    }
+
+    #[test]
+    fn oldest_blocks_go_first_until_under_quota() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(PosixConfig::new(dir.path())).unwrap();
+        let h = store.handle();
+        // Keys 1..=4, key 1 the least recently used.
+        let paths: Vec<PathBuf> = (1..=4u128)
+            .map(|i| write_block(&h, BlockKey(i << 100 | i), 100 - i as u64 * 10))
+            .collect();
+        let size = std::fs::metadata(&paths[0]).unwrap().len();
+        let stop = AtomicBool::new(false);
+        let r = h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
+        assert_eq!(r.blocks, 4);
+        assert_eq!(
+            r.removed,
+            vec![BlockKey(1 << 100 | 1), BlockKey(2 << 100 | 2)]
+        );
+        assert!(wait_gone(&paths[0]) && wait_gone(&paths[1]));
+        assert!(paths[2].exists() && paths[3].exists());
+        // A second collector on the same state finds nothing to do; a remove of a file that
+        // is already gone would have been a success anyway.
+        let again = h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
+        assert!(again.removed.is_empty());
+        assert_eq!(again.bytes, 2 * size);
+    }
+
+    #[test]
+    fn stale_temporaries_of_any_node_go_by_age() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(PosixConfig::new(dir.path())).unwrap();
+        let h = store.handle();
+        let key = BlockKey(0xabcd << 112 | 5);
+        let leaf = h.block_path(key).parent().unwrap().to_path_buf();
+        std::fs::create_dir_all(&leaf).unwrap();
+        let hex = key.to_hex();
+        let me = std::process::id();
+        let host = crate::paths::host_tag();
+        let make = |name: String, secs_ago: u64| {
+            let p = leaf.join(name);
+            std::fs::write(&p, b"partial").unwrap();
+            set_mtime(&p, secs_ago);
+            p
+        };
+        let old_foreign = make(format!("{hex}.otherhost-{me}-1.kvb.tmp"), 700);
+        let new_foreign = make(format!("{hex}.otherhost-{me}-2.kvb.tmp"), 5);
+        let old_form_old = make(format!("{hex}.{me}-3.kvb.tmp"), 700);
+        let mine_old = make(format!("{hex}.{host}-{me}-4.kvb.tmp"), 700);
+        let foreign_file = make(format!("{hex}.notes"), 700);
+        let stop = AtomicBool::new(false);
+        let r = h.collect(&CollectorConfig::new(u64::MAX), &stop).unwrap();
+        assert_eq!(r.removed_temps, 1, "only the old one of another node");
+        assert!(!old_foreign.exists());
+        assert!(new_foreign.exists(), "another node may still be writing it");
+        assert!(
+            old_form_old.exists(),
+            "this (live) process's, in the old form"
+        );
+        assert!(mine_old.exists(), "this process's own");
+        assert!(foreign_file.exists(), "not a kvx name: left alone");
+    }
+}

@@ -179,3 +179,95 @@ impl ProbeTable {
         self.cfg.probe_deadline
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvx_policy::{BreakerConfig, BreakerState};
+
+    fn table(entries: usize) -> (ProbeTable, Health) {
+        let cfg = SharedMount {
+            probe_deadline: Duration::from_millis(100),
+            probe_ttl: Duration::from_millis(50),
+            probe_entries: entries,
+            touch_on_load: false,
+        };
+        let health = Health::new(&["/r".into()], BreakerConfig::default()).unwrap();
+        (ProbeTable::new(cfg), health)
+    }
+
+    #[test]
+    fn answers_are_cached_for_the_ttl_then_probed_again() {
+        let (t, h) = table(8);
+        let (k, t0) = (BlockKey(1), Instant::now());
+        assert_eq!(t.begin(k, 0, t0, &h), Begin::Start);
+        assert_eq!(t.begin(k, 0, t0, &h), Begin::Answer(ProbeAnswer::Pending));
+        t.answered(k, &Ok(()), t0 + Duration::from_millis(1), &h);
+        let at = t0 + Duration::from_millis(40);
+        assert_eq!(t.begin(k, 0, at, &h), Begin::Answer(ProbeAnswer::Present));
+        // Past the TTL the answer is probed again.
+        assert_eq!(
+            t.begin(k, 0, t0 + Duration::from_millis(60), &h),
+            Begin::Start
+        );
+        t.answered(
+            k,
+            &Err(BlockError::NotFound),
+            t0 + Duration::from_millis(61),
+            &h,
+        );
+        let at = t0 + Duration::from_millis(70);
+        assert_eq!(t.begin(k, 0, at, &h), Begin::Answer(ProbeAnswer::Absent));
+        // A load that found the block gone drops a cached answer.
+        t.forget(k);
+        assert_eq!(t.begin(k, 0, at, &h), Begin::Start);
+    }
+
+    #[test]
+    fn probes_past_the_deadline_are_misses_and_open_the_breaker() {
+        let (t, h) = table(8);
+        let t0 = Instant::now();
+        for i in 0..3 {
+            assert_eq!(t.begin(BlockKey(i), 0, t0, &h), Begin::Start);
+        }
+        let late = t0 + Duration::from_millis(100);
+        // The first look after the deadline turns all three into misses and failures.
+        assert_eq!(
+            t.begin(BlockKey(0), 0, late, &h),
+            Begin::Answer(ProbeAnswer::Absent)
+        );
+        assert!(matches!(h.state(0), Some(BreakerState::Open { .. })));
+        // While it is open a new key is a miss without a probe.
+        assert_eq!(
+            t.begin(BlockKey(9), 0, late, &h),
+            Begin::Answer(ProbeAnswer::Absent)
+        );
+        // A late answer is still recorded (the block is there), without a success.
+        t.answered(BlockKey(1), &Ok(()), late, &h);
+        assert_eq!(
+            t.begin(BlockKey(1), 0, late, &h),
+            Begin::Answer(ProbeAnswer::Present)
+        );
+        assert!(matches!(h.state(0), Some(BreakerState::Open { .. })));
+    }
+
+    #[test]
+    fn the_table_is_bounded() {
+        let (t, h) = table(2);
+        let t0 = Instant::now();
+        assert_eq!(t.begin(BlockKey(1), 0, t0, &h), Begin::Start);
+        assert_eq!(t.begin(BlockKey(2), 0, t0, &h), Begin::Start);
+        assert_eq!(
+            t.begin(BlockKey(3), 0, t0, &h),
+            Begin::Answer(ProbeAnswer::Absent),
+            "full: a new key is a miss without a probe"
+        );
+        assert_eq!(t.len(), 2);
+        t.answered(BlockKey(1), &Ok(()), t0, &h);
+        t.answered(BlockKey(2), &Ok(()), t0, &h);
+        // Once answers expire they make room.
+        let later = t0 + Duration::from_millis(60);
+        assert_eq!(t.begin(BlockKey(3), 0, later, &h), Begin::Start);
+        assert!(t.len() <= 2);
+    }
+}
