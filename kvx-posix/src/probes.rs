@@ -6,7 +6,11 @@
 //! not back within the deadline is a failure of its root's breaker and its key answers
 //! [`ProbeAnswer::Absent`] for the cache time; an open breaker answers `Absent` at once. The
 //! table holds at most `probe_entries` keys: when full (expired answers purged first), a new key
-//! answers `Absent` without a probe.
+//! answers `Absent` without a probe. At most [`MAX_OUTSTANDING`] probes are in the engine at
+//! once, so a burst of lookups never queues probes long enough to miss their deadline on a
+//! healthy mount (which would open the breaker); past that a new key answers `Pending` while a
+//! probe is still within its deadline, and `Absent` once every outstanding probe is overdue (a
+//! stuck lane).
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
@@ -35,11 +39,18 @@ enum Slot {
     Known { present: bool, until: Instant },
 }
 
+/// Most probes submitted to the engine and not yet back (timed out or not).
+pub(crate) const MAX_OUTSTANDING: usize = 16;
+
 #[derive(Default)]
 struct Table {
     slots: FxHashMap<BlockKey, Slot>,
     /// Probes in flight, oldest first (some may have been answered already).
     pending: VecDeque<(Instant, BlockKey)>,
+    /// Slots in the `Pending` state (probes within their deadline).
+    pending_slots: usize,
+    /// Probes submitted and not back from the engine yet (overdue ones included).
+    outstanding: usize,
 }
 
 /// See the module docs.
@@ -81,6 +92,7 @@ impl ProbeTable {
             {
                 tracing::warn!(%key, root, "posix: a probe of the shared mount timed out");
                 health.failure(root, now);
+                t.pending_slots -= 1;
                 t.slots.insert(
                     key,
                     Slot::Known {
@@ -108,6 +120,13 @@ impl ProbeTable {
             }
             _ => {}
         }
+        if t.outstanding >= MAX_OUTSTANDING {
+            return Begin::Answer(if t.pending_slots > 0 {
+                ProbeAnswer::Pending
+            } else {
+                ProbeAnswer::Absent
+            });
+        }
         if health.admit(root, now) == kvx_policy::Admission::Rejected {
             return Begin::Answer(ProbeAnswer::Absent);
         }
@@ -120,6 +139,8 @@ impl ProbeTable {
         }
         t.slots.insert(key, Slot::Pending { since: now, root });
         t.pending.push_back((now, key));
+        t.pending_slots += 1;
+        t.outstanding += 1;
         Begin::Start
     }
 
@@ -128,7 +149,9 @@ impl ProbeTable {
         let mut t = self.lock();
         if matches!(t.slots.get(&key), Some(Slot::Pending { .. })) {
             t.slots.remove(&key);
+            t.pending_slots -= 1;
         }
+        t.outstanding = t.outstanding.saturating_sub(1);
     }
 
     /// A probe of `key` came back with `result` at `now`.
@@ -141,7 +164,9 @@ impl ProbeTable {
     ) {
         let present = result.is_ok();
         let mut t = self.lock();
+        t.outstanding = t.outstanding.saturating_sub(1);
         if let Some(Slot::Pending { since, root }) = t.slots.get(&key).copied() {
+            t.pending_slots -= 1;
             // In time (a late one was already counted a failure by `expire`).
             match result {
                 Err(BlockError::Io(e)) => {
@@ -249,6 +274,38 @@ mod tests {
             Begin::Answer(ProbeAnswer::Present)
         );
         assert!(matches!(h.state(0), Some(BreakerState::Open { .. })));
+    }
+
+    #[test]
+    fn probes_in_the_engine_are_bounded() {
+        let (t, _) = table(64);
+        let h = Health::new(
+            &["/r".into()],
+            BreakerConfig {
+                failure_threshold: 1000,
+                ..BreakerConfig::default()
+            },
+        )
+        .unwrap();
+        let t0 = Instant::now();
+        for i in 0..MAX_OUTSTANDING as u128 {
+            assert_eq!(t.begin(BlockKey(i), 0, t0, &h), Begin::Start);
+        }
+        let extra = BlockKey(1000);
+        assert_eq!(
+            t.begin(extra, 0, t0, &h),
+            Begin::Answer(ProbeAnswer::Pending),
+            "busy lane: ask again later"
+        );
+        // Once every outstanding probe is overdue (a stuck lane), a new key is a miss.
+        let late = t0 + Duration::from_millis(100);
+        assert_eq!(
+            t.begin(extra, 0, late, &h),
+            Begin::Answer(ProbeAnswer::Absent)
+        );
+        // One coming back makes room for a new probe.
+        t.answered(BlockKey(0), &Err(BlockError::NotFound), late, &h);
+        assert_eq!(t.begin(extra, 0, late, &h), Begin::Start);
     }
 
     #[test]

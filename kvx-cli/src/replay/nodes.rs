@@ -21,7 +21,7 @@ use super::ideal::ideal_lru_hits;
 use super::trace::TraceRequest;
 
 /// Time the nodes get to set up before the shared clock starts.
-const SETUP: Duration = Duration::from_secs(3);
+const SETUP: Duration = Duration::from_secs(2);
 
 /// The node that serves request `i` (its block keys `keys`).
 pub fn node_of(spread: Spread, nodes: usize, i: usize, keys: &[BlockKey]) -> usize {
@@ -176,6 +176,19 @@ fn combine(s: &Settings, reports: &[Value], ideal: u64, capacity: usize, dir: &P
             k.into(),
             json!(reports.iter().map(|r| num(r, k)).sum::<u64>()),
         );
+    }
+    for k in ["store_failures_by_reason", "load_failures_by_reason"] {
+        let mut sum = serde_json::Map::new();
+        for r in reports {
+            if let Some(o) = r.get(k).and_then(Value::as_object) {
+                for (reason, n) in o {
+                    let add = n.as_u64().unwrap_or(0);
+                    let prev = sum.get(reason).and_then(Value::as_u64).unwrap_or(0);
+                    sum.insert(reason.clone(), json!(prev + add));
+                }
+            }
+        }
+        m.insert(k.into(), Value::Object(sum));
     }
     let blocks = num(&Value::Object(m.clone()), "blocks");
     let host = num(&Value::Object(m.clone()), "hit_host_blocks");

@@ -91,13 +91,14 @@ fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
     }
 }
 
-/// The file tier's settings when `s.nodes` engines share it: probes answer within a fifth of
-/// the load deadline (at most 200 ms) and are reused for 50 ms; every node runs a collector
-/// that keeps the directory under the file tier's capacity in bytes (header included).
+/// The file tier's settings when `s.nodes` engines share it: a probe gets the load deadline
+/// (a lookup waits for it no longer than a load of the block would take) and its answer is
+/// reused for 50 ms; every node runs a collector that keeps the directory under the file
+/// tier's capacity in bytes (header included).
 fn shared_mount(s: &Settings) -> SharedMountConfig {
     let block_file = s.blocks.block_bytes.div_ceil(4096) * 4096 + 4096;
     SharedMountConfig {
-        probe_deadline_ms: (s.load_deadline_ms / 5).clamp(1, 200),
+        probe_deadline_ms: s.load_deadline_ms,
         probe_ttl_ms: 50,
         quota_bytes: Some(s.file_blocks as u64 * block_file),
         collect_interval_ms: 1000,
