@@ -5,10 +5,12 @@
 //! probes the shared directory for blocks its own index lacks, and runs a collector that keeps
 //! the directory under the file tier's capacity. The parent sums the nodes' counters and
 //! compares the hit rate with an ideal LRU cache shared by all nodes, of their total capacity
-//! (every node's host tier plus the one file tier).
+//! (every node's host tier plus the one file tier), and with one of the capacity the tiers
+//! really have for distinct blocks: the file tier is written through, so every host tier holds
+//! copies of file-tier blocks, and the distinct capacity is the larger of the two.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -49,7 +51,7 @@ const SUMMED: [&str; 14] = [
     "retries",
 ];
 
-fn arg_without_metrics(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+fn args_without_metrics(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
     let mut out = Vec::new();
     let mut skip_next = false;
     for a in args {
@@ -75,6 +77,8 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
     let keys: Vec<Vec<BlockKey>> = requests.iter().map(TraceRequest::keys).collect();
     let capacity = s.nodes * s.host_blocks + s.file_blocks;
     let ideal = ideal_lru_hits(capacity, keys.iter().map(Vec::as_slice));
+    let inclusive = (s.nodes * s.host_blocks).max(s.file_blocks);
+    let ideal_inclusive = ideal_lru_hits(inclusive, keys.iter().map(Vec::as_slice));
     let (dir, fresh) = match &s.dir {
         Some(d) => {
             std::fs::create_dir_all(d)
@@ -95,7 +99,7 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
         .map_or(0, |d| d.as_millis() as u64);
     let exe = std::env::current_exe()
         .map_err(|e| ReplayError::Setup(format!("cannot find the kvx binary: {e}")))?;
-    let base = arg_without_metrics(std::env::args_os().skip(1));
+    let base = args_without_metrics(std::env::args_os().skip(1));
     let mut children = Vec::with_capacity(s.nodes);
     for i in 0..s.nodes {
         let child = Command::new(&exe)
@@ -152,7 +156,13 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
     if let Some(f) = failure {
         return Err(ReplayError::Accounting(f));
     }
-    let combined = combine(s, &reports, ideal, capacity, &dir);
+    let ideals = Ideals {
+        hits: ideal,
+        capacity,
+        inclusive_hits: ideal_inclusive,
+        inclusive_capacity: inclusive,
+    };
+    let combined = combine(s, &reports, &ideals, &dir);
     print!("{}", summary(&combined));
     if args.json {
         println!("{combined}");
@@ -168,8 +178,18 @@ fn rate(n: u64, d: u64) -> f64 {
     if d == 0 { 0.0 } else { n as f64 / d as f64 }
 }
 
+/// Hits of the ideal shared LRU caches over the whole trace.
+struct Ideals {
+    /// Of every node's host tier plus the file tier.
+    hits: u64,
+    capacity: usize,
+    /// Of the larger of all host tiers together and the file tier.
+    inclusive_hits: u64,
+    inclusive_capacity: usize,
+}
+
 /// The nodes' reports, summed, with the ideal shared LRU beside them.
-fn combine(s: &Settings, reports: &[Value], ideal: u64, capacity: usize, dir: &PathBuf) -> Value {
+fn combine(s: &Settings, reports: &[Value], ideal: &Ideals, dir: &Path) -> Value {
     let mut m = serde_json::Map::new();
     for k in SUMMED {
         m.insert(
@@ -194,7 +214,8 @@ fn combine(s: &Settings, reports: &[Value], ideal: u64, capacity: usize, dir: &P
     let host = num(&Value::Object(m.clone()), "hit_host_blocks");
     let file = num(&Value::Object(m.clone()), "hit_file_blocks");
     let hit_rate = rate(host + file, blocks);
-    let ideal_rate = rate(ideal, blocks);
+    let ideal_rate = rate(ideal.hits, blocks);
+    let inclusive_rate = rate(ideal.inclusive_hits, blocks);
     m.insert("nodes".into(), json!(s.nodes));
     m.insert("spread".into(), json!(s.spread.as_str()));
     m.insert("shared_dir".into(), json!(dir.display().to_string()));
@@ -202,10 +223,25 @@ fn combine(s: &Settings, reports: &[Value], ideal: u64, capacity: usize, dir: &P
     m.insert("host_hit_rate".into(), json!(rate(host, blocks)));
     m.insert("file_hit_rate".into(), json!(rate(file, blocks)));
     m.insert("ideal_shared_lru_hit_rate".into(), json!(ideal_rate));
-    m.insert("ideal_shared_lru_capacity_blocks".into(), json!(capacity));
+    m.insert(
+        "ideal_shared_lru_capacity_blocks".into(),
+        json!(ideal.capacity),
+    );
     m.insert(
         "hit_rate_gap_points".into(),
         json!(100.0 * (ideal_rate - hit_rate)),
+    );
+    m.insert(
+        "ideal_shared_lru_inclusive_hit_rate".into(),
+        json!(inclusive_rate),
+    );
+    m.insert(
+        "ideal_shared_lru_inclusive_capacity_blocks".into(),
+        json!(ideal.inclusive_capacity),
+    );
+    m.insert(
+        "inclusive_gap_points".into(),
+        json!(100.0 * (inclusive_rate - hit_rate)),
     );
     m.insert("host_blocks_per_node".into(), json!(s.host_blocks));
     m.insert("file_blocks".into(), json!(s.file_blocks));
@@ -260,6 +296,12 @@ fn summary(v: &Value) -> String {
         100.0 * f("ideal_shared_lru_hit_rate"),
         n("ideal_shared_lru_capacity_blocks"),
         f("hit_rate_gap_points")
+    ));
+    out.push_str(&format!(
+        "ideal inclusive  {:.1} % ({} blocks: what write-through tiers hold distinct); gap {:.2} points\n",
+        100.0 * f("ideal_shared_lru_inclusive_hit_rate"),
+        n("ideal_shared_lru_inclusive_capacity_blocks"),
+        f("inclusive_gap_points")
     ));
     out.push_str(&format!(
         "missed           {} blocks, recomputed {}, failed requests {}, deadline misses {}\n",
