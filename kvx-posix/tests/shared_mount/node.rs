@@ -188,6 +188,8 @@ impl Node {
 /// - `load A B G` → `load EXACT OTHER MIXED INVALID` (exact: generation G; other: another
 ///   generation; mixed: no generation at all);
 /// - `churn A B MS` → `churn EXACT MIXED INVALID NOTFOUND` (load A..B round after round for MS);
+/// - `collect QUOTA MS` → `collect PASSES REMOVED` (collector passes with a quota of QUOTA
+///   bytes, one after another for MS; any failed pass panics the node);
 /// - `frozen A B C D O` → `frozen ANSWER_US FIRST_ABSENT LOAD_LATE_US LOAD_OK BREAKER_OPEN`
 ///   (probe new keys A..B and load stored keys C..D under a freeze; the loads first when O
 ///   is 1, so that they, not the probes, meet the mount before the breaker opens);
@@ -223,6 +225,18 @@ pub fn serve(spec: &str) {
                 format!("load {exact} {other} {mixed} {invalid}")
             }
             Some("churn") => churn(&node, n(1)..n(2), Duration::from_millis(n(3))),
+            Some("collect") => {
+                let cfg = kvx_posix::CollectorConfig::new(n(1));
+                let stop = std::sync::atomic::AtomicBool::new(false);
+                let end = Instant::now() + Duration::from_millis(n(2));
+                let (mut passes, mut removed) = (0, 0);
+                while Instant::now() < end {
+                    let r = node.files.collect(&cfg, &stop).expect("a collector pass");
+                    passes += 1;
+                    removed += r.removed.len();
+                }
+                format!("collect {passes} {removed}")
+            }
             Some("frozen") => frozen(&node, n(1)..n(2), n(3)..n(4), n(5) == 1),
             Some("quit") | None => break,
             Some(other) => panic!("unknown command {other:?}"),
