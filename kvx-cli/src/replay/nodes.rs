@@ -113,9 +113,18 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| ReplayError::Setup(format!("cannot start node {i}: {e}")))?;
-        children.push(child);
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                // End the nodes already started (by their own ids) before giving up.
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(ReplayError::Setup(format!("cannot start node {i}: {e}")));
+            }
+        }
     }
     eprintln!(
         "kvx replay: {} nodes share {} ({} requests spread {})",
