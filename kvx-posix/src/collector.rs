@@ -10,7 +10,8 @@
 //! remove a little more than needed; never a block newer than one they both kept.)
 //!
 //! Block removes go through the engine's maintenance lane (a header read first: a block of
-//! another format version is never deleted), a few at a time, so they never take a load's or a
+//! another format version is never deleted, so a root holding such blocks stays over its quota
+//! by their size, and [`CollectReport::removed`] counts them as queued), a few at a time, so they never take a load's or a
 //! store's place and never crowd out the lane's probes. The walk itself (readdir and stat) runs
 //! on the collector's own thread: a stuck mount stalls that thread only.
 //!
