@@ -10,7 +10,7 @@ use kvx_core::{
 
 use crate::config::OffloadConfig;
 use crate::error::OffloadError;
-use crate::file_hook::FileTierHook;
+use crate::file_hook::{FileTierHook, FileTierProbe};
 use crate::scheduler::SchedulerSide;
 use crate::worker::{TierRoutes, WorkerConfig, WorkerSide};
 
@@ -94,6 +94,9 @@ pub struct OffloadRuntime {
     driver: Option<Driver>,
     #[cfg(feature = "file")]
     files: Option<kvx_posix::PosixHandle>,
+    /// The shared mount's collector on this node, stopped when the runtime drops.
+    #[cfg(feature = "file")]
+    _collector: Option<kvx_posix::Collector>,
     #[cfg(feature = "cuda")]
     _pinned: Option<kvx_cuda::PinnedPool>,
     adopted: usize,
@@ -189,6 +192,9 @@ impl OffloadBuilder {
         let driver = b.spawn().map_err(|e| setup("driver")(e.to_string()))?;
         let mut scheduler = SchedulerSide::new(cfg.scheduler())?;
         let adopted = scheduler.adopt_file_blocks(files.keys());
+        if let Some(p) = &files.probe {
+            scheduler.set_file_probe(p.clone());
+        }
         let worker = WorkerSide::new(
             driver.handle(),
             TierRoutes {
@@ -212,6 +218,8 @@ impl OffloadBuilder {
                 driver: Some(driver),
                 #[cfg(feature = "file")]
                 files: files.handle,
+                #[cfg(feature = "file")]
+                _collector: files.collector,
                 #[cfg(feature = "cuda")]
                 _pinned: pinned,
                 adopted,
@@ -226,9 +234,13 @@ impl OffloadBuilder {
 struct FileTier {
     route: Option<kvx_core::BackendId>,
     hook: Option<Arc<dyn FileTierHook>>,
+    /// Set on a shared mount.
+    probe: Option<Arc<dyn FileTierProbe>>,
     direct: bool,
     #[cfg(feature = "file")]
     handle: Option<kvx_posix::PosixHandle>,
+    #[cfg(feature = "file")]
+    collector: Option<kvx_posix::Collector>,
 }
 
 impl FileTier {
@@ -251,10 +263,34 @@ fn open_file_tier(cfg: &OffloadConfig, b: &mut DriverBuilder) -> Result<FileTier
     let store = kvx_posix::PosixStore::open(posix_config(f))
         .map_err(|e| setup("file tier")(e.to_string()))?;
     let handle = store.handle();
+    let probe: Option<Arc<dyn FileTierProbe>> = match &f.shared {
+        Some(_) => Some(Arc::new(handle.clone())),
+        None => None,
+    };
+    let collector = match f
+        .shared
+        .as_ref()
+        .and_then(|m| m.quota_bytes.map(|q| (m, q)))
+    {
+        Some((m, quota)) => {
+            let c = kvx_posix::CollectorConfig {
+                quota_bytes: quota,
+                interval: Duration::from_millis(m.collect_interval_ms),
+                stale_temp_age: Duration::from_secs(m.stale_temp_s),
+            };
+            Some(
+                kvx_posix::Collector::spawn(handle.clone(), c)
+                    .map_err(|e| setup("file tier collector")(e.to_string()))?,
+            )
+        }
+        None => None,
+    };
     Ok(FileTier {
         direct: store.capabilities().direct,
         hook: Some(Arc::new(handle.clone())),
+        probe,
         handle: Some(handle),
+        collector,
         route: Some(b.backend(Box::new(store))),
     })
 }
@@ -283,6 +319,15 @@ fn posix_config(f: &crate::config::FileTierConfig) -> kvx_posix::PosixConfig {
     p.queue_depth = f.queue_depth;
     p.fdatasync = f.fdatasync;
     p.breaker = f.breaker;
+    if let Some(m) = &f.shared {
+        p.shared = Some(kvx_posix::SharedMount {
+            probe_deadline: Duration::from_millis(m.probe_deadline_ms),
+            probe_ttl: Duration::from_millis(m.probe_ttl_ms),
+            probe_entries: m.probe_entries,
+            touch_on_load: true,
+        });
+        p.stale_temp_age = Duration::from_secs(m.stale_temp_s);
+    }
     p
 }
 

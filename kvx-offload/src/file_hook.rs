@@ -1,4 +1,6 @@
-//! How the worker half removes blocks from a file tier.
+//! How the two halves reach a file tier without knowing its backend: the worker half removes
+//! blocks ([`FileTierHook`]), the scheduler half asks a shared mount about blocks its index
+//! lacks ([`FileTierProbe`]).
 
 use kvx_core::BlockKey;
 
@@ -6,6 +8,30 @@ use kvx_core::BlockKey;
 pub trait FileTierHook: Send + Sync {
     /// Forget `key` and remove its file; must not block on the device.
     fn remove(&self, key: BlockKey);
+
+    /// `key` left this node's index of the tier (an eviction). Default: [`FileTierHook::remove`];
+    /// on a shared mount only forget it (the collector owns the mount's capacity).
+    fn evict(&self, key: BlockKey) {
+        self.remove(key);
+    }
+}
+
+/// What a file tier says about a block the scheduler half's index lacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileProbe {
+    /// The block is there (another node stored it): it may be loaded.
+    Present,
+    /// It is not there, or the tier cannot tell in time: a miss.
+    Absent,
+    /// The answer is on its way: ask again later.
+    Pending,
+}
+
+/// Asks a file tier shared with other nodes whether it holds a block; must answer at once (a
+/// probe that takes time answers [`FileProbe::Pending`] and runs in the background).
+pub trait FileTierProbe: Send + Sync {
+    /// Whether `key` is in the tier.
+    fn probe(&self, key: BlockKey) -> FileProbe;
 }
 
 /// kvx-posix's handle unlinks through its I/O engine, so a stuck mount never blocks the caller.
@@ -13,5 +39,25 @@ pub trait FileTierHook: Send + Sync {
 impl FileTierHook for kvx_posix::PosixHandle {
     fn remove(&self, key: BlockKey) {
         kvx_posix::PosixHandle::remove(self, key);
+    }
+
+    fn evict(&self, key: BlockKey) {
+        if self.is_shared() {
+            self.forget(key);
+        } else {
+            kvx_posix::PosixHandle::remove(self, key);
+        }
+    }
+}
+
+/// kvx-posix probes on its engine's maintenance lane, with a deadline and a cache.
+#[cfg(feature = "file")]
+impl FileTierProbe for kvx_posix::PosixHandle {
+    fn probe(&self, key: BlockKey) -> FileProbe {
+        match kvx_posix::PosixHandle::probe(self, key) {
+            kvx_posix::ProbeAnswer::Present => FileProbe::Present,
+            kvx_posix::ProbeAnswer::Absent => FileProbe::Absent,
+            kvx_posix::ProbeAnswer::Pending => FileProbe::Pending,
+        }
     }
 }

@@ -88,10 +88,10 @@ mod tier;
 mod worker;
 
 pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime};
-pub use config::{FileTierConfig, IoEngine, OffloadConfig};
+pub use config::{FileTierConfig, IoEngine, OffloadConfig, SharedMountConfig};
 pub use error::OffloadError;
 pub use eviction::EvictionKind;
-pub use file_hook::FileTierHook;
+pub use file_hook::{FileProbe, FileTierHook, FileTierProbe};
 pub use manager::{Lookup, OffloadManager, StoreDecision};
 pub use meta::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 pub use scheduler::{SchedulerConfig, SchedulerSide};

@@ -106,6 +106,19 @@ impl OffloadManager {
         self.file.as_mut().map_or(0, |f| f.adopt(keys))
     }
 
+    /// Record `key`, found in the file tier by a probe (another node stored it), as stored
+    /// there, evicting this node's least recently used file-tier entries if needed (returned:
+    /// forget them). `None` when there is no file tier or no room can be made.
+    pub fn adopt_probed(&mut self, key: BlockKey) -> Option<Vec<BlockKey>> {
+        let f = self.file.as_mut()?;
+        if f.is_stored(key) {
+            return Some(Vec::new());
+        }
+        let plan = f.prepare_store(&[key]).ok()?;
+        f.complete_store(&[key], true);
+        Some(plan.evicted)
+    }
+
     /// Longest prefix of `keys` present in the tiers, or `Retry` when the next block is being
     /// stored or promoted.
     pub fn lookup(&self, keys: &[BlockKey]) -> Lookup {

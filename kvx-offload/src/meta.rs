@@ -62,8 +62,10 @@ pub struct StepMeta {
     pub delayed_free: Vec<RequestId>,
     /// Host-tier blocks to drop.
     pub evict_host: Vec<BlockKey>,
-    /// File-tier blocks to remove.
+    /// File-tier blocks evicted from the index (removed; on a shared mount only forgotten).
     pub evict_file: Vec<BlockKey>,
+    /// File-tier blocks that failed verification: remove their files.
+    pub remove_file: Vec<BlockKey>,
     /// After a reset: the only host-tier keys to keep.
     pub retain_host: Option<Vec<BlockKey>>,
     /// No request is left to start another step: submit the queued stores in this step.

@@ -90,6 +90,59 @@ pub struct PosixConfig {
     /// A store whose rename lands less than this before its deadline is undone, so that a block
     /// the tracker reports as timed out is never left visible; default 10 ms.
     pub visibility_margin: Duration,
+    /// Settings for a root shared by many nodes (`None`, the default: this process owns the
+    /// roots, and its index is the truth).
+    pub shared: Option<SharedMount>,
+}
+
+/// Settings of a store whose roots many nodes share (see [`crate::PosixHandle::probe`]).
+///
+/// The index is then a cache of what is on the mount: a key it lacks is probed on the mount
+/// (a header read on the engine's maintenance lane), the answer cached for a while; a load that
+/// succeeds sets the block file's mtime to now (on the touch lane, never in the engine step), so
+/// mtime is the recency signal any node's collector orders blocks by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedMount {
+    /// A probe not answered within this counts as a failure of its root's breaker and the
+    /// lookup answers "miss"; default 200 ms.
+    pub probe_deadline: Duration,
+    /// How long a probe's answer (present or absent) is reused; default 1 s.
+    pub probe_ttl: Duration,
+    /// Most probe answers and probes in flight remembered at once; past that, new keys answer
+    /// "miss" without a probe until answers expire; default 65536.
+    pub probe_entries: usize,
+    /// Set the block file's mtime on every successful load (the recency signal of the
+    /// collector); default true.
+    pub touch_on_load: bool,
+}
+
+impl Default for SharedMount {
+    fn default() -> Self {
+        SharedMount {
+            probe_deadline: Duration::from_millis(200),
+            probe_ttl: Duration::from_secs(1),
+            probe_entries: 65536,
+            touch_on_load: true,
+        }
+    }
+}
+
+impl SharedMount {
+    /// Check the settings; the error names the bad field.
+    pub fn validate(&self) -> Result<(), PosixError> {
+        if self.probe_deadline.is_zero() {
+            return Err(PosixError::BadConfig(
+                "shared.probe_deadline must be positive".into(),
+            ));
+        }
+        if self.probe_entries == 0 || self.probe_entries > 1 << 24 {
+            return Err(PosixError::BadConfig(format!(
+                "shared.probe_entries must be 1..=16777216, got {}",
+                self.probe_entries
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl PosixConfig {
@@ -107,6 +160,7 @@ impl PosixConfig {
             breaker: BreakerConfig::default(),
             stale_temp_age: Duration::from_secs(600),
             visibility_margin: Duration::from_millis(10),
+            shared: None,
         }
     }
 
@@ -138,6 +192,9 @@ impl PosixConfig {
                 "max_queued must be 1..=1048576, got {}",
                 self.max_queued
             )));
+        }
+        if let Some(m) = &self.shared {
+            m.validate()?;
         }
         self.breaker
             .validate()

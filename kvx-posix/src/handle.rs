@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use kvx_core::{BlockKey, OpId};
 use kvx_policy::BreakerState;
@@ -13,6 +14,8 @@ use crate::index::Index;
 use crate::io::{IoEngine, Sink};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
+use crate::probes::{Begin, ProbeAnswer, ProbeTable};
+use crate::touch::TouchLane;
 
 /// Counters of a store (all since it opened).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -40,6 +43,12 @@ pub struct PosixStats {
     pub workers: usize,
     /// What `workers` is when nothing is stuck (the queue depth, times the rings for uring).
     pub target_workers: usize,
+    /// Probes of the shared mount started (keys missing from the index).
+    pub probes: u64,
+    /// Probe answers and probes in flight remembered right now.
+    pub probe_entries: usize,
+    /// Touches (mtime updates after a load) dropped because the touch queue was full.
+    pub touches_dropped: u64,
 }
 
 #[derive(Default)]
@@ -49,6 +58,7 @@ pub(crate) struct Counters {
     pub(crate) corrupt: AtomicU64,
     pub(crate) rejected: AtomicU64,
     pub(crate) undone: AtomicU64,
+    pub(crate) probes: AtomicU64,
 }
 
 pub(crate) struct Shared {
@@ -59,6 +69,10 @@ pub(crate) struct Shared {
     pub(crate) sink: Arc<Sink>,
     pub(crate) caps: Capabilities,
     pub(crate) counters: Counters,
+    /// Probe answers, on a shared mount.
+    pub(crate) probes: Option<ProbeTable>,
+    /// The touch lane, on a shared mount with `touch_on_load`.
+    pub(crate) touch: Option<TouchLane>,
 }
 
 impl Shared {
@@ -113,6 +127,66 @@ impl PosixHandle {
         self.shared.index.keys()
     }
 
+    /// Whether `key`'s block is there: the index, else (on a shared mount) a probe of the
+    /// mount. Never blocks: a probe runs on the engine's maintenance lane and this answers
+    /// [`ProbeAnswer::Pending`] while it is in flight; asked again, it answers what the probe
+    /// found (cached for `probe_ttl`), or [`ProbeAnswer::Absent`] once `probe_deadline` passed
+    /// without an answer (a failure of the root's breaker) or while the breaker is open.
+    /// Without [`crate::SharedMount`] settings a key missing from the index is `Absent`.
+    pub fn probe(&self, key: BlockKey) -> ProbeAnswer {
+        if self.shared.index.contains(key) {
+            return ProbeAnswer::Present;
+        }
+        let Some(table) = &self.shared.probes else {
+            return ProbeAnswer::Absent;
+        };
+        let root = self.shared.layout.root_of(key);
+        match table.begin(key, root, Instant::now(), &self.shared.health) {
+            Begin::Answer(a) => a,
+            Begin::Start => {
+                let job = Box::new(BlockJob::new(
+                    OpId(0),
+                    0,
+                    FileOp::Probe,
+                    key,
+                    None,
+                    self.shared.layout.paths(key, false),
+                    JobParams::remove(None),
+                ));
+                match self.shared.engine.submit(job) {
+                    Ok(()) => {
+                        self.shared.counters.probes.fetch_add(1, Ordering::Relaxed);
+                        ProbeAnswer::Pending
+                    }
+                    Err(r) => {
+                        tracing::debug!(%key, reason = %r.reason, "posix: probe refused");
+                        table.refused(key);
+                        ProbeAnswer::Absent
+                    }
+                }
+            }
+        }
+    }
+
+    /// The probe deadline, on a shared mount.
+    pub fn probe_deadline(&self) -> Option<std::time::Duration> {
+        self.shared.probes.as_ref().map(ProbeTable::deadline)
+    }
+
+    /// Forget `key` in this node's index without touching its file (on a shared mount the
+    /// collector, not a node's eviction, decides what leaves the mount); true if it was held.
+    pub fn forget(&self, key: BlockKey) -> bool {
+        if let Some(t) = &self.shared.probes {
+            t.forget(key);
+        }
+        self.shared.index.remove(key)
+    }
+
+    /// True when the roots are shared with other nodes ([`crate::SharedMount`] settings).
+    pub fn is_shared(&self) -> bool {
+        self.shared.probes.is_some()
+    }
+
     /// Forget `key` at once and unlink its file through the engine (never blocks); true if the
     /// store held it.
     pub fn remove(&self, key: BlockKey) -> bool {
@@ -163,6 +237,9 @@ impl PosixHandle {
             corrupt: c.corrupt.load(Ordering::Relaxed),
             rejected: c.rejected.load(Ordering::Relaxed),
             undone: c.undone.load(Ordering::Relaxed),
+            probes: c.probes.load(Ordering::Relaxed),
+            probe_entries: self.shared.probes.as_ref().map_or(0, ProbeTable::len),
+            touches_dropped: self.shared.touch.as_ref().map_or(0, TouchLane::dropped),
         }
     }
 }

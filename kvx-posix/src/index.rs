@@ -107,10 +107,27 @@ fn io_err(path: &Path, source: std::io::Error) -> PosixError {
     }
 }
 
-/// Walk every root: collect block keys and leaf directories, and remove temporary files left by
-/// a process that no longer runs here, or older than `stale_age` (never this process's own).
+/// Whether a temporary file written by `pid` on `host` (`None`: the older name form, taken as
+/// this host's), last modified `age` ago, is a leftover anyone may remove: never this process's
+/// own; one of a process that no longer runs on this host at any age; any other (another
+/// node's, whose processes this node cannot see) once it is `stale_age` old.
+pub(crate) fn temp_is_stale(
+    layout: &Layout,
+    host: Option<&str>,
+    pid: u32,
+    age: Duration,
+    stale_age: Duration,
+) -> bool {
+    let local = host.is_none_or(|h| h == layout.host());
+    if local && pid == std::process::id() {
+        return false;
+    }
+    (local && !process_alive(pid)) || age >= stale_age
+}
+
+/// Walk every root: collect block keys and leaf directories, and remove temporary files that
+/// [`temp_is_stale`] calls leftovers.
 pub(crate) fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixError> {
-    let me = std::process::id();
     let now = SystemTime::now();
     let mut out = Scan::default();
     for (ri, root) in layout.roots().iter().enumerate() {
@@ -144,14 +161,14 @@ pub(crate) fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixEr
                     };
                     match classify(name, &abs, &cds) {
                         Entry::Block(key) => out.keys.push(key),
-                        Entry::Temp { pid } if pid != me => {
+                        Entry::Temp { host, pid } => {
                             let age = f
                                 .metadata()
                                 .and_then(|m| m.modified())
                                 .ok()
                                 .and_then(|m| now.duration_since(m).ok())
                                 .unwrap_or_default();
-                            if !process_alive(pid) || age >= stale_age {
+                            if temp_is_stale(layout, host.as_deref(), pid, age, stale_age) {
                                 match std::fs::remove_file(f.path()) {
                                     Ok(()) => out.removed_temps += 1,
                                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -159,7 +176,7 @@ pub(crate) fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixEr
                                 }
                             }
                         }
-                        Entry::Temp { .. } | Entry::Other => {}
+                        Entry::Other => {}
                     }
                 }
             }

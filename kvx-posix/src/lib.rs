@@ -16,6 +16,13 @@
 //! written off and never take a load's or a store's place. A block of another format version
 //! is a miss, never deleted.
 //!
+//! Many engine nodes may share one root (NFS, Lustre, CephFS, or processes on one disk): with
+//! [`SharedMount`] settings the index is a cache of the mount. A key it lacks is probed on the
+//! mount ([`PosixHandle::probe`]: a header read on the maintenance lane, never waited for, with
+//! a deadline and a bounded cache); a successful load sets the block file's mtime, the recency
+//! signal of the [`Collector`] that any node may run to keep each root under a quota; temporary
+//! names carry host and pid, and another node's stale ones are removed by age.
+//!
 //! [`PosixStore`] is a kvx [`Backend`](kvx_core::Backend); a file load is routed
 //! `[posix, host]`: file → staging buffer → engine memory. Feature `bench` adds `bench`, the
 //! closed-loop rig behind `kvx bench posix` and the criterion benchmarks.
@@ -63,6 +70,7 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod collector;
 mod config;
 mod error;
 pub mod format;
@@ -74,11 +82,15 @@ mod job;
 pub mod maintenance;
 mod paths;
 mod probe;
+mod probes;
 mod store;
 #[cfg(test)]
 mod tests;
+mod touch;
 
-pub use config::{Capabilities, EngineKind, PosixConfig};
+pub use collector::{CollectReport, Collector, CollectorConfig};
+pub use config::{Capabilities, EngineKind, PosixConfig, SharedMount};
 pub use error::PosixError;
 pub use handle::{PosixHandle, PosixStats};
+pub use probes::ProbeAnswer;
 pub use store::PosixStore;

@@ -1,5 +1,7 @@
 //! Where a block lives: `root/ab/cd/<32 hex>.kvb`, the root chosen by key; temporary names
-//! `<32 hex>.<pid>-<seq>.kvb.tmp` beside it.
+//! `<32 hex>.<host>-<pid>-<seq>.kvb.tmp` beside it, so that any node sharing the mount can tell
+//! whose leftover a temporary file is. The older form `<32 hex>.<pid>-<seq>.kvb.tmp` (no host)
+//! is still recognised as a temporary.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
@@ -18,7 +20,32 @@ pub(crate) const TEMP_SUFFIX: &str = ".kvb.tmp";
 pub(crate) struct Layout {
     roots: Vec<PathBuf>,
     pid: u32,
+    host: String,
     seq: AtomicU64,
+}
+
+/// This machine's host name as it appears in temporary names: ASCII letters, digits and `_`
+/// only (anything else becomes `_`), at most 64 characters; `unknown` when it cannot be read.
+pub(crate) fn host_tag() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into our own stack buffer.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let raw = if r == 0 {
+        let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        String::new()
+    };
+    let tag: String = raw
+        .chars()
+        .take(64)
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    if tag.is_empty() {
+        "unknown".into()
+    } else {
+        tag
+    }
 }
 
 /// The names one block job needs, as C strings for the kernel.
@@ -47,6 +74,7 @@ impl Layout {
         Layout {
             roots,
             pid: std::process::id(),
+            host: host_tag(),
             seq: AtomicU64::new(0),
         }
     }
@@ -63,6 +91,11 @@ impl Layout {
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         (z ^ (z >> 31)).max(1)
+    }
+
+    /// This machine's host tag, as written into temporary names.
+    pub(crate) fn host(&self) -> &str {
+        &self.host
     }
 
     /// The roots.
@@ -97,7 +130,10 @@ impl Layout {
         let hex = key.to_hex();
         let temp = temp.then(|| {
             let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-            cstr(&dir2.join(format!("{hex}.{}-{seq}{TEMP_SUFFIX}", self.pid)))
+            cstr(&dir2.join(format!(
+                "{hex}.{}-{}-{seq}{TEMP_SUFFIX}",
+                self.host, self.pid
+            )))
         });
         BlockPaths {
             root: self.root_of(key),
@@ -114,8 +150,11 @@ impl Layout {
 pub(crate) enum Entry {
     /// A block file of this key.
     Block(BlockKey),
-    /// A temporary file written by process `pid`.
+    /// A temporary file written by process `pid` on host `host` (`None`: the older name form
+    /// without a host).
     Temp {
+        /// Writer's host tag (see [`host_tag`]).
+        host: Option<String>,
         /// Writer's process id.
         pid: u32,
     },
@@ -129,11 +168,16 @@ pub(crate) fn classify(name: &str, ab: &str, cd: &str) -> Entry {
         let Some((hex, tag)) = stem.split_once('.') else {
             return Entry::Other;
         };
-        let Some((pid, _seq)) = tag.split_once('-') else {
+        let mut parts = tag.rsplitn(3, '-');
+        let (Some(seq), Some(pid)) = (parts.next(), parts.next()) else {
             return Entry::Other;
         };
+        let host = parts.next().map(str::to_owned);
+        if seq.parse::<u64>().is_err() || host.as_deref() == Some("") {
+            return Entry::Other;
+        }
         return match (BlockKey::from_hex(hex), pid.parse()) {
-            (Some(_), Ok(pid)) => Entry::Temp { pid },
+            (Some(_), Ok(pid)) => Entry::Temp { host, pid },
             _ => Entry::Other,
         };
     }
@@ -168,8 +212,30 @@ mod tests {
         assert_eq!(
             classify(tname, "ab", "cd"),
             Entry::Temp {
+                host: Some(host_tag()),
                 pid: std::process::id()
             }
+        );
+        assert!(tname.contains(&format!("{}-{}-", host_tag(), std::process::id())));
+        // The older form without a host is still a temporary.
+        let hex = key.to_hex();
+        assert_eq!(
+            classify(&format!("{hex}.42-7.kvb.tmp"), "ab", "cd"),
+            Entry::Temp {
+                host: None,
+                pid: 42
+            }
+        );
+        assert_eq!(
+            classify(&format!("{hex}.node-a_1-42-7.kvb.tmp"), "ab", "cd"),
+            Entry::Temp {
+                host: Some("node-a_1".into()),
+                pid: 42
+            }
+        );
+        assert_eq!(
+            classify(&format!("{hex}.x-7.kvb.tmp"), "ab", "cd"),
+            Entry::Other
         );
         assert_ne!(l.paths(key, true).temp, paths.temp, "temp names are unique");
         assert_eq!(classify("notes.txt", "ab", "cd"), Entry::Other);

@@ -117,6 +117,16 @@ impl PosixStore {
             scanned_blocks: found.keys.len(),
             removed_temps: found.removed_temps,
         };
+        let touch =
+            match &cfg.shared {
+                Some(m) if m.touch_on_load => Some(crate::touch::TouchLane::start().map_err(
+                    |e| PosixError::Engine {
+                        engine: "touch",
+                        msg: format!("cannot start the touch thread: {e}"),
+                    },
+                )?),
+                _ => None,
+            };
         let index = Index::default();
         index.extend(found.keys);
         let health = Health::new(&cfg.roots, cfg.breaker)?;
@@ -140,6 +150,8 @@ impl PosixStore {
                 sink,
                 caps,
                 counters: Counters::default(),
+                probes: cfg.shared.clone().map(crate::probes::ProbeTable::new),
+                touch,
             }),
             direct,
             dirs: found.dirs.into_iter().collect(),
@@ -180,6 +192,12 @@ impl PosixStore {
     fn absorb(&mut self, jobs: Vec<Box<BlockJob>>) {
         let now = Instant::now();
         for mut job in jobs {
+            if job.action == FileOp::Probe {
+                if let Some(t) = &self.shared.probes {
+                    t.answered(job.key, &job.result, now, &self.shared.health);
+                }
+                continue;
+            }
             if job.action == FileOp::Remove {
                 if let Err(e) = &job.result {
                     tracing::warn!(key = %job.key, error = %e, "posix: remove failed");
@@ -214,6 +232,9 @@ impl PosixStore {
                 }
                 (FileOp::Load, Ok(())) => {
                     self.shared.index.insert(job.key);
+                    if let Some(t) = &self.shared.touch {
+                        t.touch(&job.block_path());
+                    }
                     if st.cancel.load(Ordering::Acquire) {
                         result = Err(BlockError::Cancelled);
                     } else if now >= st.op.deadline {
@@ -225,11 +246,17 @@ impl PosixStore {
                 }
                 (FileOp::Load, Err(BlockError::NotFound)) => {
                     self.shared.index.remove(job.key);
+                    if let Some(t) = &self.shared.probes {
+                        t.forget(job.key);
+                    }
                 }
                 (FileOp::Load, Err(BlockError::Corrupt(m))) => {
                     tracing::warn!(key = %job.key, error = %m, "posix: corrupt block");
                     c.corrupt.fetch_add(1, Ordering::Relaxed);
                     self.shared.index.remove(job.key);
+                    if let Some(t) = &self.shared.probes {
+                        t.forget(job.key);
+                    }
                 }
                 (FileOp::Store, Err(BlockError::TimedOut | BlockError::Cancelled))
                     if job.undone =>

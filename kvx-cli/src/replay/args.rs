@@ -90,6 +90,42 @@ pub struct ReplayArgs {
     /// replay runs (e.g. 127.0.0.1:9464; port 0 picks a free one, printed on stderr).
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+    /// Engine nodes, each a separate process, sharing one file-tier directory (a collector on
+    /// every node keeps it under the file tier's capacity); 1: one engine in this process.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// How requests are spread over the nodes: round-robin, or by a hash of the first block
+    /// (a conversation stays on one node, so its hits are that node's own).
+    #[arg(long, value_enum, default_value_t = Spread::RoundRobin)]
+    pub spread: Spread,
+    /// Internal: run as node I of --nodes (set by the parent process).
+    #[arg(long, hide = true)]
+    pub node_index: Option<usize>,
+    /// Internal: the shared file-tier directory of the nodes.
+    #[arg(long, hide = true)]
+    pub shared_dir: Option<PathBuf>,
+    /// Internal: start replaying at this Unix time in ms, so that all nodes share one clock.
+    #[arg(long, hide = true)]
+    pub start_unix_ms: Option<u64>,
+}
+
+/// `--spread`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spread {
+    /// Request i goes to node i mod N.
+    RoundRobin,
+    /// A request goes to the node its first block's key hashes to.
+    Hash,
+}
+
+impl Spread {
+    /// The option's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Spread::RoundRobin => "round-robin",
+            Spread::Hash => "hash",
+        }
+    }
 }
 
 /// `--eviction`.
@@ -143,6 +179,16 @@ pub struct Settings {
     pub keep: bool,
     /// Draw a progress bar (when stderr is a terminal).
     pub progress: bool,
+    /// Engine nodes sharing the file tier (1: this process alone).
+    pub nodes: usize,
+    /// How requests are spread over the nodes.
+    pub spread: Spread,
+    /// This process is node `i` of `nodes` (a child of a multi-node replay).
+    pub node: Option<usize>,
+    /// Start replaying at this Unix time in ms (a child of a multi-node replay).
+    pub start_unix_ms: Option<u64>,
+    /// Arrival times count from this trace time in ms (default: the first request's).
+    pub time_origin_ms: Option<f64>,
 }
 
 fn tier_blocks(
@@ -236,6 +282,27 @@ impl ReplayArgs {
             .iter()
             .map(|f| parse_fault(f))
             .collect::<Result<Vec<_>, _>>()?;
+        if self.nodes == 0 || self.nodes > 64 {
+            return Err(ReplayError::BadOption(format!(
+                "--nodes {} must be 1..=64",
+                self.nodes
+            )));
+        }
+        if self.nodes > 1 && file_blocks == 0 {
+            return Err(ReplayError::BadOption(
+                "--nodes > 1 shares the file tier: it needs one (--file-gib > 0)".into(),
+            ));
+        }
+        if self.nodes > 1 && !self.fault.is_empty() {
+            return Err(ReplayError::BadOption(
+                "--fault is not supported with --nodes > 1".into(),
+            ));
+        }
+        if self.node_index.is_some_and(|i| i >= self.nodes) {
+            return Err(ReplayError::BadOption(
+                "--node-index must be below --nodes".into(),
+            ));
+        }
         if !stalls.is_empty() && file_blocks == 0 {
             return Err(ReplayError::BadOption(
                 "--fault stall-disk needs a file tier (--file-gib > 0)".into(),
@@ -260,9 +327,14 @@ impl ReplayArgs {
                 IoEngine::Psync => EngineKind::Psync,
             },
             stalls,
-            dir: self.dir.clone(),
+            dir: self.shared_dir.clone().or_else(|| self.dir.clone()),
             keep: self.keep,
-            progress: true,
+            progress: self.node_index.is_none(),
+            nodes: self.nodes,
+            spread: self.spread,
+            node: self.node_index,
+            start_unix_ms: self.start_unix_ms,
+            time_origin_ms: None,
         })
     }
 }

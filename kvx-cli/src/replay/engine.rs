@@ -59,6 +59,8 @@ struct Engine<'a> {
     stats: RunStats,
     scratch: Vec<u8>,
     poison: Vec<u8>,
+    /// Keys this engine wrote to the file tier (a file hit on any other is a cross-node hit).
+    stored_here: FxHashSet<BlockKey>,
 }
 
 /// Replay `trace` (with its block keys) on `rig`; the counters of the run.
@@ -69,6 +71,13 @@ pub fn replay(
     rig: &mut Rig,
     pb: &ProgressBar,
 ) -> Result<RunStats, ReplayError> {
+    if let Some(at) = s.start_unix_ms {
+        // A node of a multi-node replay: start on the clock all nodes share.
+        let at = std::time::UNIX_EPOCH + Duration::from_millis(at);
+        if let Ok(wait) = at.duration_since(std::time::SystemTime::now()) {
+            std::thread::sleep(wait);
+        }
+    }
     let start = Instant::now();
     let bytes = s.blocks.block_bytes as usize;
     let n_engine = rig.engine_blocks;
@@ -100,6 +109,7 @@ pub fn replay(
         },
         scratch: vec![0; bytes],
         poison: vec![0xA5; bytes],
+        stored_here: FxHashSet::default(),
     };
     e.run(start)?;
     e.settle()?;
@@ -113,7 +123,10 @@ impl Engine<'_> {
         let mut next = 0usize;
         let mut last = start;
         // Arrival times count from the first request (a trace may carry absolute times).
-        let t0 = self.trace.first().map_or(0.0, |r| r.timestamp_ms);
+        let t0 = self
+            .s
+            .time_origin_ms
+            .unwrap_or_else(|| self.trace.first().map_or(0.0, |r| r.timestamp_ms));
         let arrival = |r: &TraceRequest| (r.timestamp_ms - t0).max(0.0);
         // Nothing may hang: with work pending, some request must move within this long.
         let patience =
@@ -283,6 +296,7 @@ impl Engine<'_> {
                 }
                 JobPart::StoreFile => {
                     self.stats.stored_file += j.ok.len() as u64;
+                    self.stored_here.extend(j.ok.iter().copied());
                     self.stats.store_failed_file += j.failed.len() as u64;
                     self.stats.store_timeouts += j
                         .failed
@@ -391,6 +405,9 @@ impl Engine<'_> {
             match info.tiers.get(i) {
                 Some(Tier::File) => {
                     self.stats.hit_file += 1;
+                    if self.s.nodes > 1 && !self.stored_here.contains(k) {
+                        self.stats.cross_node_hits += 1;
+                    }
                     self.stats.file_hits_by_phase[pi] += 1;
                 }
                 _ => {

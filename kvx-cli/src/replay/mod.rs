@@ -10,6 +10,7 @@ mod error;
 mod fault;
 mod ideal;
 mod model;
+mod nodes;
 mod payload;
 mod report;
 mod rig;
@@ -190,6 +191,28 @@ fn execute(
     ))
 }
 
+/// Node `i` of a multi-node replay: replay its share of the trace on the shared file tier and
+/// print its counters as one JSON line.
+fn run_node(mut s: Settings, i: usize, loaded: Loaded) -> Result<(), ReplayError> {
+    s.time_origin_ms = loaded.requests.first().map(|r| r.timestamp_ms);
+    let mine: Vec<TraceRequest> = loaded
+        .requests
+        .into_iter()
+        .enumerate()
+        .filter(|(j, r)| nodes::node_of(s.spread, s.nodes, *j, &r.keys()) == i)
+        .map(|(_, r)| r)
+        .collect();
+    let source = format!("{} (node {i} of {})", loaded.source, s.nodes);
+    let (stats, ctx, rig) = execute(&s, &mine, source, loaded.skipped)?;
+    let mut v = report::to_json(&s, &stats, &ctx);
+    if let Some(m) = v.as_object_mut() {
+        m.insert("node".into(), serde_json::json!(i));
+    }
+    println!("{v}");
+    rig.teardown(false);
+    Ok(())
+}
+
 fn run_inner(args: &ReplayArgs) -> Result<(), ReplayError> {
     let s = args.settings()?;
     let loaded = load(args)?;
@@ -220,6 +243,12 @@ fn run_inner(args: &ReplayArgs) -> Result<(), ReplayError> {
         }
         None => None,
     };
+    if s.nodes > 1 && s.node.is_none() {
+        return nodes::run(args, &s, &loaded.requests);
+    }
+    if let Some(i) = s.node {
+        return run_node(s, i, loaded);
+    }
     let (stats, ctx, rig) = execute(&s, &loaded.requests, loaded.source, loaded.skipped)?;
     {
         let mut out = std::io::stdout().lock();

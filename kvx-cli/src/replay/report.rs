@@ -55,6 +55,10 @@ pub fn to_json(s: &Settings, r: &RunStats, c: &Context) -> Value {
         ("hit_rate", json!(rate(r.hits(), r.blocks))),
         ("host_hit_rate", json!(rate(r.hit_host, r.blocks))),
         ("file_hit_rate", json!(rate(r.hit_file, r.blocks))),
+        ("hit_host_blocks", json!(r.hit_host)),
+        ("hit_file_blocks", json!(r.hit_file)),
+        ("cross_node_hits", json!(r.cross_node_hits)),
+        ("nodes", json!(s.nodes)),
         ("ideal_hit_rate", json!(rate(c.ideal_hits, r.blocks))),
         (
             "ideal_capacity_blocks",

@@ -9,7 +9,7 @@ use kvx_core::{DriverHandle, HostArena};
 use kvx_fusefs::{Backing, StallFs, StallMount, fuse_available};
 use kvx_offload::{
     EngineMemory, FileTierConfig, IoEngine, Offload, OffloadBuilder, OffloadConfig, OffloadRuntime,
-    SchedulerSide, WorkerSide,
+    SchedulerSide, SharedMountConfig, WorkerSide,
 };
 use kvx_policy::{BreakerConfig, TimeoutConfig};
 use kvx_posix::{EngineKind, PosixHandle};
@@ -84,9 +84,25 @@ fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
                 cool_down_ms: 1_000,
                 probe_deadline_ms: s.load_deadline_ms,
             },
+            shared: (s.nodes > 1).then(|| shared_mount(s)),
             ..FileTierConfig::new(root, s.file_blocks)
         }),
         ..OffloadConfig::default()
+    }
+}
+
+/// The file tier's settings when `s.nodes` engines share it: a probe gets the load deadline
+/// (a lookup waits for it no longer than a load of the block would take) and its answer is
+/// reused for 50 ms; every node runs a collector that keeps the directory under the file
+/// tier's capacity in bytes (header included).
+fn shared_mount(s: &Settings) -> SharedMountConfig {
+    let block_file = s.blocks.block_bytes.div_ceil(4096) * 4096 + 4096;
+    SharedMountConfig {
+        probe_deadline_ms: s.load_deadline_ms,
+        probe_ttl_ms: 50,
+        quota_bytes: Some(s.file_blocks as u64 * block_file),
+        collect_interval_ms: 1000,
+        ..SharedMountConfig::default()
     }
 }
 

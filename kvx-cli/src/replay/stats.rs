@@ -200,6 +200,8 @@ pub struct RunStats {
     pub ttft_recompute_ms: Vec<f64>,
     /// File-tier hits by phase of the stall ([`Phase::ALL`] order).
     pub file_hits_by_phase: [u64; 4],
+    /// File-tier hits on blocks another node stored (a multi-node replay).
+    pub cross_node_hits: u64,
     /// Host-tier hits by phase.
     pub host_hits_by_phase: [u64; 4],
     /// Failed load blocks by phase.

@@ -9,6 +9,7 @@ use tracing::{debug, warn};
 
 use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
+use crate::file_hook::{FileProbe, FileTierProbe};
 use crate::manager::{Lookup, OffloadManager};
 use crate::meta::{JobId, JobPart, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 use crate::tier::Tier;
@@ -130,7 +131,11 @@ pub struct SchedulerSide {
     last_sweep: Instant,
     jobs: FxHashMap<JobId, (RequestId, JobInfo)>,
     meta: StepMeta,
+    probe: Option<std::sync::Arc<dyn FileTierProbe>>,
 }
+
+/// Most keys one lookup asks a shared file tier about.
+const MAX_PROBES_PER_LOOKUP: usize = 1024;
 
 impl SchedulerSide {
     /// A scheduler half with empty tiers; an invalid `cfg` is refused.
@@ -146,6 +151,7 @@ impl SchedulerSide {
             last_sweep: Instant::now(),
             jobs: FxHashMap::default(),
             meta: StepMeta::default(),
+            probe: None,
         })
     }
 
@@ -158,6 +164,53 @@ impl SchedulerSide {
     /// how many were taken.
     pub fn adopt_file_blocks(&mut self, keys: impl IntoIterator<Item = BlockKey>) -> usize {
         self.mgr.adopt_file_blocks(keys)
+    }
+
+    /// Consult `probe` when a lookup misses the file tier's index (a file tier shared with other
+    /// nodes): blocks it finds are loaded from the file tier, and a probe in flight makes the
+    /// lookup answer "ask again later".
+    pub fn set_file_probe(&mut self, probe: std::sync::Arc<dyn FileTierProbe>) {
+        self.probe = Some(probe);
+    }
+
+    /// The lookup of `keys`, extended by probes of the shared file tier past the index's hits.
+    fn lookup_with_probes(&mut self, keys: &[BlockKey]) -> Lookup {
+        let first = self.mgr.lookup(keys);
+        let (Lookup::Hit(tiers), Some(probe)) = (&first, &self.probe) else {
+            return first;
+        };
+        if tiers.len() >= keys.len() || self.mgr.capacity(Tier::File).is_none() {
+            return first;
+        }
+        let probe = probe.clone();
+        let hits = tiers.len();
+        // Adopting evicts this node's least recently used file-tier entries: refresh the hits
+        // first and adopt no more than the rest of the capacity, so the eviction never takes
+        // a block of this same prefix.
+        self.mgr.touch(&keys[..hits]);
+        let room = self
+            .mgr
+            .capacity(Tier::File)
+            .unwrap_or(0)
+            .saturating_sub(hits)
+            .min(MAX_PROBES_PER_LOOKUP);
+        let mut pending = false;
+        for k in keys[hits..].iter().take(room) {
+            match probe.probe(*k) {
+                FileProbe::Absent => break,
+                // Keep asking past a pending answer, so the probes of one prefix run together.
+                FileProbe::Pending => pending = true,
+                FileProbe::Present if pending => {}
+                FileProbe::Present => match self.mgr.adopt_probed(*k) {
+                    Some(evicted) => self.meta.evict_file.extend(evicted),
+                    None => break,
+                },
+            }
+        }
+        if pending {
+            return Lookup::Retry;
+        }
+        self.mgr.lookup(keys)
     }
 
     /// Tokens per block.
@@ -191,7 +244,7 @@ impl SchedulerSide {
         let skip = (num_computed_tokens / self.block_tokens as u64) as usize;
         let rest = keys.get(skip..).unwrap_or(&[]);
         self.lookups.remove(&req);
-        match self.mgr.lookup(rest) {
+        match self.lookup_with_probes(rest) {
             Lookup::Retry => None,
             Lookup::Hit(tiers) => {
                 let n = tiers.len();
@@ -380,7 +433,7 @@ impl SchedulerSide {
                     let removed =
                         self.mgr
                             .complete_load(keys, tiers, promote, &corrupt, &r.promoted);
-                    self.meta.evict_file.extend(removed);
+                    self.meta.remove_file.extend(removed);
                     engine_part_done = true;
                     job_done = true;
                 }

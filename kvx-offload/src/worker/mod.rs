@@ -189,6 +189,9 @@ impl WorkerSide {
         self.host.evict(&meta.evict_host);
         if let Some(h) = &self.file_hook {
             for k in &meta.evict_file {
+                h.evict(*k);
+            }
+            for k in &meta.remove_file {
                 h.remove(*k);
             }
         }

@@ -30,6 +30,8 @@ pub struct Opts {
     pub breaker: Option<BreakerConfig>,
     /// Wraps the real host backend of engine memory (fault injection).
     pub wrap_engine: Option<WrapEngine>,
+    /// The file tier's directory is shared with other nodes.
+    pub shared: Option<SharedMountConfig>,
 }
 
 impl Default for Opts {
@@ -43,6 +45,7 @@ impl Default for Opts {
             policy: LoadFailurePolicy::Recompute,
             breaker: None,
             wrap_engine: None,
+            shared: None,
         }
     }
 }
@@ -54,6 +57,7 @@ impl Opts {
         if let Some(b) = self.breaker {
             file.breaker = b;
         }
+        file.shared = self.shared.clone();
         OffloadConfig {
             block_tokens: BT,
             host_blocks: self.host_blocks,

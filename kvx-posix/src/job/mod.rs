@@ -6,10 +6,12 @@
 //! the result and runs whatever comes next. The psync engine runs the syscalls on a worker
 //! thread; the uring engine turns them into ring ops.
 //!
-//! Three machines, one per [`FileOp`]: [`load`], [`store`] and [`remove`] (a store that must
-//! undo a late rename finishes with the remove machine, guarded by its write nonce).
+//! Four machines, one per [`FileOp`]: [`load`], [`store`], [`remove`] (a store that must
+//! undo a late rename finishes with the remove machine, guarded by its write nonce) and
+//! [`probe`].
 
 mod load;
+mod probe;
 mod remove;
 mod store;
 mod syscall;
@@ -37,6 +39,9 @@ pub(crate) enum FileOp {
     Store,
     /// Unlink a block file: maintenance (eviction, cleanup), with no deadline, never written off.
     Remove,
+    /// Read a block file's header to learn whether the block is there: maintenance too (the
+    /// caller times it; see `ProbeTable`).
+    Probe,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +50,7 @@ enum Step {
     Load(load::LoadStep),
     Store(store::StoreStep),
     Remove(remove::RemoveStep),
+    Probe(probe::ProbeStep),
     Finished,
 }
 
@@ -214,9 +220,9 @@ impl BlockJob {
         self.p.cancel.clone()
     }
 
-    /// True for maintenance (a remove): it has no deadline and is never written off.
+    /// True for maintenance (a remove or a probe): it has no deadline and is never written off.
     pub(crate) fn is_maintenance(&self) -> bool {
-        self.action == FileOp::Remove
+        matches!(self.action, FileOp::Remove | FileOp::Probe)
     }
 
     /// True once a load's or store's op was cancelled or its deadline passed (the job is
@@ -285,6 +291,7 @@ impl BlockJob {
     pub(crate) fn start(&mut self) -> Next {
         match self.action {
             FileOp::Remove => self.remove_start(),
+            FileOp::Probe => self.probe_start(),
             FileOp::Load => self.load_start(),
             FileOp::Store => self.store_start(),
         }
@@ -299,6 +306,7 @@ impl BlockJob {
             Step::Load(s) => self.load_advance(s, res),
             Step::Store(s) => self.store_advance(s, res),
             Step::Remove(s) => self.remove_advance(s, res),
+            Step::Probe(s) => self.probe_advance(s, res),
         }
     }
 }

@@ -1,0 +1,136 @@
+//! Two connectors (two engine nodes) on one shared file-tier directory: a block one node stored
+//! is found by the other's lookup through a probe ("ask again later" while it runs), loaded
+//! byte-exact from the file tier, and an eviction from a node's index leaves the file on the
+//! mount. (The same with nodes in separate processes: kvx-posix's `shared_mount` tests.)
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvx_core::*;
+use kvx_offload::*;
+
+const T: Duration = Duration::from_secs(10);
+
+fn shared(file_blocks: usize) -> Opts {
+    Opts {
+        host_blocks: 8,
+        file_blocks,
+        shared: Some(SharedMountConfig {
+            probe_ttl_ms: 20,
+            ..SharedMountConfig::default()
+        }),
+        ..Opts::default()
+    }
+}
+
+/// Ask until the lookup is not "ask again later"; returns the answer and how many times it
+/// said "later".
+fn lookup(r: &mut Rig, req: u64, keys: &[BlockKey]) -> (u64, usize) {
+    let end = Instant::now() + T;
+    let mut later = 0;
+    loop {
+        if let Some(n) = r.sched.get_num_new_matched_tokens(RequestId(req), keys, 0) {
+            return (n, later);
+        }
+        later += 1;
+        assert!(Instant::now() < end, "the lookup never answered");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_block_another_node_stored_is_found_and_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = rig(dir.path(), shared(64));
+    let mut b = rig(dir.path(), shared(64));
+    let ks = keys(7, 0, 7, 4);
+    // Nothing is on the mount yet: after its probe, B's lookup is a miss.
+    let (n, later) = lookup(&mut b, 1, &ks);
+    assert_eq!(n, 0);
+    assert!(later >= 1, "the first lookup waits for its probe");
+    assert!(a.offload(1, &ks, &[0, 1, 2, 3], T));
+    std::thread::sleep(Duration::from_millis(30)); // B's cached miss expires
+    let (n, later) = lookup(&mut b, 2, &ks);
+    assert_eq!(n, 4 * BT as u64, "B finds all four blocks A stored");
+    assert!(later >= 1, "B's index lacked them: it asked the mount");
+    for k in &ks {
+        assert!(b.sched.manager().is_stored(Tier::File, *k));
+    }
+    let alloc: Vec<EngineBlockId> = (10..14).map(EngineBlockId).collect();
+    b.sched
+        .update_state_after_alloc(RequestId(2), &alloc)
+        .unwrap();
+    assert!(b.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
+    assert!(b.out.invalid_blocks.is_empty());
+    assert!(b.holds(&ks, &[10, 11, 12, 13]), "byte-exact from A's files");
+}
+
+#[test]
+fn an_eviction_from_a_nodes_index_leaves_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = rig(dir.path(), shared(64));
+    let mut b = rig(dir.path(), shared(2));
+    let ks = keys(8, 0, 8, 4);
+    assert!(a.offload(1, &ks, &[0, 1, 2, 3], T));
+    // B's file index holds 2 blocks: adopting the first two fills it.
+    let (n, _) = lookup(&mut b, 1, &ks);
+    assert_eq!(n, 2 * BT as u64, "a prefix as long as B's index holds");
+    let first = [EngineBlockId(10), EngineBlockId(11)];
+    b.sched
+        .update_state_after_alloc(RequestId(1), &first)
+        .unwrap();
+    assert!(b.step_until(T, |r| r.out.finished_recving.contains(&RequestId(1))));
+    assert!(
+        b.files.contains(ks[0]),
+        "a loaded block is in B's store index"
+    );
+    // Two more evict the first two from B's index (only: the files stay for the other nodes).
+    let (n, _) = lookup(&mut b, 2, &ks[2..]);
+    assert_eq!(n, 2 * BT as u64);
+    let second = [EngineBlockId(12), EngineBlockId(13)];
+    b.sched
+        .update_state_after_alloc(RequestId(2), &second)
+        .unwrap();
+    assert!(b.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
+    assert!(!b.sched.manager().is_stored(Tier::File, ks[0]));
+    assert!(b.step_until(T, |r| !r.files.contains(ks[0])), "B forgot it");
+    for k in &ks {
+        assert!(
+            b.files.block_path(*k).exists(),
+            "{k}: a node's eviction never removes a shared block"
+        );
+    }
+}
+
+#[test]
+fn shared_mount_settings_are_checked() {
+    let bad = |f: fn(&mut SharedMountConfig), field: &str| {
+        let mut m = SharedMountConfig::default();
+        f(&mut m);
+        let mut cfg = shared(4).config(std::path::Path::new("/tmp/x"));
+        cfg.file.as_mut().unwrap().shared = Some(m);
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains(field), "{e}");
+    };
+    bad(|m| m.probe_deadline_ms = 0, "file.shared.probe_deadline_ms");
+    bad(|m| m.probe_entries = 0, "file.shared.probe_entries");
+    bad(
+        |m| m.collect_interval_ms = 0,
+        "file.shared.collect_interval_ms",
+    );
+    bad(|m| m.quota_bytes = Some(0), "file.shared.quota_bytes");
+    let toml = r#"
+        host_blocks = 4
+        [file]
+        roots = ["/tmp/kv"]
+        blocks = 16
+        [file.shared]
+        quota_bytes = 1048576
+    "#;
+    let cfg = OffloadConfig::from_toml(toml).unwrap();
+    let m = cfg.file.unwrap().shared.unwrap();
+    assert_eq!(m.quota_bytes, Some(1 << 20));
+    assert_eq!(m.probe_deadline_ms, 200, "documented default");
+}

@@ -1,0 +1,353 @@
+//! The collector of a shared mount: keeps each root under a byte quota by removing the least
+//! recently used blocks, and removes other nodes' crash leftovers.
+//!
+//! Recency is the block file's mtime: a store sets it when it renames the block into place, and
+//! every successful load sets it to now on the touch lane ([`crate::SharedMount::touch_on_load`]),
+//! so the order is the same on every node that looks. Any node may run a collector, several at
+//! once: each walks the roots, sorts the blocks by mtime and removes the oldest until the root
+//! is under its quota. Two collectors pick the same oldest blocks; a remove of a file that is
+//! already gone is a success. (Two collectors that finish their walks far apart may together
+//! remove a little more than needed; never a block newer than one they both kept.)
+//!
+//! Block removes go through the engine's maintenance lane (a header read first: a block of
+//! another format version is never deleted, so a root holding such blocks stays over its quota
+//! by their size, and [`CollectReport::removed`] counts them as queued), a few at a time, so they never take a load's or a
+//! store's place and never crowd out the lane's probes. The walk itself (readdir and stat) runs
+//! on the collector's own thread: a stuck mount stalls that thread only.
+//!
+//! A block removed while another node reads it: the reader opened the file before the unlink
+//! and reads the old inode to the end (local file systems, and NFS within one client thanks to
+//! its silly rename), or opens after it and gets a miss. Across NFS clients a reader may get
+//! `ESTALE` instead, an I/O error that fails that block; it never gets a mix of two files,
+//! because every load verifies the header and the payload checksum.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use kvx_core::BlockKey;
+
+use crate::error::PosixError;
+use crate::handle::PosixHandle;
+use crate::index::temp_is_stale;
+use crate::io::MAINTENANCE_DEPTH;
+use crate::paths::{Entry, classify};
+
+/// Settings of a collector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectorConfig {
+    /// Most bytes of block files each root may hold (headers included).
+    pub quota_bytes: u64,
+    /// Time between two passes of [`Collector::spawn`]; default 5 s.
+    pub interval: Duration,
+    /// A temporary file of another node (or of a dead process of this one) older than this is a
+    /// leftover and removed; default 10 min.
+    pub stale_temp_age: Duration,
+}
+
+impl CollectorConfig {
+    /// A collector keeping each root under `quota_bytes`, with the default interval and age.
+    pub fn new(quota_bytes: u64) -> CollectorConfig {
+        CollectorConfig {
+            quota_bytes,
+            interval: Duration::from_secs(5),
+            stale_temp_age: Duration::from_secs(600),
+        }
+    }
+
+    /// Check the settings; the error names the bad field.
+    pub fn validate(&self) -> Result<(), PosixError> {
+        if self.interval.is_zero() {
+            return Err(PosixError::BadConfig(
+                "collector.interval must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What one pass found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CollectReport {
+    /// Block files found.
+    pub blocks: usize,
+    /// Their bytes, before the pass.
+    pub bytes: u64,
+    /// Blocks queued for removal (oldest first).
+    pub removed: Vec<BlockKey>,
+    /// Bytes of those blocks.
+    pub removed_bytes: u64,
+    /// Stale temporary files removed.
+    pub removed_temps: usize,
+}
+
+struct Found {
+    key: BlockKey,
+    bytes: u64,
+    mtime: SystemTime,
+}
+
+fn walk_err(path: &std::path::Path, source: std::io::Error) -> PosixError {
+    PosixError::Root {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn subdirs(dir: &std::path::Path) -> Result<Vec<(String, PathBuf)>, PosixError> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(|e| walk_err(dir, e))? {
+        let e = e.map_err(|e| walk_err(dir, e))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let hex2 = name.len() == 2
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if hex2 && e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            out.push((name, e.path()));
+        }
+    }
+    Ok(out)
+}
+
+impl PosixHandle {
+    /// One collector pass over every root (see [`crate::collector`]): remove stale temporary
+    /// files, then queue removes of the least recently used blocks until each root is under
+    /// `cfg.quota_bytes`. Blocks on the walk; returns once every remove is queued. `stop` ends
+    /// the pass early.
+    pub fn collect(
+        &self,
+        cfg: &CollectorConfig,
+        stop: &AtomicBool,
+    ) -> Result<CollectReport, PosixError> {
+        cfg.validate()?;
+        let layout = &self.shared.layout;
+        let now = SystemTime::now();
+        let mut report = CollectReport::default();
+        for root in layout.roots() {
+            let mut found = Vec::new();
+            for (ab, top) in subdirs(root)? {
+                for (cd, leaf) in subdirs(&top)? {
+                    let Ok(files) = std::fs::read_dir(&leaf) else {
+                        continue; // removed meanwhile by another node
+                    };
+                    for f in files.flatten() {
+                        let name = f.file_name();
+                        let Some(name) = name.to_str() else { continue };
+                        let entry = classify(name, &ab, &cd);
+                        if entry == Entry::Other {
+                            continue;
+                        }
+                        let Ok(meta) = f.metadata() else { continue }; // gone meanwhile
+                        let mtime = meta.modified().unwrap_or(now);
+                        match entry {
+                            Entry::Block(key) => found.push(Found {
+                                key,
+                                bytes: meta.len(),
+                                mtime,
+                            }),
+                            Entry::Temp { host, pid } => {
+                                let age = now.duration_since(mtime).unwrap_or_default();
+                                if temp_is_stale(
+                                    layout,
+                                    host.as_deref(),
+                                    pid,
+                                    age,
+                                    cfg.stale_temp_age,
+                                ) {
+                                    match std::fs::remove_file(f.path()) {
+                                        Ok(()) => report.removed_temps += 1,
+                                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                                        Err(e) => return Err(walk_err(&f.path(), e)),
+                                    }
+                                }
+                            }
+                            Entry::Other => {}
+                        }
+                    }
+                }
+            }
+            let mut total: u64 = found.iter().map(|f| f.bytes).sum();
+            report.blocks += found.len();
+            report.bytes += total;
+            found.sort_by_key(|f| f.mtime);
+            for f in found {
+                if total <= cfg.quota_bytes || stop.load(Ordering::Acquire) {
+                    break;
+                }
+                self.wait_for_lane(stop);
+                self.remove(f.key);
+                total = total.saturating_sub(f.bytes);
+                report.removed_bytes += f.bytes;
+                report.removed.push(f.key);
+            }
+        }
+        Ok(report)
+    }
+
+    /// Wait until the maintenance lane has room for another remove without delaying probes.
+    fn wait_for_lane(&self, stop: &AtomicBool) {
+        while self.shared.engine.snapshot().maintenance >= MAINTENANCE_DEPTH
+            && !stop.load(Ordering::Acquire)
+        {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// A collector running passes on a thread of its own until dropped.
+pub struct Collector {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Collector {
+    /// Run a pass every `cfg.interval` on a new thread.
+    pub fn spawn(handle: PosixHandle, cfg: CollectorConfig) -> Result<Collector, PosixError> {
+        cfg.validate()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvx-posix-collector".into())
+            .spawn(move || {
+                while !s.load(Ordering::Acquire) {
+                    let started = Instant::now();
+                    match handle.collect(&cfg, &s) {
+                        Ok(r) if !r.removed.is_empty() || r.removed_temps > 0 => {
+                            tracing::info!(
+                                removed = r.removed.len(),
+                                bytes = r.removed_bytes,
+                                temps = r.removed_temps,
+                                "posix: collector pass"
+                            );
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "posix: collector pass failed"),
+                    }
+                    while !s.load(Ordering::Acquire) && started.elapsed() < cfg.interval {
+                        std::thread::sleep(Duration::from_millis(10).min(cfg.interval));
+                    }
+                }
+            })
+            .map_err(|e| PosixError::Engine {
+                engine: "collector",
+                msg: format!("cannot start the collector thread: {e}"),
+            })?;
+        Ok(Collector {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stop after the current pass (does not wait for it).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        self.stop();
+        // A pass stuck in the walk of a frozen mount would hang a join: detach it.
+        if let Some(t) = self.thread.take()
+            && t.is_finished()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{HEADER_LEN, encode_header};
+    use crate::{PosixConfig, PosixStore};
+
+    fn set_mtime(path: &std::path::Path, secs_ago: u64) {
+        let t = SystemTime::now() - Duration::from_secs(secs_ago);
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(t).unwrap();
+    }
+
+    fn write_block(h: &PosixHandle, key: BlockKey, secs_ago: u64) -> PathBuf {
+        let payload = vec![key.0 as u8; 4096];
+        let mut file = vec![0u8; HEADER_LEN];
+        encode_header(&mut file, key, &payload, 1);
+        file.extend_from_slice(&payload);
+        let p = h.block_path(key);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, file).unwrap();
+        set_mtime(&p, secs_ago);
+        p
+    }
+
+    fn wait_gone(p: &std::path::Path) -> bool {
+        let end = Instant::now() + Duration::from_secs(10);
+        while p.exists() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        !p.exists()
+    }
+
+    #[test]
+    fn oldest_blocks_go_first_until_under_quota() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(PosixConfig::new(dir.path())).unwrap();
+        let h = store.handle();
+        // Keys 1..=4, key 1 the least recently used.
+        let paths: Vec<PathBuf> = (1..=4u128)
+            .map(|i| write_block(&h, BlockKey(i << 100 | i), 100 - i as u64 * 10))
+            .collect();
+        let size = std::fs::metadata(&paths[0]).unwrap().len();
+        let stop = AtomicBool::new(false);
+        let r = h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
+        assert_eq!(r.blocks, 4);
+        assert_eq!(
+            r.removed,
+            vec![BlockKey(1 << 100 | 1), BlockKey(2 << 100 | 2)]
+        );
+        assert!(wait_gone(&paths[0]) && wait_gone(&paths[1]));
+        assert!(paths[2].exists() && paths[3].exists());
+        // A second collector on the same state finds nothing to do; a remove of a file that
+        // is already gone would have been a success anyway.
+        let again = h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
+        assert!(again.removed.is_empty());
+        assert_eq!(again.bytes, 2 * size);
+    }
+
+    #[test]
+    fn stale_temporaries_of_any_node_go_by_age() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(PosixConfig::new(dir.path())).unwrap();
+        let h = store.handle();
+        let key = BlockKey(0xabcd << 112 | 5);
+        let leaf = h.block_path(key).parent().unwrap().to_path_buf();
+        std::fs::create_dir_all(&leaf).unwrap();
+        let hex = key.to_hex();
+        let me = std::process::id();
+        let host = crate::paths::host_tag();
+        let make = |name: String, secs_ago: u64| {
+            let p = leaf.join(name);
+            std::fs::write(&p, b"partial").unwrap();
+            set_mtime(&p, secs_ago);
+            p
+        };
+        let old_foreign = make(format!("{hex}.otherhost-{me}-1.kvb.tmp"), 700);
+        let new_foreign = make(format!("{hex}.otherhost-{me}-2.kvb.tmp"), 5);
+        let old_form_old = make(format!("{hex}.{me}-3.kvb.tmp"), 700);
+        let mine_old = make(format!("{hex}.{host}-{me}-4.kvb.tmp"), 700);
+        let foreign_file = make(format!("{hex}.notes"), 700);
+        let stop = AtomicBool::new(false);
+        let r = h.collect(&CollectorConfig::new(u64::MAX), &stop).unwrap();
+        assert_eq!(r.removed_temps, 1, "only the old one of another node");
+        assert!(!old_foreign.exists());
+        assert!(new_foreign.exists(), "another node may still be writing it");
+        assert!(
+            old_form_old.exists(),
+            "this (live) process's, in the old form"
+        );
+        assert!(mine_old.exists(), "this process's own");
+        assert!(foreign_file.exists(), "not a kvx name: left alone");
+    }
+}

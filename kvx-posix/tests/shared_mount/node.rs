@@ -1,0 +1,388 @@
+//! One engine node on a shared root: a store (shared-mount settings) in a driver, loads into
+//! owned buffers, and the line protocol that the test process drives its child nodes with.
+//!
+//! A child node prints `ready` once its store is open, then answers one line per command read
+//! from stdin (see [`serve`]).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvx_core::*;
+use kvx_posix::{EngineKind, PosixConfig, PosixHandle, PosixStore, ProbeAnswer, SharedMount};
+
+/// Environment variable that turns the test binary into a child node on this root.
+pub const NODE_ENV: &str = "KVX_SHARED_MOUNT_NODE";
+/// Payload bytes of a block.
+pub const BLOCK: usize = 16 << 10;
+/// Probe deadline of every node.
+pub const PROBE_DEADLINE: Duration = Duration::from_millis(200);
+/// Load deadline under a freeze.
+pub const LOAD_DEADLINE: Duration = Duration::from_millis(200);
+/// One tick plus the stated 50 ms allowance for scheduling on these 2-core machines.
+pub const MARGIN: Duration = TICK.saturating_add(Duration::from_millis(50));
+/// Generous bound for "happens promptly" (never a performance assertion).
+pub const SOON: Duration = Duration::from_secs(10);
+
+/// Key `i` of a test.
+pub fn key(i: u64) -> BlockKey {
+    BlockKey::chain(None, &i.to_le_bytes())
+}
+
+/// The payload stored under `k` in `generation` (a re-store writes another generation).
+pub fn payload(k: BlockKey, generation: u8) -> Vec<u8> {
+    let seed = k.to_be_bytes();
+    (0..BLOCK)
+        .map(|i| seed[i % 16] ^ generation.wrapping_mul(31) ^ (i / 16) as u8)
+        .collect()
+}
+
+/// The settings of every node: a shared root, psync or uring, a short breaker cool-down.
+pub fn config(root: &Path, engine: EngineKind) -> PosixConfig {
+    let mut c = PosixConfig::new(root);
+    c.engine = engine;
+    c.breaker.cool_down_ms = 200;
+    c.shared = Some(SharedMount {
+        probe_deadline: PROBE_DEADLINE,
+        probe_ttl: Duration::from_millis(100),
+        probe_entries: 4096,
+        touch_on_load: true,
+    });
+    c
+}
+
+/// A node: its store in a driver, and a pool of staging buffers.
+pub struct Node {
+    pub driver: Driver,
+    pub posix: BackendId,
+    pub files: PosixHandle,
+    pub pool: BufferPool,
+}
+
+/// What one load ended with.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Loaded {
+    /// Verified, and equal to the payload of `generation`.
+    Exact(u8),
+    /// Verified, but equal to no generation written (must never happen).
+    Mixed,
+    /// The block was reported invalid (missing, corrupt, timed out, breaker open...).
+    Invalid(BlockError),
+}
+
+impl Node {
+    /// Open a node on `root`.
+    pub fn open(root: &Path, engine: EngineKind) -> Node {
+        let store = PosixStore::open(config(root, engine)).expect("open store");
+        let files = store.handle();
+        let mut b = DriverBuilder::new(DriverConfig::default());
+        let posix = b.backend(Box::new(store));
+        let driver = b.spawn().expect("driver");
+        let pool = BufferPool::new(256, BLOCK, DEFAULT_ALIGN).expect("pool");
+        Node {
+            driver,
+            posix,
+            files,
+            pool,
+        }
+    }
+
+    /// Store `keys` (generation `generation`); every block must succeed.
+    pub fn store(&self, keys: &[BlockKey], generation: u8) {
+        let blocks = keys
+            .iter()
+            .map(|&k| {
+                let mut buf = self.pool.take().expect("buffer");
+                buf.set_len(BLOCK);
+                buf.as_mut_slice().copy_from_slice(&payload(k, generation));
+                OpBlock {
+                    key: k,
+                    engine: None,
+                    buf: Buf::Owned(buf),
+                }
+            })
+            .collect();
+        let deadline = Instant::now() + SOON;
+        let t = self
+            .driver
+            .submit(TaskSpec {
+                request: RequestId(1),
+                dir: Direction::Store,
+                route: vec![self.posix],
+                blocks,
+                deadline,
+                deferred: false,
+            })
+            .expect("submit store");
+        let r = self
+            .driver
+            .wait_report(t, deadline + SOON)
+            .expect("store report");
+        assert!(r.is_ok(), "store failed: {:?}", r.blocks[0].result);
+    }
+
+    /// Load `k` with `deadline`; returns the verdict and when the report arrived.
+    pub fn load(&self, k: BlockKey, deadline: Instant) -> (Loaded, Instant) {
+        let Some(buf) = self.pool.take() else {
+            // Buffers of loads still stuck in a frozen mount are quarantined.
+            return (
+                Loaded::Invalid(BlockError::Unavailable("no staging buffer".into())),
+                Instant::now(),
+            );
+        };
+        let t = self
+            .driver
+            .submit(TaskSpec {
+                request: RequestId(2),
+                dir: Direction::Load,
+                route: vec![self.posix],
+                blocks: vec![OpBlock {
+                    key: k,
+                    engine: None,
+                    buf: Buf::Owned(buf),
+                }],
+                deadline,
+                deferred: false,
+            })
+            .expect("submit load");
+        let r = self
+            .driver
+            .wait_report(t, deadline + SOON)
+            .expect("load report");
+        let at = Instant::now();
+        let b = &r.blocks[0];
+        let verdict = match (&b.result, &b.buf) {
+            (Ok(()), Some(buf)) => {
+                let got = buf.as_slice();
+                (0..=255u8)
+                    .find(|g| got == payload(k, *g).as_slice())
+                    .map_or(Loaded::Mixed, Loaded::Exact)
+            }
+            (Ok(()), None) => Loaded::Mixed,
+            (Err(e), _) => Loaded::Invalid(e.clone()),
+        };
+        (verdict, at)
+    }
+
+    /// Probe `k` until the answer is not `Pending` (or `SOON` passes): the answer, whether
+    /// the first call already gave it, and how long it took.
+    pub fn find(&self, k: BlockKey) -> (ProbeAnswer, bool, Duration) {
+        let t0 = Instant::now();
+        let mut first = true;
+        loop {
+            let a = self.files.probe(k);
+            if a != ProbeAnswer::Pending || t0.elapsed() > SOON {
+                return (a, first, t0.elapsed());
+            }
+            first = false;
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// Serve commands on stdin as a child node on `root` (the value of [`NODE_ENV`]:
+/// `<engine> <root>`). Commands and answers, one line each:
+///
+/// - `find A B` → `found P` (keys A..B whose probe said present);
+/// - `load A B G` → `load EXACT OTHER MIXED INVALID` (exact: generation G; other: another
+///   generation; mixed: no generation at all);
+/// - `churn A B MS` → `churn EXACT MIXED INVALID NOTFOUND` (load A..B round after round for MS);
+/// - `collect QUOTA MS` → `collect PASSES REMOVED` (collector passes with a quota of QUOTA
+///   bytes, one after another for MS; any failed pass panics the node);
+/// - `frozen A B C D O` → `frozen ANSWER_US FIRST_ABSENT LOAD_LATE_US LOAD_OK BREAKER_OPEN`
+///   (probe new keys A..B and load stored keys C..D under a freeze; the loads first when O
+///   is 1, so that they, not the probes, meet the mount before the breaker opens);
+/// - `quit`.
+pub fn serve(spec: &str) {
+    let (engine, root) = spec.split_once(' ').expect("node spec: <engine> <root>");
+    let engine: EngineKind = engine.parse().expect("engine");
+    let node = Node::open(Path::new(root), engine);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ready").expect("stdout");
+    out.flush().expect("stdout");
+    for line in std::io::stdin().lock().lines() {
+        let line = line.expect("stdin");
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let n = |i: usize| -> u64 { w[i].parse().expect("number") };
+        let answer = match w.first().copied() {
+            Some("find") => {
+                let found = (n(1)..n(2))
+                    .filter(|&i| node.find(key(i)).0 == ProbeAnswer::Present)
+                    .count();
+                format!("found {found}")
+            }
+            Some("load") => {
+                let (mut exact, mut other, mut mixed, mut invalid) = (0, 0, 0, 0);
+                for i in n(1)..n(2) {
+                    match node.load(key(i), Instant::now() + SOON).0 {
+                        Loaded::Exact(g) if u64::from(g) == n(3) => exact += 1,
+                        Loaded::Exact(_) => other += 1,
+                        Loaded::Mixed => mixed += 1,
+                        Loaded::Invalid(_) => invalid += 1,
+                    }
+                }
+                format!("load {exact} {other} {mixed} {invalid}")
+            }
+            Some("churn") => churn(&node, n(1)..n(2), Duration::from_millis(n(3))),
+            Some("collect") => {
+                let cfg = kvx_posix::CollectorConfig::new(n(1));
+                let stop = std::sync::atomic::AtomicBool::new(false);
+                let end = Instant::now() + Duration::from_millis(n(2));
+                let (mut passes, mut removed) = (0, 0);
+                while Instant::now() < end {
+                    let r = node.files.collect(&cfg, &stop).expect("a collector pass");
+                    passes += 1;
+                    removed += r.removed.len();
+                }
+                format!("collect {passes} {removed}")
+            }
+            Some("frozen") => frozen(&node, n(1)..n(2), n(3)..n(4), n(5) == 1),
+            Some("quit") | None => break,
+            Some(other) => panic!("unknown command {other:?}"),
+        };
+        writeln!(out, "{answer}").expect("stdout");
+        out.flush().expect("stdout");
+    }
+}
+
+fn churn(node: &Node, keys: std::ops::Range<u64>, span: Duration) -> String {
+    let end = Instant::now() + span;
+    let (mut exact, mut mixed, mut invalid, mut not_found) = (0, 0, 0, 0);
+    while Instant::now() < end {
+        for i in keys.clone() {
+            match node.load(key(i), Instant::now() + SOON).0 {
+                Loaded::Exact(_) => exact += 1,
+                Loaded::Mixed => mixed += 1,
+                Loaded::Invalid(BlockError::NotFound) => not_found += 1,
+                Loaded::Invalid(_) => invalid += 1,
+            }
+        }
+    }
+    format!("churn {exact} {mixed} {invalid} {not_found}")
+}
+
+fn frozen(
+    node: &Node,
+    fresh: std::ops::Range<u64>,
+    stored: std::ops::Range<u64>,
+    loads_first: bool,
+) -> String {
+    // Loads of blocks this node holds end by their deadline (plus a tick and the allowance).
+    let mut late = Duration::ZERO;
+    let mut ok = 0;
+    let mut loads = || {
+        for i in stored.clone() {
+            let deadline = Instant::now() + LOAD_DEADLINE;
+            let (v, at) = node.load(key(i), deadline);
+            late = late.max(at.saturating_duration_since(deadline));
+            if matches!(v, Loaded::Exact(_)) {
+                ok += 1;
+            }
+        }
+    };
+    if loads_first {
+        loads();
+    }
+    // Probes of keys no index holds: each answers Absent within the probe deadline.
+    let mut slowest = Duration::ZERO;
+    let mut all_absent = true;
+    for i in fresh.clone() {
+        let (a, _, took) = node.find(key(i));
+        all_absent &= a == ProbeAnswer::Absent;
+        slowest = slowest.max(took);
+    }
+    // The timeouts opened the breaker: a new key is a miss on the first call.
+    let (a, first, _) = node.find(key(fresh.end + 1_000_000));
+    let first_absent = a == ProbeAnswer::Absent && first && all_absent;
+    if !loads_first {
+        loads();
+    }
+    let open = matches!(
+        node.files.breaker_state(0),
+        Some(kvx_policy::BreakerState::Open { .. })
+    );
+    format!(
+        "frozen {} {} {} {ok} {}",
+        slowest.as_micros(),
+        u8::from(first_absent),
+        late.as_micros(),
+        u8::from(open)
+    )
+}
+
+/// A child node process, driven over its stdin and stdout.
+pub struct ChildNode {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl ChildNode {
+    /// Start this test binary as a node on `root` and wait for its `ready`.
+    pub fn spawn(root: &Path, engine: EngineKind) -> ChildNode {
+        let exe: PathBuf = std::env::current_exe().expect("test binary");
+        let mut child = Command::new(exe)
+            .env(NODE_ENV, format!("{engine} {}", root.display()))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn a node");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut n = ChildNode {
+            child,
+            stdin,
+            stdout,
+        };
+        assert_eq!(n.read(), "ready");
+        n
+    }
+
+    fn read(&mut self) -> String {
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .expect("read a node's answer");
+        assert!(!line.is_empty(), "the node exited");
+        line.trim().to_string()
+    }
+
+    /// Send a command without waiting for the answer.
+    pub fn send(&mut self, cmd: &str) {
+        writeln!(self.stdin, "{cmd}").expect("write a command");
+        self.stdin.flush().expect("flush");
+    }
+
+    /// The answer to the last command, as numbers after its first word `word`.
+    pub fn answer(&mut self, word: &str) -> Vec<u64> {
+        let line = self.read();
+        let mut w = line.split_whitespace();
+        assert_eq!(w.next(), Some(word), "answer {line:?}");
+        w.map(|x| x.parse().expect("number")).collect()
+    }
+
+    /// Send `cmd` and wait for its answer.
+    pub fn ask(&mut self, cmd: &str, word: &str) -> Vec<u64> {
+        self.send(cmd);
+        self.answer(word)
+    }
+
+    /// Tell the node to quit and check that it exited cleanly.
+    pub fn quit(mut self) {
+        self.send("quit");
+        let status = self.child.wait().expect("wait for a node");
+        assert!(status.success(), "node exited with {status}");
+    }
+}
+
+impl Drop for ChildNode {
+    fn drop(&mut self) {
+        // A node that is still running after a failed assertion: end it (by its own id).
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
