@@ -21,6 +21,11 @@
 #              the peer rows are skipped (with the one-line setup) and kvx and fio still run.
 #   --peer     the peer script; default ../shared/peers/nixl_posix.py next to the repository
 #
+# What is timed differs: kvx times its file creation (temporary file, fan-out directories,
+# rename) inside the store; fio and the peer create or open their files before the clock starts.
+# On ext4 without a journal each create also skips inodes deleted in the last minutes, so the
+# cleanup of one run slows the creates of the next: the rotation spreads that over all tools.
+#
 # Needs bash, python3 (stdlib only, for JSON and medians) and fio. The per-run figures go to
 # stderr as they come; stdout gets the table and, last, one JSON line. Exit status: 0 when every
 # run succeeded, 1 when any failed (its figures are left out of the medians), 2 on bad usage.
@@ -36,7 +41,7 @@ kvx="$repo/target/release/kvx"
 venv="${NIXL_VENV:-$HOME/nixl-venv}"
 peer="$repo/../shared/peers/nixl_posix.py"
 
-usage() { sed -n '14,16p' "$0" | sed 's/^# *//' >&2; exit 2; }
+usage() { sed -n '14,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dir) dir=${2:?--dir needs a value}; shift 2 ;;
