@@ -89,6 +89,7 @@ to_bytes() {
 results=$(mktemp "${TMPDIR:-/tmp}/compare-posix.XXXXXX")
 loadlog=$(mktemp "${TMPDIR:-/tmp}/compare-posix-load.XXXXXX")
 work="$dir/compare-posix-$$"
+# shellcheck disable=SC2329  # run by the EXIT trap
 cleanup() { rm -rf -- "$work"; rm -f -- "$results" "$loadlog"; }
 trap cleanup EXIT
 failed=0
@@ -151,7 +152,8 @@ run_nixl() { # BS BYTES BLOCKS ENGINE
 }
 
 tools=(kvx-uring kvx-psync fio nixl-aio nixl-uring)
-for bs in ${sizes//,/ }; do
+read -ra size_list <<<"${sizes//,/ }"
+for bs in "${size_list[@]}"; do
   bytes=$(to_bytes "$bs")
   n=${blocks:-$(( (1 << 30) / bytes ))}
   (( n >= 1 )) || n=1
