@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# compare-posix: kvx's file tier next to fio and NVIDIA NIXL's POSIX backend on the same disk,
+# run alternately round by round (these disks swing 2x between back-to-back runs), printing
+# medians (GiB/s) and the ratios kvx/peer-best and kvx/fio, then one JSON line.
+#
+# Each round runs, in an order rotated by one each round (so no tool always goes first):
+#   kvx-uring   kvx bench posix --engine uring   (one file per block, header, checksum, rename)
+#   kvx-psync   kvx bench posix --engine psync
+#   fio         fio io_uring, O_DIRECT, one file of blocks*bs, write then read, same bs and QD
+#   nixl-aio    ../shared/peers/nixl_posix.py --engine aio   --layout per-block
+#   nixl-uring  ../shared/peers/nixl_posix.py --engine uring --layout per-block
+# all in a fresh subfolder of --dir with the same block size, block count and queue depth.
+#
+# Usage:
+#   scripts/compare-posix.sh --dir DIR [--bs "256KiB 1MiB 4MiB"] [--blocks N] [--qd 32]
+#                            [--rounds 3] [--kvx PATH] [--nixl-venv DIR] [--peer PATH]
+#   --bs       block sizes (KiB/MiB suffixes), space- or comma-separated; default 256KiB 1MiB 4MiB
+#   --blocks   blocks per run; default: 1 GiB worth per block size (4096, 1024, 256)
+#   --kvx      the kvx binary; default target/release/kvx (cargo build --release -p kvx-cli)
+#   --nixl-venv  a venv with nixl-cu12 and numpy; default $NIXL_VENV or ~/nixl-venv. Without it
+#              the peer rows are skipped (with the one-line setup) and kvx and fio still run.
+#   --peer     the peer script; default ../shared/peers/nixl_posix.py next to the repository
+#
+# What is timed differs: kvx times its file creation (temporary file, fan-out directories,
+# rename) inside the store; fio and the peer create or open their files before the clock starts.
+# On ext4 without a journal each create also skips inodes deleted in the last minutes, so the
+# cleanup of one run slows the creates of the next: the rotation spreads that over all tools.
+#
+# Needs bash, python3 (stdlib only, for JSON and medians) and fio. The per-run figures go to
+# stderr as they come; stdout gets the table and, last, one JSON line. Exit status: 0 when every
+# run succeeded, 1 when any failed (its figures are left out of the medians), 2 on bad usage.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dir=""
+sizes="256KiB 1MiB 4MiB"
+blocks=""
+qd=32
+rounds=3
+kvx="$repo/target/release/kvx"
+venv="${NIXL_VENV:-$HOME/nixl-venv}"
+peer="$repo/../shared/peers/nixl_posix.py"
+
+usage() { sed -n '14,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dir) dir=${2:?--dir needs a value}; shift 2 ;;
+    --bs) sizes=${2:?--bs needs a value}; shift 2 ;;
+    --blocks) blocks=${2:?--blocks needs a value}; shift 2 ;;
+    --qd) qd=${2:?--qd needs a value}; shift 2 ;;
+    --rounds) rounds=${2:?--rounds needs a value}; shift 2 ;;
+    --kvx) kvx=${2:?--kvx needs a value}; shift 2 ;;
+    --nixl-venv) venv=${2:?--nixl-venv needs a value}; shift 2 ;;
+    --peer) peer=${2:?--peer needs a value}; shift 2 ;;
+    -h|--help) usage ;;
+    *) echo "compare-posix: unknown argument $1" >&2; usage ;;
+  esac
+done
+[[ -n "$dir" ]] || { echo "compare-posix: --dir is required" >&2; usage; }
+for n in "$qd" "$rounds" ${blocks:+"$blocks"}; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "compare-posix: $n is not a positive integer" >&2; exit 2; }
+done
+[[ -x "$kvx" ]] || { echo "compare-posix: no kvx binary at $kvx (cargo build --release -p kvx-cli)" >&2; exit 2; }
+command -v fio >/dev/null || { echo "compare-posix: fio not found (apt-get install fio)" >&2; exit 2; }
+mkdir -p "$dir"
+
+py=""
+if [[ -x "$venv/bin/python" && -f "$peer" ]] && "$venv/bin/python" -c 'import numpy, nixl_cu12' 2>/dev/null; then
+  py="$venv/bin/python"
+else
+  echo "compare-posix: NIXL peer skipped; set it up with: python3 -m venv $venv && $venv/bin/pip install --no-deps nixl-cu12 numpy (peer script: $peer)" >&2
+fi
+
+# bytes of a size like 1MiB, 256KiB, 4M, 4096
+to_bytes() {
+  local s=$1 num unit
+  num=${s%%[!0-9]*}
+  unit=${s#"$num"}
+  [[ -n "$num" ]] || { echo "compare-posix: bad block size $s" >&2; exit 2; }
+  case "${unit,,}" in
+    ""|b) echo "$num" ;;
+    k|kb|kib) echo $((num << 10)) ;;
+    m|mb|mib) echo $((num << 20)) ;;
+    g|gb|gib) echo $((num << 30)) ;;
+    *) echo "compare-posix: bad block size unit in $s" >&2; exit 2 ;;
+  esac
+}
+
+results=$(mktemp "${TMPDIR:-/tmp}/compare-posix.XXXXXX")
+loadlog=$(mktemp "${TMPDIR:-/tmp}/compare-posix-load.XXXXXX")
+work="$dir/compare-posix-$$"
+# shellcheck disable=SC2329  # run by the EXIT trap
+cleanup() { rm -rf -- "$work"; rm -f -- "$results" "$loadlog"; }
+trap cleanup EXIT
+failed=0
+
+# record BS TOOL PHASE GIB_S
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$results"; }
+# the first field named $1 of the last JSON object line on stdin
+json_field() { python3 -c '
+import json, sys
+lines = [l for l in sys.stdin.read().splitlines() if l.startswith("{")]
+print(round(float(json.loads(lines[-1])[sys.argv[1]]), 3))' "$1"; }
+
+run_kvx() { # BS BYTES BLOCKS ENGINE
+  local out
+  if out=$("$kvx" bench posix --dir "$work" --block-size "$2" --blocks "$3" \
+      --queue-depth "$qd" --engine "$4" --json 2>&1); then
+    local s l
+    s=$(json_field store_gib_s <<<"$out") l=$(json_field load_gib_s <<<"$out")
+    record "$1" "kvx-$4" store "$s"; record "$1" "kvx-$4" load "$l"
+    echo "  kvx-$4: store $s load $l" >&2
+  else
+    echo "  kvx-$4 FAILED: $(tail -n 3 <<<"$out")" >&2; failed=1
+  fi
+}
+
+fio_bw() { # RW BYTES SIZE -> GiB/s
+  fio --name="compare-$1" --filename="$work/fio.dat" --rw="$1" --bs="$2" --iodepth="$qd" \
+    --size="$3" --direct=1 --ioengine=io_uring --output-format=json 2>&1 |
+    python3 -c '
+import json, sys
+t = sys.stdin.read()
+v = json.loads(t[t.index("{"):])
+print(round(v["jobs"][0][sys.argv[1]]["bw_bytes"] / 2**30, 3))' "$1"
+}
+
+run_fio() { # BS BYTES BLOCKS
+  local size=$(($2 * $3)) w r
+  if w=$(fio_bw write "$2" "$size") && r=$(fio_bw read "$2" "$size"); then
+    record "$1" fio store "$w"; record "$1" fio load "$r"
+    echo "  fio: write $w read $r" >&2
+  else
+    echo "  fio FAILED" >&2; failed=1
+  fi
+  rm -f -- "$work/fio.dat"
+}
+
+run_nixl() { # BS BYTES BLOCKS ENGINE
+  [[ -n "$py" ]] || return 0
+  local out w r
+  # the peer removes every file in its --dir after a round: give it its own folder
+  if out=$("$py" "$peer" --dir "$work/nixl" --block-size "$2" --blocks "$3" --qd "$qd" \
+      --engine "$4" --layout per-block --rounds 1 2>&1); then
+    w=$(json_field write_gib_s <<<"$out") r=$(json_field read_gib_s <<<"$out")
+    record "$1" "nixl-$4" store "$w"; record "$1" "nixl-$4" load "$r"
+    echo "  nixl-$4: write $w read $r" >&2
+  else
+    echo "  nixl-$4 FAILED: $(tail -n 3 <<<"$out")" >&2; failed=1
+  fi
+  rm -rf -- "$work/nixl"
+}
+
+tools=(kvx-uring kvx-psync fio nixl-aio nixl-uring)
+read -ra size_list <<<"${sizes//,/ }"
+for bs in "${size_list[@]}"; do
+  bytes=$(to_bytes "$bs")
+  n=${blocks:-$(( (1 << 30) / bytes ))}
+  (( n >= 1 )) || n=1
+  for ((round = 0; round < rounds; round++)); do
+    echo "[$(date +%T)] $bs x $n blocks, QD $qd, round $((round + 1))/$rounds, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+    cut -d' ' -f1 /proc/loadavg >>"$loadlog"
+    for ((k = 0; k < ${#tools[@]}; k++)); do
+      tool=${tools[$(( (k + round) % ${#tools[@]} ))]}
+      mkdir -p "$work"
+      sync
+      case "$tool" in
+        kvx-*) run_kvx "$bs" "$bytes" "$n" "${tool#kvx-}" ;;
+        fio) run_fio "$bs" "$bytes" "$n" ;;
+        nixl-*) run_nixl "$bs" "$bytes" "$n" "${tool#nixl-}" ;;
+      esac
+    done
+  done
+done
+cut -d' ' -f1 /proc/loadavg >>"$loadlog"
+
+python3 - "$results" "$loadlog" "$qd" "$rounds" "$dir" <<'EOF'
+import json, statistics, sys
+from collections import defaultdict
+
+results, loadlog, qd, rounds, where = sys.argv[1:6]
+runs = defaultdict(list)  # (bs, tool, phase) -> GiB/s per round
+order = []
+for line in open(results):
+    bs, tool, phase, v = line.rstrip("\n").split("\t")
+    runs[(bs, tool, phase)].append(float(v))
+    if bs not in order:
+        order.append(bs)
+loads = [float(x) for x in open(loadlog).read().split()]
+
+def med(bs, tool, phase):
+    v = runs.get((bs, tool, phase))
+    return round(statistics.median(v), 3) if v else None
+
+def fmt(x, d=2):
+    return "-" if x is None else f"{x:.{d}f}"
+
+def ratio(a, b):
+    return None if a is None or not b else round(a / b, 3)
+
+tools = ["kvx-uring", "kvx-psync", "fio", "nixl-aio", "nixl-uring"]
+out = {"dir": where, "qd": int(qd), "rounds": int(rounds),
+       "loadavg_1m": {"min": min(loads, default=None), "max": max(loads, default=None)},
+       "sizes": {}}
+print(f"medians of {rounds} alternating rounds, GiB/s, QD {qd}, in {where}; "
+      f"1-min load average {min(loads, default=0):.2f}-{max(loads, default=0):.2f}")
+for bs in order:
+    print(f"\n{bs}")
+    print(f"  {'':22} {'store':>7} {'load':>7}   {'store range':>13} {'load range':>13}")
+    entry = {}
+    for t in tools:
+        s, l = med(bs, t, "store"), med(bs, t, "load")
+        if s is None and l is None:
+            continue
+        rs, rl = runs.get((bs, t, "store"), []), runs.get((bs, t, "load"), [])
+        rng = lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"
+        print(f"  {t:22} {fmt(s):>7} {fmt(l):>7}   {rng(rs):>13} {rng(rl):>13}")
+        entry[t] = {"store_gib_s": s, "load_gib_s": l, "store_runs": rs, "load_runs": rl}
+    peer = {}
+    for ph in ("store", "load"):
+        vals = [med(bs, t, ph) for t in ("nixl-aio", "nixl-uring")]
+        vals = [v for v in vals if v is not None]
+        peer[ph] = max(vals) if vals else None
+    fio = {ph: med(bs, "fio", ph) for ph in ("store", "load")}
+    print(f"  {'ratio':22} {'store':>7} {'load':>7}")
+    for t in ("kvx-uring", "kvx-psync"):
+        for name, base in (("peer-best", peer), ("fio", fio)):
+            rs, rl = ratio(med(bs, t, "store"), base["store"]), ratio(med(bs, t, "load"), base["load"])
+            print(f"  {t + '/' + name:22} {fmt(rs):>7} {fmt(rl):>7}")
+            entry[f"{t}_vs_{name}"] = {"store": rs, "load": rl}
+    out["sizes"][bs] = entry
+print(json.dumps(out, separators=(",", ":")))
+EOF
+exit "$failed"
