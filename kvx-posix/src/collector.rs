@@ -21,7 +21,6 @@
 //! `ESTALE` instead, an I/O error that fails that block; it never gets a mix of two files,
 //! because every load verifies the header and the payload checksum.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -30,9 +29,9 @@ use kvx_core::BlockKey;
 
 use crate::error::PosixError;
 use crate::handle::PosixHandle;
-use crate::index::temp_is_stale;
+use crate::index::{remove_stale_temp, visit_leaves};
 use crate::io::MAINTENANCE_DEPTH;
-use crate::paths::{Entry, classify};
+use crate::paths::Entry;
 
 /// Settings of a collector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,33 +81,11 @@ pub struct CollectReport {
     pub removed_temps: usize,
 }
 
+#[derive(Clone)]
 struct Found {
     key: BlockKey,
     bytes: u64,
     mtime: SystemTime,
-}
-
-fn walk_err(path: &std::path::Path, source: std::io::Error) -> PosixError {
-    PosixError::Root {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-fn subdirs(dir: &std::path::Path) -> Result<Vec<(String, PathBuf)>, PosixError> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).map_err(|e| walk_err(dir, e))? {
-        let e = e.map_err(|e| walk_err(dir, e))?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        let hex2 = name.len() == 2
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if hex2 && e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-            out.push((name, e.path()));
-        }
-    }
-    Ok(out)
 }
 
 impl PosixHandle {
@@ -125,54 +102,43 @@ impl PosixHandle {
         let layout = &self.shared.layout;
         let now = SystemTime::now();
         let mut report = CollectReport::default();
-        for root in layout.roots() {
-            let mut found = Vec::new();
-            for (ab, top) in subdirs(root)? {
-                for (cd, leaf) in subdirs(&top)? {
-                    let Ok(files) = std::fs::read_dir(&leaf) else {
-                        continue; // removed meanwhile by another node
-                    };
-                    for f in files.flatten() {
-                        let name = f.file_name();
-                        let Some(name) = name.to_str() else { continue };
-                        let entry = classify(name, &ab, &cd);
-                        if entry == Entry::Other {
-                            continue;
-                        }
-                        let Ok(meta) = f.metadata() else { continue }; // gone meanwhile
-                        let mtime = meta.modified().unwrap_or(now);
-                        match entry {
-                            Entry::Block(key) => found.push(Found {
-                                key,
-                                bytes: meta.len(),
-                                mtime,
-                            }),
-                            Entry::Temp { host, pid } => {
-                                let age = now.duration_since(mtime).unwrap_or_default();
-                                if temp_is_stale(
-                                    layout,
-                                    host.as_deref(),
-                                    pid,
-                                    age,
-                                    cfg.stale_temp_age,
-                                ) {
-                                    match std::fs::remove_file(f.path()) {
-                                        Ok(()) => report.removed_temps += 1,
-                                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                                        Err(e) => return Err(walk_err(&f.path(), e)),
-                                    }
-                                }
-                            }
-                            Entry::Other => {}
-                        }
+        let mut found: Vec<Vec<Found>> = vec![Vec::new(); layout.roots().len()];
+        visit_leaves(
+            layout,
+            |_, _| {},
+            |root, f, entry| {
+                let Ok(meta) = f.metadata() else {
+                    return Ok(()); // gone meanwhile
+                };
+                let mtime = meta.modified().unwrap_or(now);
+                match entry {
+                    Entry::Block(key) => found[root].push(Found {
+                        key,
+                        bytes: meta.len(),
+                        mtime,
+                    }),
+                    Entry::Temp { host, pid } => {
+                        report.removed_temps += remove_stale_temp(
+                            f,
+                            host.as_deref(),
+                            pid,
+                            Some(mtime),
+                            layout,
+                            now,
+                            cfg.stale_temp_age,
+                        )?;
                     }
+                    Entry::Other => {}
                 }
-            }
-            let mut total: u64 = found.iter().map(|f| f.bytes).sum();
-            report.blocks += found.len();
+                Ok(())
+            },
+        )?;
+        for mut blocks in found {
+            let mut total: u64 = blocks.iter().map(|f| f.bytes).sum();
+            report.blocks += blocks.len();
             report.bytes += total;
-            found.sort_by_key(|f| f.mtime);
-            for f in found {
+            blocks.sort_by_key(|f| f.mtime);
+            for f in blocks {
                 if total <= cfg.quota_bytes || stop.load(Ordering::Acquire) {
                     break;
                 }
@@ -263,6 +229,7 @@ mod tests {
     use super::*;
     use crate::format::{HEADER_LEN, encode_header};
     use crate::{PosixConfig, PosixStore};
+    use std::path::PathBuf;
 
     fn set_mtime(path: &std::path::Path, secs_ago: u64) {
         let t = SystemTime::now() - Duration::from_secs(secs_ago);

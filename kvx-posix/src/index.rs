@@ -130,57 +130,108 @@ pub(crate) fn temp_is_stale(
 pub(crate) fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixError> {
     let now = SystemTime::now();
     let mut out = Scan::default();
-    for (ri, root) in layout.roots().iter().enumerate() {
-        for top in std::fs::read_dir(root).map_err(|e| io_err(root, e))? {
-            let top = top.map_err(|e| io_err(root, e))?;
-            let tname = top.file_name();
-            let Some(ab) = tname.to_str().and_then(hex2) else {
-                continue;
-            };
-            if !top.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                continue;
-            }
-            let tpath = top.path();
-            for leaf in std::fs::read_dir(&tpath).map_err(|e| io_err(&tpath, e))? {
-                let leaf = leaf.map_err(|e| io_err(&tpath, e))?;
-                let lname = leaf.file_name();
-                let Some(cd) = lname.to_str().and_then(hex2) else {
-                    continue;
-                };
-                if !leaf.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    continue;
+    let mut removed_temps = 0;
+    visit_leaves(
+        layout,
+        |root, prefix| out.dirs.push((root, prefix)),
+        |_, f, entry| {
+            match entry {
+                Entry::Block(key) => out.keys.push(key),
+                Entry::Temp { host, pid } => {
+                    let modified = f.metadata().and_then(|m| m.modified()).ok();
+                    removed_temps += remove_stale_temp(
+                        f,
+                        host.as_deref(),
+                        pid,
+                        modified,
+                        layout,
+                        now,
+                        stale_age,
+                    )?;
                 }
-                out.dirs.push((ri, u16::from_be_bytes([ab, cd])));
-                let lpath = leaf.path();
+                Entry::Other => {}
+            }
+            Ok(())
+        },
+    )?;
+    out.removed_temps = removed_temps;
+    Ok(out)
+}
+
+/// Visit every root's leaf directories (`root/ab/cd/`, two lowercase hex digits each) and the
+/// files in them, classified by name: `on_leaf(root index, 16-bit prefix)` for each leaf,
+/// `on_file(root index, entry, what its name is)` for each file. A directory another node removed during the walk is skipped.
+pub(crate) fn visit_leaves(
+    layout: &Layout,
+    mut on_leaf: impl FnMut(usize, u16),
+    mut on_file: impl FnMut(usize, &std::fs::DirEntry, Entry) -> Result<(), PosixError>,
+) -> Result<(), PosixError> {
+    for (ri, root) in layout.roots().iter().enumerate() {
+        for (ab, tpath) in hex_subdirs(root, true)? {
+            for (cd, lpath) in hex_subdirs(&tpath, false)? {
+                on_leaf(ri, u16::from_be_bytes([ab, cd]));
                 let (abs, cds) = (format!("{ab:02x}"), format!("{cd:02x}"));
-                for f in std::fs::read_dir(&lpath).map_err(|e| io_err(&lpath, e))? {
+                let files = match std::fs::read_dir(&lpath) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    r => r.map_err(|e| io_err(&lpath, e))?,
+                };
+                for f in files {
                     let f = f.map_err(|e| io_err(&lpath, e))?;
                     let name = f.file_name();
                     let Some(name) = name.to_str() else {
                         continue;
                     };
-                    match classify(name, &abs, &cds) {
-                        Entry::Block(key) => out.keys.push(key),
-                        Entry::Temp { host, pid } => {
-                            let age = f
-                                .metadata()
-                                .and_then(|m| m.modified())
-                                .ok()
-                                .and_then(|m| now.duration_since(m).ok())
-                                .unwrap_or_default();
-                            if temp_is_stale(layout, host.as_deref(), pid, age, stale_age) {
-                                match std::fs::remove_file(f.path()) {
-                                    Ok(()) => out.removed_temps += 1,
-                                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                                    Err(e) => return Err(io_err(&f.path(), e)),
-                                }
-                            }
-                        }
-                        Entry::Other => {}
-                    }
+                    let entry = classify(name, &abs, &cds);
+                    on_file(ri, &f, entry)?;
                 }
             }
         }
     }
+    Ok(())
+}
+
+/// The fan-out subdirectories of `dir` with their values; a `dir` that is gone is empty
+/// unless it `must_exist` (a root).
+fn hex_subdirs(dir: &Path, must_exist: bool) -> Result<Vec<(u8, std::path::PathBuf)>, PosixError> {
+    let entries = match std::fs::read_dir(dir) {
+        Err(e) if !must_exist && e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        r => r.map_err(|e| io_err(dir, e))?,
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let e = e.map_err(|e| io_err(dir, e))?;
+        let name = e.file_name();
+        let Some(v) = name.to_str().and_then(hex2) else {
+            continue;
+        };
+        if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            out.push((v, e.path()));
+        }
+    }
     Ok(out)
+}
+
+/// Remove the temporary file `f` (written by `pid` on `host`, last modified `modified`) if
+/// [`temp_is_stale`] calls it a leftover at `now` with `stale_age`; 1 if removed (a file
+/// already gone counts as not removed), else 0.
+pub(crate) fn remove_stale_temp(
+    f: &std::fs::DirEntry,
+    host: Option<&str>,
+    pid: u32,
+    modified: Option<SystemTime>,
+    layout: &Layout,
+    now: SystemTime,
+    stale_age: Duration,
+) -> Result<usize, PosixError> {
+    let age = modified
+        .and_then(|m| now.duration_since(m).ok())
+        .unwrap_or_default();
+    if !temp_is_stale(layout, host, pid, age, stale_age) {
+        return Ok(0);
+    }
+    match std::fs::remove_file(f.path()) {
+        Ok(()) => Ok(1),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(io_err(&f.path(), e)),
+    }
 }
