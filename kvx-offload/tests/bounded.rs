@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::faults::{Fuse, Gate};
+use common::faults::{Fuse, Gate, GateCtl};
 use common::*;
 use kvx_core::*;
 use kvx_offload::*;
@@ -38,25 +38,30 @@ fn timed<R>(what: &str, worst: &mut Duration, f: impl FnOnce() -> R) -> R {
     r
 }
 
+/// A rig whose engine backend sits behind an open [`Gate`], and the gate's control.
+fn gated_rig(dir: &std::path::Path, mut opts: Opts) -> (Rig, GateCtl) {
+    let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
+    opts.wrap_engine = Some(Box::new(move |inner| {
+        let (gate, ctl) = Gate::new(inner, true);
+        ctl_tx.send(ctl).unwrap();
+        Box::new(gate)
+    }));
+    let r = rig(dir, opts);
+    (r, ctl_rx.recv().unwrap())
+}
+
 #[test]
 fn ops_that_never_complete_leave_every_call_bounded() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
-    let mut r = rig(
+    let (mut r, gate) = gated_rig(
         dir.path(),
         Opts {
             load_ms: LOAD_MS,
             store_ms: LOAD_MS,
-            wrap_engine: Some(Box::new(move |inner| {
-                let (gate, ctl) = Gate::new(inner, true);
-                ctl_tx.send(ctl).unwrap();
-                Box::new(gate)
-            })),
             ..Opts::default()
         },
     );
-    let gate = ctl_rx.recv().unwrap();
     let prefix = keys(40, 0, 40, 2);
     assert!(
         r.offload(1, &prefix, &[0, 1], T),
@@ -179,20 +184,13 @@ fn ops_that_never_complete_leave_every_call_bounded() {
 fn a_preemption_fence_holds_only_once_the_ops_returned() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
-    let mut r = rig(
+    let (mut r, gate) = gated_rig(
         dir.path(),
         Opts {
             store_ms: LOAD_MS,
-            wrap_engine: Some(Box::new(move |inner| {
-                let (gate, ctl) = Gate::new(inner, true);
-                ctl_tx.send(ctl).unwrap();
-                Box::new(gate)
-            })),
             ..Opts::default()
         },
     );
-    let gate = ctl_rx.recv().unwrap();
     let ks = keys(50, 0, 50, 3);
     r.compute(&ks, &[0, 1, 2]);
     r.save(1, &ks, &[0, 1, 2]);
