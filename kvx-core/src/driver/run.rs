@@ -48,6 +48,7 @@ pub(super) fn run(shared: Arc<Shared>, cfg: DriverConfig, backends: Vec<Box<dyn 
         completions: Vec::new(),
         reports: Vec::new(),
         applied: 0,
+        gauges_at: None,
     };
     let result = catch_unwind(AssertUnwindSafe(|| {
         l.install();
@@ -95,7 +96,13 @@ struct Loop {
     /// Reports for the outbox, collected during a pass.
     reports: Vec<TaskReport>,
     applied: u64,
+    /// When the tracker's gauges were last published to the metrics recorder.
+    gauges_at: Option<Instant>,
 }
+
+/// How often at most the driver publishes the tracker's gauges (a scrape interval is seconds;
+/// a busy driver makes thousands of passes a second).
+const GAUGE_INTERVAL: Duration = Duration::from_millis(100);
 
 impl Loop {
     /// Register the backends with the tracker and give them a way to wake this thread.
@@ -189,7 +196,14 @@ impl Loop {
     fn publish(&mut self, released: Vec<crate::ids::RequestId>, fence_held: bool) {
         let news = fence_held || !released.is_empty() || !self.reports.is_empty();
         let stats = self.tracker.stats();
-        metrics::record_stats(&stats);
+        let now = Instant::now();
+        if self
+            .gauges_at
+            .is_none_or(|t| now.duration_since(t) >= GAUGE_INTERVAL)
+        {
+            metrics::record_stats(&stats);
+            self.gauges_at = Some(now);
+        }
         let empty = self.tracker.is_empty();
         {
             let mut out = lock(&self.shared.out);
