@@ -4,6 +4,7 @@ mod bench;
 mod info;
 mod ops;
 mod replay;
+mod size;
 
 use clap::{Parser, Subcommand};
 

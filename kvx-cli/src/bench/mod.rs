@@ -3,7 +3,7 @@
 pub(crate) mod core;
 pub(crate) mod counting_alloc;
 mod cuda;
-pub(crate) mod posix;
+mod posix;
 mod remote;
 
 use clap::Subcommand;

@@ -107,23 +107,10 @@ fn failures(name: &str, p: &Phase) -> Option<String> {
     })
 }
 
-/// Parse `1MiB`, `256KiB`, `4M`, `4096`, `2TiB` (also used by `kvx gc --max-bytes`).
-pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mul = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        _ => return Err(format!("bad size unit in {s:?}")),
-    };
-    n.checked_mul(mul)
-        .filter(|v| *v > 0)
-        .ok_or_else(|| format!("bad size {s:?}"))
+/// A block size in bytes (see [`crate::size::parse_size`]).
+fn parse_size(s: &str) -> Result<usize, String> {
+    let v = crate::size::parse_size(s)?;
+    usize::try_from(v).map_err(|_| format!("size {s:?} is too large"))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

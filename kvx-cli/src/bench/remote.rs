@@ -30,21 +30,13 @@ pub struct RemoteArgs {
     json: bool,
 }
 
+/// A block size of at most 1 GiB (one reply frame).
 fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("not a size: {s:?}"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        u => return Err(format!("unknown size unit {u:?} (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mult)
-        .filter(|v| *v > 0 && *v <= 1 << 30)
-        .ok_or_else(|| format!("size {s:?} must be between 1 byte and 1 GiB"))
+    let v = crate::size::parse_size(s)?;
+    if v > 1 << 30 {
+        return Err(format!("size {s:?} must be between 1 byte and 1 GiB"));
+    }
+    Ok(v)
 }
 
 fn gib_s(bytes: u64, t: Duration) -> f64 {

@@ -11,7 +11,7 @@ use serde_json::json;
 
 use super::child::in_child;
 use super::{Bar, FileOpArgs, unfinished};
-use crate::bench::posix::parse_size;
+use crate::size::parse_size;
 
 /// Options of `kvx gc`.
 #[derive(Args, Debug, Clone)]
@@ -20,7 +20,7 @@ pub struct GcArgs {
     pub dir: PathBuf,
     /// Quota: block bytes (sum of block file lengths) to keep at most, e.g. 500GiB, 2TiB.
     #[arg(long, value_parser = parse_size)]
-    pub max_bytes: usize,
+    pub max_bytes: u64,
     /// Only report what would be removed.
     #[arg(long)]
     pub dry_run: bool,
@@ -61,7 +61,7 @@ pub fn run(args: GcArgs) -> i32 {
 }
 
 fn run_here(args: GcArgs) -> i32 {
-    let max = args.max_bytes as u64;
+    let max = args.max_bytes;
     let opts = GcOptions {
         max_bytes: max,
         deadline: args.ops.deadline(),

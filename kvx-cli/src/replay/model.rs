@@ -93,25 +93,6 @@ fn round_up(x: u64, to: u64) -> u64 {
     x.div_ceil(to) * to
 }
 
-/// Parse a size: a plain number of bytes, or with a K/M/G (KiB, MiB, GiB) suffix.
-pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let (num, mul) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((i, _)) => {
-            let mul = match s[i..].to_ascii_lowercase().as_str() {
-                "k" | "kb" | "kib" => 1 << 10,
-                "m" | "mb" | "mib" => 1 << 20,
-                "g" | "gb" | "gib" => 1 << 30,
-                "b" => 1,
-                _ => return None,
-            };
-            (&s[..i], mul)
-        }
-        None => (s, 1),
-    };
-    num.trim().parse::<u64>().ok()?.checked_mul(mul)
-}
-
 /// Resolve `--model`, `--bytes-per-token` and `--block-bytes`.
 pub fn block_size(
     model: &str,
@@ -143,7 +124,7 @@ pub fn block_size(
         None => round_up((model_block_bytes / DEFAULT_SCALE).max(1), BLOCK_ALIGN),
         Some("model") | Some("full") => round_up(model_block_bytes, BLOCK_ALIGN),
         Some(s) => {
-            let b = parse_size(s).ok_or_else(|| {
+            let b = crate::size::parse_size(s).map_err(|_| {
                 ReplayError::BadOption(format!(
                     "--block-bytes {s:?}: expected a size like 65536, 64K, 1M, or `model`"
                 ))
@@ -192,9 +173,9 @@ mod tests {
 
     #[test]
     fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("64K"), Some(65536));
-        assert_eq!(parse_size("2MiB"), Some(2 << 20));
-        assert_eq!(parse_size("1x"), None);
+        assert_eq!(crate::size::parse_size("4096"), Ok(4096));
+        assert_eq!(crate::size::parse_size("64K"), Ok(65536));
+        assert_eq!(crate::size::parse_size("2MiB"), Ok(2 << 20));
+        assert!(crate::size::parse_size("1x").is_err());
     }
 }
