@@ -85,10 +85,7 @@ fn store_blocks(root: &Path, n: usize) -> Result<Vec<(BlockKey, PathBuf)>, Faile
         .into_iter()
         .map(|k| {
             let hex = k.to_hex();
-            let path = root
-                .join(&hex[0..2])
-                .join(&hex[2..4])
-                .join(format!("{hex}.kvb"));
+            let path = root.join(&hex[0..2]).join(format!("{hex}.kvb"));
             (k, path)
         })
         .collect())
@@ -327,7 +324,7 @@ fn frozen(cmd: &[&str]) -> Result<(), Failed> {
     let d = tempfile::tempdir()?;
     let mount = kvx_fusefs::StallFs::mount(d.path(), kvx_fusefs::Backing::Memory)
         .map_err(|e| e.to_string())?;
-    let leaf = mount.path().join("ab").join("cd");
+    let leaf = mount.path().join("ab");
     std::fs::create_dir_all(&leaf)?;
     std::fs::write(
         leaf.join("abcd0000000000000000000000000001.kvb"),

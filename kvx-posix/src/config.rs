@@ -82,6 +82,12 @@ pub struct PosixConfig {
     pub direct: bool,
     /// fdatasync each block before renaming it into place (default false).
     pub fdatasync: bool,
+    /// On roots whose file system is a local block file system (ext4, XFS, Btrfs, F2FS,
+    /// tmpfs), issue io_uring ops inline (the kernel hands an op that would block to its
+    /// workers) and read a block without a statx first (its header carries the length);
+    /// default true. Other roots (FUSE, NFS, CIFS, Ceph, Lustre, GPFS, ...) always send every
+    /// op through the kernel's workers, so a stuck mount never blocks the ring thread.
+    pub inline_io: bool,
     /// Health breaker of each root.
     pub breaker: BreakerConfig,
     /// A temporary file of another process older than this is removed by the startup scan
@@ -157,6 +163,7 @@ impl PosixConfig {
             max_queued: 16384,
             direct: true,
             fdatasync: false,
+            inline_io: true,
             breaker: BreakerConfig::default(),
             stale_temp_age: Duration::from_secs(600),
             visibility_margin: Duration::from_millis(10),
@@ -211,6 +218,8 @@ pub struct Capabilities {
     pub direct: bool,
     /// O_DIRECT per root, in the order of the configuration.
     pub direct_per_root: Vec<bool>,
+    /// Inline I/O per root (see [`PosixConfig::inline_io`]), in the order of the configuration.
+    pub inline_per_root: Vec<bool>,
     /// Blocks found by the startup scan.
     pub scanned_blocks: usize,
     /// Stale temporary files the startup scan removed.

@@ -158,32 +158,36 @@ pub(crate) fn scan(layout: &Layout, stale_age: Duration) -> Result<Scan, PosixEr
     Ok(out)
 }
 
-/// Visit every root's leaf directories (`root/ab/cd/`, two lowercase hex digits each) and the
-/// files in them, classified by name: `on_leaf(root index, 16-bit prefix)` for each leaf,
-/// `on_file(root index, entry, what its name is)` for each file. A directory another node removed during the walk is skipped.
+/// Visit every root's fan-out directories (`root/ab/`, two lowercase hex digits) and the files
+/// in them, classified by name: `on_leaf(root index, fan-out byte)` for each directory, then
+/// `on_file` for each file. Directories inside a fan-out directory (the older two-level layout)
+/// are not visited: a warning names the first one.
 pub(crate) fn visit_leaves(
     layout: &Layout,
     mut on_leaf: impl FnMut(usize, u16),
     mut on_file: impl FnMut(usize, &std::fs::DirEntry, Entry) -> Result<(), PosixError>,
 ) -> Result<(), PosixError> {
+    let mut warned = false;
     for (ri, root) in layout.roots().iter().enumerate() {
-        for (ab, tpath) in hex_subdirs(root, true)? {
-            for (cd, lpath) in hex_subdirs(&tpath, false)? {
-                on_leaf(ri, u16::from_be_bytes([ab, cd]));
-                let (abs, cds) = (format!("{ab:02x}"), format!("{cd:02x}"));
-                let files = match std::fs::read_dir(&lpath) {
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    r => r.map_err(|e| io_err(&lpath, e))?,
+        for (ab, lpath) in hex_subdirs(root, true)? {
+            on_leaf(ri, u16::from(ab));
+            let abs = format!("{ab:02x}");
+            let files = match std::fs::read_dir(&lpath) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                r => r.map_err(|e| io_err(&lpath, e))?,
+            };
+            for f in files {
+                let f = f.map_err(|e| io_err(&lpath, e))?;
+                let name = f.file_name();
+                let Some(name) = name.to_str() else {
+                    continue;
                 };
-                for f in files {
-                    let f = f.map_err(|e| io_err(&lpath, e))?;
-                    let name = f.file_name();
-                    let Some(name) = name.to_str() else {
-                        continue;
-                    };
-                    let entry = classify(name, &abs, &cds);
-                    on_file(ri, &f, entry)?;
+                if !warned && hex2(name).is_some() && f.file_type().is_ok_and(|t| t.is_dir()) {
+                    warned = true;
+                    tracing::warn!(dir = ?f.path(),
+                        "posix: blocks of the older two-level layout are not used; `kvx verify --repair` removes them");
                 }
+                on_file(ri, &f, classify(name, &abs))?;
             }
         }
     }

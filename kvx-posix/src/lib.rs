@@ -1,6 +1,6 @@
 //! kvx-posix: a file block store with strict deadlines, even on a stuck mount.
 //!
-//! One file per block under one or more roots (`root/ab/cd/<32 hex>.kvb`, the root chosen by
+//! One file per block under one or more roots (`root/ab/<32 hex>.kvb`, the root chosen by
 //! key), a checksummed header padded to 4096 bytes, then the payload. Stores write a temporary
 //! file and rename it into place only after every byte succeeded, so a crash, an error or a
 //! timeout never leaves a visible torn block; loads verify the header and checksum and fail only

@@ -1,7 +1,14 @@
-//! Where a block lives: `root/ab/cd/<32 hex>.kvb`, the root chosen by key; temporary names
-//! `<32 hex>.<host>-<pid>-<seq>.kvb.tmp` beside it, so that any node sharing the mount can tell
-//! whose leftover a temporary file is. The older form `<32 hex>.<pid>-<seq>.kvb.tmp` (no host)
-//! is still recognised as a temporary.
+//! Where a block lives: `root/ab/<32 hex>.kvb` (`ab`: the key's first two hex digits), the root
+//! chosen by key; temporary names `<32 hex>.<host>-<pid>-<seq>.kvb.tmp` beside it, so that any
+//! node sharing the mount can tell whose leftover a temporary file is. The older form
+//! `<32 hex>.<pid>-<seq>.kvb.tmp` (no host) is still recognised as a temporary.
+//!
+//! One level of 256 directories: a store makes at most 256 directories in its life, so a store
+//! of a new block costs no `mkdir` once they exist (two levels cost one per block until tens of
+//! thousands of blocks were stored, and a `mkdir` costs as much as the file's own create). A
+//! million blocks put about 4,000 names in each directory, which hashed directories (ext4, XFS,
+//! NFS and the parallel file systems) look up in constant time. Blocks of the older two-level
+//! layout (`root/ab/cd/`) are not read; `kvx verify --repair` removes them.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
@@ -54,10 +61,8 @@ pub(crate) struct BlockPaths {
     /// Index of the root that holds the block.
     pub(crate) root: usize,
     /// `root/ab`.
-    pub(crate) dir1: CString,
-    /// `root/ab/cd`.
-    pub(crate) dir2: CString,
-    /// `root/ab/cd/<hex>.kvb`.
+    pub(crate) dir: CString,
+    /// `root/ab/<hex>.kvb`.
     pub(crate) block: CString,
     /// A fresh temporary name beside it (stores only).
     pub(crate) temp: Option<CString>,
@@ -109,12 +114,9 @@ impl Layout {
         (mixed % self.roots.len() as u64) as usize
     }
 
-    /// `root/ab/cd` for `key`.
+    /// `root/ab` for `key`.
     pub(crate) fn dir_of(&self, key: BlockKey) -> PathBuf {
-        let hex = key.to_hex();
-        self.roots[self.root_of(key)]
-            .join(&hex[0..2])
-            .join(&hex[2..4])
+        self.roots[self.root_of(key)].join(format!("{:02x}", fan_out(key)))
     }
 
     /// Final path of `key`'s block file.
@@ -125,21 +127,19 @@ impl Layout {
 
     /// The C paths of a job on `key`; with a fresh temporary name when `temp`.
     pub(crate) fn paths(&self, key: BlockKey, temp: bool) -> BlockPaths {
-        let dir2 = self.dir_of(key);
-        let dir1 = dir2.parent().map(Path::to_path_buf).unwrap_or_default();
+        let dir = self.dir_of(key);
         let hex = key.to_hex();
         let temp = temp.then(|| {
             let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-            cstr(&dir2.join(format!(
+            cstr(&dir.join(format!(
                 "{hex}.{}-{}-{seq}{TEMP_SUFFIX}",
                 self.host, self.pid
             )))
         });
         BlockPaths {
             root: self.root_of(key),
-            dir1: cstr(&dir1),
-            block: cstr(&dir2.join(format!("{hex}{BLOCK_SUFFIX}"))),
-            dir2: cstr(&dir2),
+            block: cstr(&dir.join(format!("{hex}{BLOCK_SUFFIX}"))),
+            dir: cstr(&dir),
             temp,
         }
     }
@@ -162,8 +162,13 @@ pub(crate) enum Entry {
     Other,
 }
 
-/// Classify a file name found in `ab/cd/`.
-pub(crate) fn classify(name: &str, ab: &str, cd: &str) -> Entry {
+/// The fan-out directory of `key`: its first byte (the first two hex digits of its name).
+pub(crate) fn fan_out(key: BlockKey) -> u8 {
+    (key.0 >> 120) as u8
+}
+
+/// Classify a file name found in the fan-out directory `ab/`.
+pub(crate) fn classify(name: &str, ab: &str) -> Entry {
     if let Some(stem) = name.strip_suffix(TEMP_SUFFIX) {
         let Some((hex, tag)) = stem.split_once('.') else {
             return Entry::Other;
@@ -184,7 +189,6 @@ pub(crate) fn classify(name: &str, ab: &str, cd: &str) -> Entry {
     if let Some(hex) = name.strip_suffix(BLOCK_SUFFIX)
         && let Some(key) = BlockKey::from_hex(hex)
         && hex.get(0..2) == Some(ab)
-        && hex.get(2..4) == Some(cd)
     {
         return Entry::Block(key);
     }
@@ -201,16 +205,17 @@ mod tests {
         let key = BlockKey(0xabcd_0000_0000_0000_0000_0000_0000_1234u128);
         let p = l.block_path(key);
         let name = p.file_name().unwrap().to_str().unwrap();
-        assert!(p.to_str().unwrap().contains("/ab/cd/abcd"), "{p:?}");
-        assert_eq!(classify(name, "ab", "cd"), Entry::Block(key));
-        assert_eq!(classify(name, "ab", "ce"), Entry::Other);
+        assert!(p.to_str().unwrap().contains("/ab/abcd"), "{p:?}");
+        assert_eq!(fan_out(key), 0xab);
+        assert_eq!(classify(name, "ab"), Entry::Block(key));
+        assert_eq!(classify(name, "ac"), Entry::Other);
         let paths = l.paths(key, true);
         let t = PathBuf::from(std::ffi::OsStr::from_bytes(
             paths.temp.as_ref().unwrap().as_bytes(),
         ));
         let tname = t.file_name().unwrap().to_str().unwrap();
         assert_eq!(
-            classify(tname, "ab", "cd"),
+            classify(tname, "ab"),
             Entry::Temp {
                 host: Some(host_tag()),
                 pid: std::process::id()
@@ -220,25 +225,22 @@ mod tests {
         // The older form without a host is still a temporary.
         let hex = key.to_hex();
         assert_eq!(
-            classify(&format!("{hex}.42-7.kvb.tmp"), "ab", "cd"),
+            classify(&format!("{hex}.42-7.kvb.tmp"), "ab"),
             Entry::Temp {
                 host: None,
                 pid: 42
             }
         );
         assert_eq!(
-            classify(&format!("{hex}.node-a_1-42-7.kvb.tmp"), "ab", "cd"),
+            classify(&format!("{hex}.node-a_1-42-7.kvb.tmp"), "ab"),
             Entry::Temp {
                 host: Some("node-a_1".into()),
                 pid: 42
             }
         );
-        assert_eq!(
-            classify(&format!("{hex}.x-7.kvb.tmp"), "ab", "cd"),
-            Entry::Other
-        );
+        assert_eq!(classify(&format!("{hex}.x-7.kvb.tmp"), "ab"), Entry::Other);
         assert_ne!(l.paths(key, true).temp, paths.temp, "temp names are unique");
-        assert_eq!(classify("notes.txt", "ab", "cd"), Entry::Other);
+        assert_eq!(classify("notes.txt", "ab"), Entry::Other);
         // Keys spread over both roots.
         let hits: std::collections::HashSet<usize> =
             (0..64u128).map(|i| l.root_of(BlockKey(i * 7919))).collect();

@@ -1,4 +1,5 @@
-//! Startup check of each root: create it, and find out whether its filesystem takes O_DIRECT.
+//! Startup check of each root: create it, find out whether its filesystem takes O_DIRECT, and
+//! whether it is a local block file system, whose I/O can be issued inline.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -14,6 +15,35 @@ fn root_err(path: &Path, source: std::io::Error) -> PosixError {
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// `statfs` magic numbers of local block file systems (and tmpfs): an io_uring op on them that
+/// would block is refused by the kernel and handed to its workers, never blocking the
+/// submitting thread, and a read past the end of a file returns short (no statx needed).
+const LOCAL_FS_MAGIC: [i64; 5] = [
+    0xEF53,      // ext2, ext3, ext4
+    0x5846_5342, // XFS
+    0x9123_683E, // Btrfs
+    0xF2F5_2010, // F2FS
+    0x0102_1994, // tmpfs
+];
+
+/// Whether `root` is on a local block file system (see [`LOCAL_FS_MAGIC`]). FUSE, NFS, CIFS,
+/// Ceph, Lustre, GPFS and anything unknown answer false: their ops always go through the
+/// kernel's workers, so a stuck mount never blocks the ring thread.
+pub(crate) fn is_local_fs(root: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(root.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is a plain C struct of integers (all-zero is a valid value), written by
+    // the kernel into our own stack variable; `c` is a NUL-terminated path we own.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let r = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    #[allow(clippy::unnecessary_cast)] // f_type's type differs between targets
+    let magic = st.f_type as i64;
+    r == 0 && LOCAL_FS_MAGIC.contains(&magic)
 }
 
 /// Create `root` if needed and return whether an aligned O_DIRECT write works there. A

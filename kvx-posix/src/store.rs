@@ -50,6 +50,8 @@ pub struct PosixStore {
     cfg: PosixConfig,
     shared: Arc<Shared>,
     direct: Vec<bool>,
+    /// Inline I/O per root (see [`PosixConfig::inline_io`]).
+    inline: Vec<bool>,
     dirs: FxHashSet<(usize, u16)>,
     ops: FxHashMap<OpId, OpState>,
     ready: Vec<OpCompletion>,
@@ -82,6 +84,11 @@ impl PosixStore {
             .iter()
             .map(|r| probe_root(r, cfg.direct))
             .collect::<Result<Vec<bool>, _>>()?;
+        let inline: Vec<bool> = cfg
+            .roots
+            .iter()
+            .map(|r| cfg.inline_io && crate::probe::is_local_fs(r))
+            .collect();
         let layout = Layout::new(cfg.roots.clone());
         let found = scan(&layout, cfg.stale_temp_age)?;
         let sink = Arc::new(Sink::default());
@@ -114,6 +121,7 @@ impl PosixStore {
             engine: cfg.engine,
             direct: direct.iter().all(|d| *d),
             direct_per_root: direct.clone(),
+            inline_per_root: inline.clone(),
             scanned_blocks: found.keys.len(),
             removed_temps: found.removed_temps,
         };
@@ -154,6 +162,7 @@ impl PosixStore {
                 touch,
             }),
             direct,
+            inline,
             dirs: found.dirs.into_iter().collect(),
             ops: FxHashMap::default(),
             ready: Vec::new(),
@@ -185,7 +194,7 @@ impl PosixStore {
     }
 
     fn prefix(key: BlockKey) -> u16 {
-        (key.0 >> 112) as u16
+        u16::from(crate::paths::fan_out(key))
     }
 
     /// Fold finished jobs into their ops; finished ops go to `ready`.
@@ -336,6 +345,7 @@ impl PosixStore {
     ) -> JobParams {
         JobParams {
             direct: self.direct.get(root).copied().unwrap_or(false),
+            inline: self.inline.get(root).copied().unwrap_or(false),
             fdatasync: self.cfg.fdatasync,
             make_dirs: dir == Direction::Store && !self.dirs.contains(&(root, Self::prefix(key))),
             deadline,

@@ -175,7 +175,7 @@ fn scan_rebuilds_the_index_over_several_roots() {
         assert_eq!(roots.len(), 2, "keys spread over both roots");
     }
     // A stale temporary file of a process that is gone, and an unrelated file.
-    let leaf = a.path().join("00").join("00");
+    let leaf = a.path().join("00");
     std::fs::create_dir_all(&leaf).unwrap();
     let stale = leaf.join(format!("{}.999999999-1.kvb.tmp", key(1).to_hex()));
     std::fs::write(&stale, b"partial").unwrap();

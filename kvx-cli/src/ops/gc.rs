@@ -16,7 +16,7 @@ use crate::size::parse_size;
 /// Options of `kvx gc`.
 #[derive(Args, Debug, Clone)]
 pub struct GcArgs {
-    /// The store's root directory (the one holding `ab/cd/<key>.kvb`).
+    /// The store's root directory (the one holding `ab/<key>.kvb`).
     pub dir: PathBuf,
     /// Quota: block bytes (sum of block file lengths) to keep at most, e.g. 500GiB, 2TiB.
     #[arg(long, value_parser = parse_size)]

@@ -13,7 +13,7 @@ use super::{Bar, FileOpArgs, unfinished};
 /// Options of `kvx verify`.
 #[derive(Args, Debug, Clone)]
 pub struct VerifyArgs {
-    /// The store's root directory (the one holding `ab/cd/<key>.kvb`).
+    /// The store's root directory (the one holding `ab/<key>.kvb`).
     pub dir: PathBuf,
     /// Remove corrupt blocks, foreign `.kvb` files and stale temporary files (never a block of
     /// a newer format version, never a file that is not kvx's).

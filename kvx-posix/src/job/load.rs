@@ -1,6 +1,11 @@
 //! Load: `open(block)` → `statx` (its length) → `readv(header, payload)` → `close`, then the
 //! header and checksum are verified; any mismatch fails this block only. A read that returns
 //! after the op's deadline is reported timed out, whatever it read.
+//!
+//! On a root with inline I/O (a local block file system) there is no `statx`: the read asks for
+//! the whole buffer, and a read that returns less than it asked for ended at the end of the
+//! file, whose length it then is. Elsewhere the length comes first: an async O_DIRECT read past
+//! the end of a FUSE file can come back zero-filled to the full length.
 
 use std::time::Duration;
 
@@ -73,6 +78,7 @@ impl BlockJob {
             iov_len: rlen,
         };
         self.iov_n = if rlen > 0 { 2 } else { 1 };
+        self.expect = HEADER_LEN + rlen;
         let fd = self.fd.unwrap_or(-1);
         self.call(
             Step::Load(LoadStep::Read),
@@ -143,6 +149,10 @@ impl BlockJob {
                 if let Some(e) = self.over(Duration::ZERO) {
                     return self.finish_load(Err(e));
                 }
+                if self.p.inline {
+                    self.file_len = usize::MAX;
+                    return self.read();
+                }
                 let fd = res as i32;
                 let buf: *mut libc::statx = &mut *self.stx;
                 self.call(Step::Load(LoadStep::Stat), Syscall::Statx { fd, buf })
@@ -170,6 +180,9 @@ impl BlockJob {
                     // already have ended, so this load did not make it in time.
                     Err(e)
                 } else {
+                    if self.p.inline && (res as usize) < self.expect {
+                        self.file_len = res as usize;
+                    }
                     self.verify(res as usize)
                 };
                 self.finish_load(r)

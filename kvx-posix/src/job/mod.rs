@@ -59,6 +59,9 @@ enum Step {
 pub(crate) struct JobParams {
     /// Use O_DIRECT when the buffer allows it.
     pub(crate) direct: bool,
+    /// The root is a local block file system: ops may be issued inline, and a load reads
+    /// without a statx (see `PosixConfig::inline_io`).
+    pub(crate) inline: bool,
     /// fdatasync before the rename.
     pub(crate) fdatasync: bool,
     /// The leaf directory may not exist yet: create it first.
@@ -79,6 +82,7 @@ impl JobParams {
     pub(crate) fn remove(nonce: Option<u64>) -> JobParams {
         JobParams {
             direct: false,
+            inline: false,
             fdatasync: false,
             make_dirs: false,
             deadline: Instant::now(),
@@ -192,6 +196,11 @@ impl BlockJob {
     /// The op's deadline.
     pub(crate) fn deadline(&self) -> Instant {
         self.p.deadline
+    }
+
+    /// Whether the engine may issue this job's syscalls inline (see [`JobParams::inline`]).
+    pub(crate) fn inline(&self) -> bool {
+        self.p.inline
     }
 
     /// The nonce a store wrote into its header.

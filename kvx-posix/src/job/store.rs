@@ -1,4 +1,4 @@
-//! Store: `mkdir` (only for a new directory) → `open(temp, O_CREAT|O_EXCL)` → `writev(header,
+//! Store: `mkdir` (only for a new fan-out directory) → `open(temp, O_CREAT|O_EXCL)` → `writev(header,
 //! payload[, zero-padded tail])` → `fdatasync` (optional) → `close` → `rename(temp, block)`.
 //! Any error, a cancel or a deadline before the rename closes and unlinks the temporary file;
 //! a rename that lands after the deadline (or a cancel) is undone by the remove machine,
@@ -16,8 +16,7 @@ use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum StoreStep {
-    MkdirOuter,
-    MkdirInner,
+    Mkdir,
     OpenTemp,
     Write,
     Sync,
@@ -48,8 +47,8 @@ impl BlockJob {
 
     fn mkdirs(&mut self) -> Next {
         self.retried_dirs = true;
-        let path = self.paths.dir1.as_ptr();
-        self.call(Step::Store(StoreStep::MkdirOuter), Syscall::Mkdir { path })
+        let path = self.paths.dir.as_ptr();
+        self.call(Step::Store(StoreStep::Mkdir), Syscall::Mkdir { path })
     }
 
     fn open_temp(&mut self) -> Next {
@@ -172,17 +171,9 @@ impl BlockJob {
 
     pub(super) fn store_advance(&mut self, step: StoreStep, res: i64) -> Next {
         match step {
-            StoreStep::MkdirOuter => {
+            StoreStep::Mkdir => {
                 if res < 0 && res != -(libc::EEXIST as i64) {
-                    let msg = format!("mkdir {:?}: {}", self.paths.dir1, errno_name(res));
-                    return self.done(Err(BlockError::Io(msg)));
-                }
-                let path = self.paths.dir2.as_ptr();
-                self.call(Step::Store(StoreStep::MkdirInner), Syscall::Mkdir { path })
-            }
-            StoreStep::MkdirInner => {
-                if res < 0 && res != -(libc::EEXIST as i64) {
-                    let msg = format!("mkdir {:?}: {}", self.paths.dir2, errno_name(res));
+                    let msg = format!("mkdir {:?}: {}", self.paths.dir, errno_name(res));
                     return self.done(Err(BlockError::Io(msg)));
                 }
                 self.made_dirs = true;

@@ -131,6 +131,38 @@ fn verify_names_each_problem_and_repair_removes_them() {
 }
 
 #[test]
+fn a_block_of_the_older_two_level_layout_is_foreign_and_repaired() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path();
+    let kept = put(root, key(1), &[1u8; 3000], Duration::ZERO);
+    // Where the older layout kept a block: `root/ab/cd/<hex>.kvb`; a valid block, read by no
+    // store of this layout.
+    let hex = key(2).to_hex();
+    let old_dir = root.join(&hex[0..2]).join(&hex[2..4]);
+    std::fs::create_dir_all(&old_dir).unwrap();
+    let old = old_dir.join(format!("{hex}.kvb"));
+    let mut bytes = vec![0u8; HEADER_LEN];
+    encode_header(&mut bytes, key(2), &[2u8; 3000], 1);
+    bytes.extend_from_slice(&[2u8; 3000]);
+    std::fs::write(&old, &bytes).unwrap();
+
+    let opts = VerifyOptions::default();
+    let r = verify(root, &opts, &mut |_| {}).unwrap();
+    let name = |p: &Path| p.file_name().unwrap().to_string_lossy().into_owned();
+    assert_eq!(kinds(&r), vec![(name(&old), FindingKind::Foreign)]);
+    assert_eq!(r.blocks_ok, 1);
+    let repair = VerifyOptions {
+        repair: true,
+        ..opts.clone()
+    };
+    let r = verify(root, &repair, &mut |_| {}).unwrap();
+    assert_eq!(r.unresolved(), 0);
+    assert!(!old.exists() && kept.exists());
+    let r = verify(root, &opts, &mut |_| {}).unwrap();
+    assert_eq!(r.problems(), 0, "{:?}", r.findings);
+}
+
+#[test]
 fn a_truncated_header_and_a_corrupt_header_are_problems() {
     let d = tempfile::tempdir().unwrap();
     let short = put(d.path(), key(1), &[1u8; 10], Duration::ZERO);

@@ -1,5 +1,6 @@
-//! Walk a store's tree (`root/ab/cd/<file>`) and sort what is there: blocks, temporary files,
-//! misnamed `.kvb` files, and files that are not kvx's.
+//! Walk a store's tree (`root/ab/<file>`) and sort what is there: blocks, temporary files,
+//! misnamed `.kvb` files (the blocks of the older two-level layout `root/ab/cd/` among them:
+//! no store reads them), and files that are not kvx's.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -18,7 +19,8 @@ pub enum Kind {
     Block(BlockKey),
     /// `*.kvb.tmp`: a block being written, or the leftover of a writer that died.
     Temp,
-    /// A `.kvb` name that is not a block's name in this directory: no store ever reads it.
+    /// A `.kvb` name that is not a block's name in this directory (or a block of the older
+    /// two-level layout): no store ever reads it.
     Misnamed,
     /// Not a kvx name: left alone.
     Unknown,
@@ -46,21 +48,24 @@ impl FileEntry {
     }
 }
 
-/// Classify `name`, found in leaf directory `ab/cd`. Any `*.kvb.tmp` is a temporary file,
-/// whatever the writer's tag (`<pid>-<seq>` or `<host>-<pid>-<seq>`).
-pub fn kind_of(name: &str, ab: &str, cd: &str) -> Kind {
+/// Classify `name`, found in fan-out directory `ab` (`None`: in a directory of the older
+/// two-level layout, where no block is read). Any `*.kvb.tmp` is a temporary file, whatever the
+/// writer's tag (`<pid>-<seq>` or `<host>-<pid>-<seq>`).
+pub fn kind_of(name: &str, ab: Option<&str>) -> Kind {
     if name.ends_with(TEMP_SUFFIX) {
         return Kind::Temp;
     }
-    match classify(name, ab, cd) {
+    let entry = ab.map_or(Entry::Other, |ab| classify(name, ab));
+    match entry {
         Entry::Block(key) if name == format!("{}{BLOCK_SUFFIX}", key.to_hex()) => Kind::Block(key),
         _ if name.ends_with(BLOCK_SUFFIX) => Kind::Misnamed,
         _ => Kind::Unknown,
     }
 }
 
-/// Every file in the leaf directories (`ab/cd`, two lowercase hex digits each) under `root`,
-/// listed through `worker`. Files and directories outside that layout are not visited.
+/// Every file in the fan-out directories (`ab`, two lowercase hex digits) under `root`, and in
+/// the directories of the older layout inside them (`ab/cd`), listed through `worker`. Files
+/// and directories outside that layout are not visited.
 pub fn walk(
     root: &Path,
     worker: &mut Worker,
@@ -71,19 +76,23 @@ pub fn walk(
     let tops = list(worker, "list", root, files::list_subdirs)?;
     for ab in tops.iter().filter(|n| hex2(n).is_some()) {
         let top = root.join(ab);
-        let leaves = match list(worker, "list", &top, files::list_subdirs) {
+        let mut leaves = vec![(top.clone(), Some(ab.as_str()))];
+        match list(worker, "list", &top, files::list_subdirs) {
             Err(MaintenanceError::Io { source, .. }) if gone(&source) => continue,
-            r => r?,
-        };
-        for cd in leaves.iter().filter(|n| hex2(n).is_some()) {
-            let leaf = top.join(cd);
+            r => leaves.extend(
+                r?.into_iter()
+                    .filter(|cd| hex2(cd).is_some())
+                    .map(|cd| (top.join(cd), None)),
+            ),
+        }
+        for (leaf, ab) in leaves {
             let found = match list(worker, "list and stat", &leaf, files::list_files) {
                 Err(MaintenanceError::Io { source, .. }) if gone(&source) => continue,
                 r => r?,
             };
             for (path, stat) in found {
                 let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                let kind = kind_of(name, ab, cd);
+                let kind = kind_of(name, ab);
                 out.push(entry(path, kind, stat));
             }
             dirs += 1;
@@ -135,18 +144,20 @@ mod tests {
     fn names_are_sorted_by_kind() {
         let key = BlockKey(0xabcd_0000_0000_0000_0000_0000_0000_1234u128);
         let hex = key.to_hex();
-        assert_eq!(kind_of(&format!("{hex}.kvb"), "ab", "cd"), Kind::Block(key));
-        assert_eq!(kind_of(&format!("{hex}.kvb"), "ab", "ce"), Kind::Misnamed);
+        assert_eq!(kind_of(&format!("{hex}.kvb"), Some("ab")), Kind::Block(key));
+        assert_eq!(kind_of(&format!("{hex}.kvb"), Some("ac")), Kind::Misnamed);
+        // A block of the older two-level layout is read by no store.
+        assert_eq!(kind_of(&format!("{hex}.kvb"), None), Kind::Misnamed);
         let upper = hex.to_uppercase();
-        assert_eq!(kind_of(&format!("{upper}.kvb"), "ab", "cd"), Kind::Misnamed);
-        assert_eq!(kind_of("junk.kvb", "ab", "cd"), Kind::Misnamed);
+        assert_eq!(kind_of(&format!("{upper}.kvb"), Some("ab")), Kind::Misnamed);
+        assert_eq!(kind_of("junk.kvb", Some("ab")), Kind::Misnamed);
         for t in [
             format!("{hex}.123-4.kvb.tmp"),
             format!("{hex}.node-7-123-4.kvb.tmp"),
             "anything.kvb.tmp".to_string(),
         ] {
-            assert_eq!(kind_of(&t, "ab", "cd"), Kind::Temp, "{t}");
+            assert_eq!(kind_of(&t, Some("ab")), Kind::Temp, "{t}");
         }
-        assert_eq!(kind_of("notes.txt", "ab", "cd"), Kind::Unknown);
+        assert_eq!(kind_of("notes.txt", Some("ab")), Kind::Unknown);
     }
 }

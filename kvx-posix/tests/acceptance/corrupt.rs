@@ -12,6 +12,11 @@ use crate::rig::*;
 
 pub fn corrupt_block(engine: EngineKind, place: Place) {
     let r = Rig::new(engine, place, |_| {});
+    // The disk here is a local block file system: its loads read without a statx and are
+    // issued inline; a FUSE mount's never are. Both must fail the same blocks the same way.
+    let local = matches!(place, Place::Disk)
+        && on_local_fs(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")));
+    assert_eq!(r.files.capabilities().inline_per_root, vec![local]);
     let keys: Vec<BlockKey> = (7000..7006).map(key).collect();
     r.store_ok(&keys);
     let path = |i: usize| r.files.block_path(keys[i]);
@@ -74,4 +79,15 @@ pub fn corrupt_block(engine: EngineKind, place: Place) {
     drop(rep);
     r.store_ok(&keys[1..2]);
     assert!(r.load(&keys[1..2]).is_ok());
+}
+
+/// Whether `dir` is on ext2/3/4, XFS, Btrfs, F2FS or tmpfs, as `stat -f` reports it.
+fn on_local_fs(dir: &std::path::Path) -> bool {
+    let out = std::process::Command::new("stat")
+        .args(["-f", "-c", "%T"])
+        .arg(dir)
+        .output()
+        .expect("stat -f runs");
+    let kind = String::from_utf8_lossy(&out.stdout);
+    ["ext2/ext3", "xfs", "btrfs", "f2fs", "tmpfs"].contains(&kind.trim())
 }

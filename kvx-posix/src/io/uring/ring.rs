@@ -60,7 +60,10 @@ struct State {
     wake_buf: Box<u64>,
 }
 
-fn entry(call: &Syscall) -> squeue::Entry {
+/// The ring op of `call`. A job on a root with inline I/O is issued inline (the kernel hands an
+/// op that would block to its workers); any other goes straight to the kernel's workers
+/// (IOSQE_ASYNC), so a stuck mount never blocks this thread.
+fn entry(call: &Syscall, inline: bool) -> squeue::Entry {
     let cwd = types::Fd(libc::AT_FDCWD);
     let e = match *call {
         Syscall::Mkdir { path } => opcode::MkDirAt::new(cwd, path).mode(0o755).build(),
@@ -89,7 +92,11 @@ fn entry(call: &Syscall) -> squeue::Entry {
             .build(),
         Syscall::Unlink { path } => opcode::UnlinkAt::new(cwd, path).build(),
     };
-    e.flags(squeue::Flags::ASYNC)
+    if inline {
+        e
+    } else {
+        e.flags(squeue::Flags::ASYNC)
+    }
 }
 
 impl State {
@@ -140,7 +147,7 @@ impl State {
                     self.slots.push(None);
                     self.slots.len() - 1
                 });
-                let e = entry(&call).user_data(slot as u64 + 1);
+                let e = entry(&call, job.inline()).user_data(slot as u64 + 1);
                 self.slots[slot] = Some(Slot { job, lane });
                 self.push(&e);
                 true
@@ -322,13 +329,13 @@ impl RingThread {
         {
             // The load is complete: close without waiting, so the buffer goes back one ring
             // round trip earlier. The close touches no job memory.
-            st.push(&entry(&Syscall::Close { fd }).user_data(DETACHED));
+            st.push(&entry(&Syscall::Close { fd }, s.job.inline()).user_data(DETACHED));
             st.detached += 1;
             next = s.job.advance(0);
         }
         match next {
             Next::Call(call) => {
-                let e = entry(&call).user_data(ud);
+                let e = entry(&call, s.job.inline()).user_data(ud);
                 st.slots[slot] = Some(s);
                 st.push(&e);
             }
