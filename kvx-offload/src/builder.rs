@@ -318,6 +318,7 @@ fn posix_config(f: &crate::config::FileTierConfig) -> kvx_posix::PosixConfig {
     p.direct = f.direct;
     p.queue_depth = f.queue_depth;
     p.fdatasync = f.fdatasync;
+    p.spare_files = f.spare_files;
     p.breaker = f.breaker;
     if let Some(m) = &f.shared {
         p.shared = Some(kvx_posix::SharedMount {

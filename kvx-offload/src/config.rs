@@ -115,6 +115,11 @@ pub struct FileTierConfig {
     /// fdatasync each block before it becomes visible (default false).
     #[serde(default)]
     pub fdatasync: bool,
+    /// Empty files kept ready per root (on a local block file system of a tier this node
+    /// owns) for stores to write into, made ahead by a thread of their own so that no store
+    /// creates its file (default 64; 0: stores create their files).
+    #[serde(default = "default_spare_files")]
+    pub spare_files: usize,
     /// Health breaker of each root.
     #[serde(default)]
     pub breaker: BreakerConfig,
@@ -219,6 +224,10 @@ fn default_direct() -> bool {
     true
 }
 
+fn default_spare_files() -> usize {
+    64
+}
+
 fn default_queue_depth() -> usize {
     32
 }
@@ -233,6 +242,7 @@ impl FileTierConfig {
             direct: default_direct(),
             queue_depth: default_queue_depth(),
             fdatasync: false,
+            spare_files: default_spare_files(),
             breaker: BreakerConfig::default(),
             shared: None,
         }
@@ -293,6 +303,12 @@ impl OffloadConfig {
                 return Err(OffloadError::config(
                     "file.blocks",
                     "must be at least 1 (leave [file] out for no file tier)",
+                ));
+            }
+            if f.spare_files > 1 << 20 {
+                return Err(OffloadError::config(
+                    "file.spare_files",
+                    format!("must be 0..=1048576, got {}", f.spare_files),
                 ));
             }
             if !(1..=4096).contains(&f.queue_depth) {
@@ -410,6 +426,10 @@ direct = true
             (
                 "[file]\nroots = [\"/x\"]\nblocks = 3\nqueue_depth = 0",
                 "file.queue_depth",
+            ),
+            (
+                "[file]\nroots = [\"/x\"]\nblocks = 3\nspare_files = 2000000",
+                "file.spare_files",
             ),
             ("host_blocks = 0", "host_blocks"),
             ("block_tokens = 0", "block_tokens"),

@@ -88,6 +88,15 @@ pub struct PosixConfig {
     /// default true. Other roots (FUSE, NFS, CIFS, Ceph, Lustre, GPFS, ...) always send every
     /// op through the kernel's workers, so a stuck mount never blocks the ring thread.
     pub inline_io: bool,
+    /// Empty files kept ready per root for stores to write into (made at open, topped up by a
+    /// thread of their own), so that a store does not create its file: on ext4 an inode
+    /// allocation can cost as much as writing a MiB. Only on roots with inline I/O of a store
+    /// that owns its roots (not on a shared mount); default 0 (stores create their files).
+    pub spare_files: usize,
+    /// Top the spare files up in the background when half are used (default true); false
+    /// keeps only those made at open (a benchmark that makes its files before its clock
+    /// starts, as fio and NIXL do, and makes none while it runs).
+    pub spare_refill: bool,
     /// Health breaker of each root.
     pub breaker: BreakerConfig,
     /// A temporary file of another process older than this is removed by the startup scan
@@ -164,6 +173,8 @@ impl PosixConfig {
             direct: true,
             fdatasync: false,
             inline_io: true,
+            spare_files: 0,
+            spare_refill: true,
             breaker: BreakerConfig::default(),
             stale_temp_age: Duration::from_secs(600),
             visibility_margin: Duration::from_millis(10),
@@ -198,6 +209,12 @@ impl PosixConfig {
             return Err(PosixError::BadConfig(format!(
                 "max_queued must be 1..=1048576, got {}",
                 self.max_queued
+            )));
+        }
+        if self.spare_files > 1 << 20 {
+            return Err(PosixError::BadConfig(format!(
+                "spare_files must be 0..=1048576, got {}",
+                self.spare_files
             )));
         }
         if let Some(m) = &self.shared {

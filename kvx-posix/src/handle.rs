@@ -73,6 +73,8 @@ pub(crate) struct Shared {
     pub(crate) probes: Option<ProbeTable>,
     /// The touch lane, on a shared mount with `touch_on_load`.
     pub(crate) touch: Option<TouchLane>,
+    /// Spare files for stores (see `PosixConfig::spare_files`).
+    pub(crate) spares: Option<crate::spare::Spares>,
 }
 
 impl Shared {
@@ -203,6 +205,14 @@ impl PosixHandle {
     /// What the store found out when it opened.
     pub fn capabilities(&self) -> &Capabilities {
         &self.shared.caps
+    }
+
+    /// Spare files ready for stores, per root (see [`crate::PosixConfig::spare_files`]).
+    pub fn spare_files_ready(&self) -> Vec<usize> {
+        self.shared.spares.as_ref().map_or_else(
+            || vec![0; self.shared.layout.roots().len()],
+            crate::spare::Spares::ready,
+        )
     }
 
     /// State of the breaker of root `root`.

@@ -64,8 +64,34 @@ pub(crate) struct BlockPaths {
     pub(crate) dir: CString,
     /// `root/ab/<hex>.kvb`.
     pub(crate) block: CString,
-    /// A fresh temporary name beside it (stores only).
+    /// The name a store writes before the rename: a fresh temporary name beside the block, or
+    /// a spare file (stores only).
     pub(crate) temp: Option<CString>,
+    /// With a spare file in `temp`: the fresh temporary name to create if the spare is gone.
+    pub(crate) fallback_temp: Option<CString>,
+}
+
+impl BlockPaths {
+    /// Write into the spare file `spare` instead of creating the temporary file.
+    pub(crate) fn use_spare(&mut self, spare: CString) {
+        self.fallback_temp = self.temp.replace(spare);
+    }
+
+    /// Whether the store writes into a spare file (which exists: no create).
+    pub(crate) fn writes_spare(&self) -> bool {
+        self.fallback_temp.is_some()
+    }
+
+    /// The spare file is gone: create the fresh temporary name instead; false if there is none.
+    pub(crate) fn drop_spare(&mut self) -> bool {
+        match self.fallback_temp.take() {
+            Some(t) => {
+                self.temp = Some(t);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 fn cstr(p: &Path) -> CString {
@@ -141,6 +167,7 @@ impl Layout {
             block: cstr(&dir.join(format!("{hex}{BLOCK_SUFFIX}"))),
             dir: cstr(&dir),
             temp,
+            fallback_temp: None,
         }
     }
 }

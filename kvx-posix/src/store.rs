@@ -91,6 +91,29 @@ impl PosixStore {
             .collect();
         let layout = Layout::new(cfg.roots.clone());
         let found = scan(&layout, cfg.stale_temp_age)?;
+        let with_spares: Vec<bool> = inline.iter().map(|i| *i && cfg.shared.is_none()).collect();
+        let spares = crate::spare::Spares::open(
+            &cfg.roots,
+            &with_spares,
+            cfg.spare_files,
+            cfg.spare_refill,
+            format!("{}-{}", layout.host(), std::process::id()),
+        )?;
+        let mut dirs: FxHashSet<(usize, u16)> = found.dirs.into_iter().collect();
+        if spares.is_some() {
+            // A spare is renamed into its fan-out directory: make them all now, off the
+            // stores' path (256 per root).
+            for (root, _) in with_spares.iter().enumerate().filter(|(_, s)| **s) {
+                for ab in 0..=255u8 {
+                    let d = cfg.roots[root].join(format!("{ab:02x}"));
+                    std::fs::create_dir_all(&d).map_err(|e| PosixError::Root {
+                        path: d.clone(),
+                        source: e,
+                    })?;
+                    dirs.insert((root, u16::from(ab)));
+                }
+            }
+        }
         let sink = Arc::new(Sink::default());
         let engine: Box<dyn IoEngine> = match cfg.engine {
             EngineKind::Psync => Box::new(PsyncEngine::new(
@@ -160,10 +183,11 @@ impl PosixStore {
                 counters: Counters::default(),
                 probes: cfg.shared.clone().map(crate::probes::ProbeTable::new),
                 touch,
+                spares,
             }),
             direct,
             inline,
-            dirs: found.dirs.into_iter().collect(),
+            dirs,
             ops: FxHashMap::default(),
             ready: Vec::new(),
             notifier: Notifier::noop(),
@@ -460,7 +484,12 @@ impl Backend for PosixStore {
                 Direction::Store => FileOp::Store,
             };
             let params = self.params(root, b.key, op.dir, op.deadline, &cancel);
-            let paths = layout.paths(b.key, action == FileOp::Store);
+            let mut paths = layout.paths(b.key, action == FileOp::Store);
+            if action == FileOp::Store
+                && let Some(spare) = self.shared.spares.as_ref().and_then(|s| s.take(root))
+            {
+                paths.use_spare(spare);
+            }
             jobs.push(Box::new(BlockJob::new(
                 op.id,
                 i,

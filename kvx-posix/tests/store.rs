@@ -1,6 +1,6 @@
 //! The store on a real directory (no FUSE): round trips through the driver with both engines,
 //! lookup/remove, the startup scan, several roots, the O_DIRECT fallback on ramfs, zero padding
-//! of O_DIRECT writes from shared buffers, and blocks of a newer format version.
+//! of O_DIRECT writes from shared buffers, blocks of a newer format version, and spare files.
 //!
 //! Tests that cannot run here (no ramfs mount, a disk without O_DIRECT) print one `skip:` line
 //! and are counted as ignored.
@@ -330,6 +330,86 @@ fn newer_format_version_is_a_miss_and_stays(engine: EngineKind) {
     );
 }
 
+/// Stores write into spare files made at open (no create on the store's path); a spare found
+/// gone falls back to a fresh temporary file; a reopened store takes over the empty spares and
+/// removes a half-written one; a store of a shared mount makes none.
+fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let spare_dir = dir.path().join(".kvx-spare");
+    let mut cfg = PosixConfig::new(dir.path());
+    cfg.engine = engine;
+    cfg.spare_files = 4;
+    cfg.spare_refill = false;
+    let keys: Vec<BlockKey> = (500..503).map(key).collect();
+    {
+        let r = rig(cfg.clone(), 16, 64 << 10);
+        assert_eq!(r.files.spare_files_ready(), vec![4]);
+        assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 4);
+        // All 256 fan-out directories exist already.
+        assert!(dir.path().join("00").is_dir() && dir.path().join("ff").is_dir());
+        assert!(r.store(&keys[..2], 10_000).is_ok(), "{engine}");
+        assert_eq!(r.files.spare_files_ready(), vec![2]);
+        assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 2);
+        // The next spare disappears under the store: the store creates its own file.
+        for e in std::fs::read_dir(&spare_dir).unwrap() {
+            std::fs::remove_file(e.unwrap().path()).unwrap();
+        }
+        assert!(r.store(&keys[2..], 10_000).is_ok(), "{engine}");
+        assert_eq!(r.files.spare_files_ready(), vec![1]);
+        let rep = r.load(&keys);
+        assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
+        for (b, k) in rep.blocks.iter().zip(&keys) {
+            assert_eq!(
+                b.buf.as_ref().unwrap().as_slice(),
+                &expected(*k, 10_000)[..]
+            );
+        }
+        assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
+    }
+    // A spare that was being written when its process died, and an empty one it left.
+    std::fs::write(spare_dir.join("deadhost-1-0"), b"half a block").unwrap();
+    std::fs::write(spare_dir.join("deadhost-1-1"), b"").unwrap();
+    {
+        let r = rig(cfg.clone(), 16, 64 << 10);
+        assert!(
+            !spare_dir.join("deadhost-1-0").exists(),
+            "half-written spare removed"
+        );
+        assert!(
+            spare_dir.join("deadhost-1-1").exists(),
+            "empty spare taken over"
+        );
+        assert_eq!(r.files.spare_files_ready(), vec![4]);
+        assert_eq!(r.files.lookup(&keys), 3, "the blocks are still there");
+    }
+    // With refills, the spares are topped up as they are used.
+    cfg.spare_refill = true;
+    {
+        let r = rig(cfg.clone(), 16, 64 << 10);
+        let more: Vec<BlockKey> = (600..604).map(key).collect();
+        assert!(r.store(&more, 10_000).is_ok(), "{engine}");
+        assert!(
+            wait(|| r.files.spare_files_ready() == vec![4]),
+            "{:?}",
+            r.files.spare_files_ready()
+        );
+    }
+    let shared = tempfile::tempdir().unwrap();
+    let mut scfg = PosixConfig::new(shared.path());
+    scfg.spare_files = 4;
+    scfg.shared = Some(kvx_posix::SharedMount::default());
+    let r = rig(scfg, 16, 64 << 10);
+    assert_eq!(r.files.spare_files_ready(), vec![0]);
+    assert!(!shared.path().join(".kvx-spare").exists());
+}
+
+/// Whether a store in a temporary directory gets inline I/O (a local block file system).
+fn temp_dir_is_local() -> bool {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(PosixConfig::new(dir.path())).unwrap();
+    store.capabilities().inline_per_root == vec![true]
+}
+
 fn wait(mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + Duration::from_secs(10);
     while Instant::now() < end {
@@ -353,6 +433,12 @@ fn main() {
             Ok(())
         }),
     ];
+    let local = temp_dir_is_local();
+    if !local {
+        println!(
+            "skip: spare_files_take_the_create_off_the_store_path: the temporary directory is not on a local block file system (spares live only there)"
+        );
+    }
     let direct = disk_takes_direct();
     if !direct {
         println!(
@@ -366,6 +452,16 @@ fn main() {
                 Ok(())
             })
             .with_ignored_flag(!direct),
+        );
+        trials.push(
+            Trial::test(
+                format!("spare_files_take_the_create_off_the_store_path_{e}"),
+                move || {
+                    spare_files_take_the_create_off_the_store_path(e);
+                    Ok(())
+                },
+            )
+            .with_ignored_flag(!local),
         );
         trials.push(Trial::test(
             format!("newer_format_version_is_a_miss_and_stays_{e}"),

@@ -43,6 +43,10 @@ pub struct PosixArgs {
     /// fdatasync each block before its rename.
     #[arg(long)]
     fdatasync: bool,
+    /// Spare files made when the store opens, before the clock starts, as fio and NIXL make
+    /// their files before theirs (default: one per block; 0: every store creates its file).
+    #[arg(long)]
+    spare_files: Option<usize>,
     /// Print the results as one JSON object on the last line.
     #[arg(long)]
     json: bool,
@@ -158,6 +162,11 @@ struct Round {
     fio_read: Option<f64>,
 }
 
+/// The store's spare files: `--spare-files`, or one per block.
+fn spare_files(args: &PosixArgs) -> usize {
+    args.spare_files.unwrap_or(args.blocks)
+}
+
 fn one_round(
     args: &PosixArgs,
     engine: EngineKind,
@@ -169,6 +178,8 @@ fn one_round(
     cfg.engine = engine;
     cfg.queue_depth = args.queue_depth;
     cfg.fdatasync = args.fdatasync;
+    cfg.spare_files = spare_files(args);
+    cfg.spare_refill = false;
     let mut rig = BenchRig::new(cfg, args.block_size).map_err(|e| e.to_string())?;
     let direct = rig.handle().capabilities().direct;
     let keys = bench_keys(round as u64, args.blocks);
@@ -303,10 +314,11 @@ pub fn run(args: PosixArgs) -> i32 {
     let fio_r: Vec<f64> = rounds.iter().filter_map(|r| r.fio_read).collect();
     let (fw, fr) = (median(fio_w), median(fio_r));
     println!(
-        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {}, {} round(s), medians",
+        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {}, {} spare files, {} round(s), medians",
         args.block_size >> 10,
         args.blocks,
         args.queue_depth,
+        spare_files(&args),
         rounds.len()
     );
     println!(
@@ -347,6 +359,7 @@ pub fn run(args: PosixArgs) -> i32 {
             "block_size": args.block_size,
             "blocks": args.blocks,
             "queue_depth": args.queue_depth,
+            "spare_files": spare_files(&args),
             "rounds": rounds.len(),
             "store_gib_s": store,
             "load_gib_s": load,

@@ -1,5 +1,7 @@
-//! Store: `mkdir` (only for a new fan-out directory) → `open(temp, O_CREAT|O_EXCL)` → `writev(header,
-//! payload[, zero-padded tail])` → `fdatasync` (optional) → `close` → `rename(temp, block)`.
+//! Store: `mkdir` (only for a new fan-out directory) → `open(temp, O_CREAT|O_EXCL)` (or
+//! `open(spare)`, an empty file made ahead, see `crate::spare`; one found gone falls back to a
+//! temporary file) → `writev(header, payload[, zero-padded tail])` → `fdatasync` (optional) →
+//! `close` → `rename(temp, block)`.
 //! Any error, a cancel or a deadline before the rename closes and unlinks the temporary file;
 //! a rename that lands after the deadline (or a cancel) is undone by the remove machine,
 //! guarded by this write's nonce (under the temporary name, now free, as the aside name), so
@@ -57,7 +59,11 @@ impl BlockJob {
             .as_ref()
             .is_some_and(|b| (b.as_slice().as_ptr() as usize) % HEADER_LEN == 0);
         self.direct_now = self.p.direct && aligned;
-        let flags = self.open_flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL);
+        let flags = if self.paths.writes_spare() {
+            self.open_flags(libc::O_WRONLY)
+        } else {
+            self.open_flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
+        };
         let path = self.temp_ptr();
         self.call(
             Step::Store(StoreStep::OpenTemp),
@@ -183,6 +189,10 @@ impl BlockJob {
                 self.open_temp()
             }
             StoreStep::OpenTemp => {
+                if res == -(libc::ENOENT as i64) && self.paths.drop_spare() {
+                    // The spare file is gone: create a temporary file as without one.
+                    return self.open_temp();
+                }
                 if res == -(libc::ENOENT as i64) && !self.retried_dirs {
                     return self.mkdirs();
                 }

@@ -1,0 +1,195 @@
+//! Spare files: empty files made ahead of the stores that write into them, so a store of a new
+//! block does not create its file. On ext4 an inode allocation costs as much as writing a MiB
+//! once many files were deleted in the last minutes (the allocator skips recently freed
+//! inodes one by one); done here, off the store's path, it costs a store nothing.
+//!
+//! Each root with inline I/O (a local block file system, see [`crate::PosixConfig::inline_io`])
+//! of a store that owns its roots (no shared mount) keeps `spare_files` of them in
+//! `root/.kvx-spare/`, made at open and (unless `spare_refill` is off) topped up by a thread
+//! of its own when half are used.
+//! A store opens its spare (no create), writes, closes and renames it into place, exactly as it
+//! would a fresh temporary file; a spare found gone falls back to a fresh temporary file. At
+//! open, empty spares left by an earlier run are taken over and any other file there (a spare
+//! that was being written when a process died) is removed.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::{Sender, TrySendError};
+
+use crate::error::PosixError;
+
+/// The directory of a root's spare files.
+pub(crate) const SPARE_DIR: &str = ".kvx-spare";
+
+/// One root's spare files, ready to be written.
+struct RootSpares {
+    dir: PathBuf,
+    ready: Mutex<Vec<CString>>,
+}
+
+struct Inner {
+    /// Per root; `None` for a root without spares.
+    roots: Vec<Option<RootSpares>>,
+    target: usize,
+    refill: bool,
+    tag: String,
+    seq: AtomicU64,
+}
+
+/// The spare files of a store's roots (see the module docs).
+pub(crate) struct Spares {
+    inner: Arc<Inner>,
+    wake: Sender<()>,
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> PosixError {
+    PosixError::Root {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Inner {
+    /// Top `root`'s spares up to the target; stops at the first error (logged).
+    fn fill(&self, root: usize) {
+        let Some(r) = self.roots.get(root).and_then(Option::as_ref) else {
+            return;
+        };
+        loop {
+            if kvx_core::lock(&r.ready).len() >= self.target {
+                return;
+            }
+            match self.make(&r.dir) {
+                Ok(c) => kvx_core::lock(&r.ready).push(c),
+                // A name an earlier process of the same pid left: the next one is free.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    tracing::warn!(dir = %r.dir.display(), error = %e,
+                        "posix: cannot make a spare file; stores create their own");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A new empty file in `dir`.
+    fn make(&self, dir: &Path) -> std::io::Result<CString> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{}-{seq}", self.tag));
+        std::fs::File::create_new(&path)?;
+        CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)
+    }
+}
+
+impl Spares {
+    /// Spares for the roots marked in `with_spares` (`target` per root; none at all when zero
+    /// or no root qualifies): take over an earlier run's empty spares, make the rest, and start
+    /// the thread that tops them up. `tag` (host and pid) starts every spare's name.
+    pub(crate) fn open(
+        roots: &[PathBuf],
+        with_spares: &[bool],
+        target: usize,
+        refill: bool,
+        tag: String,
+    ) -> Result<Option<Spares>, PosixError> {
+        if target == 0 || !with_spares.iter().any(|s| *s) {
+            return Ok(None);
+        }
+        let mut per_root = Vec::with_capacity(roots.len());
+        for (root, on) in roots.iter().zip(with_spares) {
+            if !*on {
+                per_root.push(None);
+                continue;
+            }
+            let dir = root.join(SPARE_DIR);
+            std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+            let ready = take_over(&dir)?;
+            per_root.push(Some(RootSpares {
+                dir,
+                ready: Mutex::new(ready),
+            }));
+        }
+        let inner = Arc::new(Inner {
+            roots: per_root,
+            target,
+            refill,
+            tag,
+            seq: AtomicU64::new(0),
+        });
+        for root in 0..inner.roots.len() {
+            inner.fill(root);
+        }
+        let (wake, rx) = crossbeam_channel::bounded::<()>(1);
+        let filler = inner.clone();
+        std::thread::Builder::new()
+            .name("kvx-posix-spares".into())
+            .spawn(move || {
+                for () in rx {
+                    for root in 0..filler.roots.len() {
+                        filler.fill(root);
+                    }
+                }
+            })
+            .map_err(|e| PosixError::Engine {
+                engine: "spares",
+                msg: format!("cannot start the spare-file thread: {e}"),
+            })?;
+        Ok(Some(Spares { inner, wake }))
+    }
+
+    /// A spare file of `root` to write a block into, if one is ready; never blocks on the
+    /// device (half used wakes the thread that tops them up).
+    pub(crate) fn take(&self, root: usize) -> Option<CString> {
+        let r = self.inner.roots.get(root)?.as_ref()?;
+        let (spare, left) = {
+            let mut ready = kvx_core::lock(&r.ready);
+            let spare = ready.pop();
+            (spare, ready.len())
+        };
+        if self.inner.refill && left < self.inner.target / 2 + 1 {
+            match self.wake.try_send(()) {
+                Ok(()) | Err(TrySendError::Full(())) => {}
+                Err(TrySendError::Disconnected(())) => {}
+            }
+        }
+        spare
+    }
+
+    /// Spare files ready per root (zero for a root without them).
+    pub(crate) fn ready(&self) -> Vec<usize> {
+        self.inner
+            .roots
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| kvx_core::lock(&r.ready).len()))
+            .collect()
+    }
+}
+
+/// The empty files in `dir`, kept as spares; any other file there is removed.
+fn take_over(dir: &Path) -> Result<Vec<CString>, PosixError> {
+    let mut ready = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
+        let e = e.map_err(|e| io_err(dir, e))?;
+        let path = e.path();
+        match e.metadata() {
+            Ok(m) if m.is_file() && m.len() == 0 => {
+                if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
+                    ready.push(c);
+                }
+            }
+            Ok(m) if m.is_file() => {
+                if let Err(err) = std::fs::remove_file(&path)
+                    && err.kind() != std::io::ErrorKind::NotFound
+                {
+                    return Err(io_err(&path, err));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(ready)
+}
