@@ -5,6 +5,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use crate::error::CoreError;
+use crate::slab::Slab;
 use crate::sync::lock;
 
 /// Default alignment: what O_DIRECT needs on common filesystems and devices.
@@ -16,6 +17,8 @@ pub struct AlignedBuf {
     cap: usize,
     align: usize,
     len: usize,
+    /// Allocated by `new` (freed on drop), or a range of a pool's slab (freed with the slab).
+    owned: bool,
 }
 
 // SAFETY: AlignedBuf uniquely owns its allocation (like Vec<u8>); moving it between threads moves
@@ -38,7 +41,23 @@ impl AlignedBuf {
             cap,
             align,
             len: cap,
+            owned: true,
         })
+    }
+
+    /// A buffer over `cap` zeroed bytes at `ptr` (aligned to `align`) that it does not free.
+    ///
+    /// # Safety
+    /// The bytes must stay allocated, and be used through no other buffer or reference, for as
+    /// long as the returned buffer lives.
+    unsafe fn carved(ptr: NonNull<u8>, cap: usize, align: usize) -> AlignedBuf {
+        AlignedBuf {
+            ptr,
+            cap,
+            align,
+            len: cap,
+            owned: false,
+        }
     }
 
     /// Bytes this buffer can hold.
@@ -97,6 +116,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: allocated in `new` with exactly this size/alignment and not freed before.
         unsafe {
             dealloc(
@@ -126,7 +148,12 @@ struct PoolInner {
     buf_size: usize,
     align: usize,
     count: usize,
+    /// Holds the buffers (free ones here, lent ones in their `PoolBuf`): declared before the
+    /// slab, so they are dropped before it.
     state: Mutex<PoolState>,
+    /// The memory of every buffer; lives as long as the pool or any buffer lent from it
+    /// (each `PoolBuf` holds the pool).
+    _slab: Slab,
 }
 
 /// A fixed set of equal, aligned buffers. Cloning gives another handle to the same pool.
@@ -141,11 +168,30 @@ pub struct BufferPool {
 }
 
 impl BufferPool {
-    /// A pool of `count` buffers of `buf_size` bytes aligned to `align`, allocated now.
+    /// A pool of `count` buffers of `buf_size` bytes aligned to `align`, allocated now as one
+    /// slab (huge pages where the kernel gives them, see `slab.rs`).
     pub fn new(count: usize, buf_size: usize, align: usize) -> Result<BufferPool, CoreError> {
+        if !align.is_power_of_two() {
+            return Err(CoreError::BadAlignment {
+                align,
+                size: buf_size,
+            });
+        }
+        let stride = buf_size.max(1).div_ceil(align) * align;
+        let bytes = stride
+            .checked_mul(count)
+            .ok_or(CoreError::OutOfMemory { bytes: usize::MAX })?;
+        let slab = Slab::new(bytes, align)?;
         let mut free = Vec::with_capacity(count);
         for i in (0..count).rev() {
-            free.push((i, AlignedBuf::new(buf_size, align)?));
+            // SAFETY: buffer i covers bytes [i * stride, i * stride + buf_size) of the slab,
+            // inside it (count * stride bytes) and disjoint from every other buffer's; the slab
+            // is dropped only after every buffer (see `PoolInner`).
+            let buf = unsafe {
+                let ptr = NonNull::new_unchecked(slab.ptr().as_ptr().add(i * stride));
+                AlignedBuf::carved(ptr, buf_size, align)
+            };
+            free.push((i, buf));
         }
         Ok(BufferPool {
             inner: Arc::new(PoolInner {
@@ -156,6 +202,7 @@ impl BufferPool {
                     free,
                     lent: vec![false; count],
                 }),
+                _slab: slab,
             }),
         })
     }
@@ -368,6 +415,31 @@ mod tests {
             AlignedBuf::new(10, 3),
             Err(CoreError::BadAlignment { align: 3, .. })
         ));
+        assert!(matches!(
+            BufferPool::new(2, 10, 3),
+            Err(CoreError::BadAlignment { align: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn slab_buffers_are_aligned_zeroed_disjoint_and_outlive_the_pool_handle() {
+        // 5000 bytes: a stride of two 4 KiB pages; 600 buffers make a slab of huge pages.
+        let pool = BufferPool::new(600, 5000, DEFAULT_ALIGN).unwrap();
+        let mut all: Vec<PoolBuf> = (0..600).map(|_| pool.take().unwrap()).collect();
+        for (i, b) in all.iter_mut().enumerate() {
+            assert_eq!(b.as_ptr() as usize % DEFAULT_ALIGN, 0);
+            assert_eq!(b.capacity(), 5000);
+            assert!(b.as_slice().iter().all(|x| *x == 0), "zeroed");
+            b.as_mut_slice().fill(i as u8);
+        }
+        let mut starts: Vec<usize> = all.iter().map(|b| b.as_ptr() as usize).collect();
+        starts.sort_unstable();
+        assert!(starts.windows(2).all(|w| w[1] - w[0] >= 5000), "disjoint");
+        drop(pool);
+        // The pool handle is gone; the lent buffers still hold their bytes.
+        for (i, b) in all.iter().enumerate() {
+            assert!(b.as_slice().iter().all(|x| *x == i as u8), "buffer {i}");
+        }
     }
 
     #[test]

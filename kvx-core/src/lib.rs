@@ -62,6 +62,7 @@ mod ids;
 mod layout;
 pub mod metrics;
 mod op;
+mod slab;
 pub mod sync;
 mod task;
 mod tracker;
