@@ -21,10 +21,12 @@
 #              the peer rows are skipped (with the one-line setup) and kvx and fio still run.
 #   --peer     the peer script; default ../shared/peers/nixl_posix.py next to the repository
 #
-# What is timed differs: kvx times its file creation (temporary file, fan-out directories,
-# rename) inside the store; fio and the peer create or open their files before the clock starts.
-# On ext4 without a journal each create also skips inodes deleted in the last minutes, so the
-# cleanup of one run slows the creates of the next: the rotation spreads that over all tools.
+# What is timed: every tool makes its files before its clock starts (fio lays out its file, the
+# peer opens one file per block, kvx makes one spare file per block and its 256 fan-out
+# directories when the store opens); kvx's timed store still writes a header and checksum,
+# renames each block into place and verifies every load. On ext4 without a journal a create
+# skips the inodes deleted in the last minutes one by one, so the cleanup of one run slows the
+# file making of the next: the rotation spreads that over all tools.
 #
 # Needs bash, python3 (stdlib only, for JSON and medians) and fio. The per-run figures go to
 # stderr as they come; stdout gets the table and, last, one JSON line. Exit status: 0 when every
