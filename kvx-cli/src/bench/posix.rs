@@ -31,6 +31,9 @@ pub struct PosixArgs {
     /// Block I/Os in flight.
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
+    /// io_uring rings, each with its own thread (uring engine only).
+    #[arg(long, default_value_t = 1)]
+    rings: usize,
     /// I/O engine: uring or psync.
     #[arg(long, default_value = "uring")]
     engine: String,
@@ -177,6 +180,7 @@ fn one_round(
     let mut cfg = PosixConfig::new(&root);
     cfg.engine = engine;
     cfg.queue_depth = args.queue_depth;
+    cfg.rings = args.rings;
     cfg.fdatasync = args.fdatasync;
     cfg.spare_files = spare_files(args);
     cfg.spare_refill = false;

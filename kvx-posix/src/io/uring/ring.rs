@@ -165,7 +165,16 @@ impl RingThread {
         let want = ring_entries(self.qd, self.max_stuck);
         let entries = want.next_power_of_two().clamp(8, 32768) as u32;
         let cq = (want.next_power_of_two() * 2).clamp(16, 65536) as u32;
-        let ring = match IoUring::builder().setup_cqsize(cq).build(entries) {
+        // Only this thread submits, and completions are posted when it waits for them (not by
+        // interrupting it): the setup for one thread owning a ring. Kernels before 6.1 lack
+        // these flags and get a plain ring.
+        let tuned = IoUring::builder()
+            .setup_cqsize(cq)
+            .setup_coop_taskrun()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(entries);
+        let ring = match tuned.or_else(|_| IoUring::builder().setup_cqsize(cq).build(entries)) {
             Ok(r) => r,
             Err(e) => {
                 let _ = ready.send(Err(format!("io_uring_setup({entries}, cq {cq}): {e}")));
