@@ -78,14 +78,26 @@ pub enum HeaderError {
 /// Write the header of a block with `key`, `payload` and write `nonce` into `out` (at least
 /// [`HEADER_LEN`] bytes).
 pub fn encode_header(out: &mut [u8], key: BlockKey, payload: &[u8], nonce: u64) {
+    let crc = crc32c::crc32c(payload);
+    encode_header_parts(out, key, payload.len(), crc, nonce);
+}
+
+/// [`encode_header`] with the payload's length and crc32c already known.
+pub(crate) fn encode_header_parts(
+    out: &mut [u8],
+    key: BlockKey,
+    len: usize,
+    payload_crc: u32,
+    nonce: u64,
+) {
     let out = &mut out[..HEADER_LEN];
     out.fill(0);
     out[0..8].copy_from_slice(&MAGIC);
     out[8..12].copy_from_slice(&VERSION.to_le_bytes());
     out[12..16].copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
     out[16..32].copy_from_slice(&key.to_be_bytes());
-    out[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    out[40..44].copy_from_slice(&crc32c::crc32c(payload).to_le_bytes());
+    out[32..40].copy_from_slice(&(len as u64).to_le_bytes());
+    out[40..44].copy_from_slice(&payload_crc.to_le_bytes());
     let hcrc = crc32c::crc32c(&out[..FIELDS]);
     out[44..48].copy_from_slice(&hcrc.to_le_bytes());
     out[NONCE].copy_from_slice(&nonce.to_le_bytes());

@@ -245,6 +245,9 @@ impl PosixStore {
                 self.dirs.insert((job.root, Self::prefix(job.key)));
             }
             let mut result = std::mem::replace(&mut job.result, Ok(()));
+            if job.action == FileOp::Load && result.is_ok() {
+                result = job.check_payload();
+            }
             let c = &self.shared.counters;
             match (job.action, &result) {
                 (FileOp::Store, Ok(())) => {
@@ -370,6 +373,7 @@ impl PosixStore {
         JobParams {
             direct: self.direct.get(root).copied().unwrap_or(false),
             inline: self.inline.get(root).copied().unwrap_or(false),
+            crc_in_caller: self.cfg.engine == EngineKind::Uring,
             fdatasync: self.cfg.fdatasync,
             make_dirs: dir == Direction::Store && !self.dirs.contains(&(root, Self::prefix(key))),
             deadline,
@@ -490,7 +494,7 @@ impl Backend for PosixStore {
             {
                 paths.use_spare(spare);
             }
-            jobs.push(Box::new(BlockJob::new(
+            let mut job = Box::new(BlockJob::new(
                 op.id,
                 i,
                 action,
@@ -498,7 +502,9 @@ impl Backend for PosixStore {
                 Some(b.buf),
                 paths,
                 params,
-            )));
+            ));
+            job.compute_payload_crc();
+            jobs.push(job);
             slots.push(slot);
         }
         let mut roots: Vec<usize> = admission

@@ -62,6 +62,11 @@ pub(crate) struct JobParams {
     /// The root is a local block file system: ops may be issued inline, and a load reads
     /// without a statx (see `PosixConfig::inline_io`).
     pub(crate) inline: bool,
+    /// The payload checksum is the caller's work, not the engine thread's: a store's is
+    /// computed before the job is queued ([`BlockJob::compute_payload_crc`]), a load's checked
+    /// after the job is done ([`BlockJob::check_payload`]). Set for the uring engine, whose one
+    /// thread per ring would otherwise checksum every block; psync's threads do it in parallel.
+    pub(crate) crc_in_caller: bool,
     /// fdatasync before the rename.
     pub(crate) fdatasync: bool,
     /// The leaf directory may not exist yet: create it first.
@@ -83,6 +88,7 @@ impl JobParams {
         JobParams {
             direct: false,
             inline: false,
+            crc_in_caller: false,
             fdatasync: false,
             make_dirs: false,
             deadline: Instant::now(),
@@ -131,6 +137,10 @@ pub(crate) struct BlockJob {
     retried_dirs: bool,
     /// A guarded remove moved the block to the temporary name.
     moved_aside: bool,
+    /// A store's payload crc32c, computed before it was queued.
+    payload_crc: Option<u32>,
+    /// A load read and checked its header; its payload checksum is still to be checked.
+    payload_unchecked: bool,
     verdict: Option<Result<(), BlockError>>,
 }
 
@@ -189,6 +199,8 @@ impl BlockJob {
             direct_now: false,
             retried_dirs: false,
             moved_aside: false,
+            payload_crc: None,
+            payload_unchecked: false,
             verdict: None,
         }
     }
@@ -196,6 +208,28 @@ impl BlockJob {
     /// The op's deadline.
     pub(crate) fn deadline(&self) -> Instant {
         self.p.deadline
+    }
+
+    /// A store with [`JobParams::crc_in_caller`]: compute the payload's checksum now, on the
+    /// caller's thread.
+    pub(crate) fn compute_payload_crc(&mut self) {
+        if self.action == FileOp::Store && self.p.crc_in_caller {
+            self.payload_crc = self.buf.as_ref().map(|b| crc32c::crc32c(b.as_slice()));
+        }
+    }
+
+    /// A finished load whose payload checksum was left to the caller: check it now; a
+    /// mismatch fails the block as corrupt.
+    pub(crate) fn check_payload(&mut self) -> Result<(), BlockError> {
+        if !std::mem::take(&mut self.payload_unchecked) {
+            return Ok(());
+        }
+        let path = self.block_path();
+        let (Some(header), Some(buf)) = (self.header.as_ref(), self.buf.as_ref()) else {
+            return Err(BlockError::Io("a load finished without its buffers".into()));
+        };
+        crate::format::check_payload(&path, header.as_slice(), buf.as_slice())
+            .map_err(|e| e.to_block_error())
     }
 
     /// Whether the engine may issue this job's syscalls inline (see [`JobParams::inline`]).

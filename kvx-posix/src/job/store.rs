@@ -111,9 +111,15 @@ impl BlockJob {
         } else {
             None
         };
+        let payload_crc = self.payload_crc;
         let header_ptr = match self.header() {
             Ok(h) => {
-                format::encode_header(h.as_mut_full(), key, payload, nonce);
+                match payload_crc {
+                    Some(crc) => {
+                        format::encode_header_parts(h.as_mut_full(), key, len, crc, nonce);
+                    }
+                    None => format::encode_header(h.as_mut_full(), key, payload, nonce),
+                }
                 h.as_mut_ptr()
             }
             Err(e) => {
