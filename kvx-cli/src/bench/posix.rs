@@ -32,8 +32,12 @@ pub struct PosixArgs {
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
     /// io_uring rings, each with its own thread (uring engine only).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 2)]
     rings: usize,
+    /// Send every uring op through the kernel's workers, also on a local block file system
+    /// (`PosixConfig::inline_io` off).
+    #[arg(long)]
+    no_inline_io: bool,
     /// I/O engine: uring or psync.
     #[arg(long, default_value = "uring")]
     engine: String,
@@ -181,6 +185,7 @@ fn one_round(
     cfg.engine = engine;
     cfg.queue_depth = args.queue_depth;
     cfg.rings = args.rings;
+    cfg.inline_io = !args.no_inline_io;
     cfg.fdatasync = args.fdatasync;
     cfg.spare_files = spare_files(args);
     cfg.spare_refill = false;

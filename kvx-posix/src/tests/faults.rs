@@ -309,6 +309,7 @@ fn full_queue_is_busy_at_submit(engine: EngineKind) {
     let mut cfg = crate::PosixConfig::new(dir.path());
     cfg.engine = engine;
     cfg.queue_depth = 1;
+    cfg.rings = 1;
     cfg.max_queued = 4;
     let mut store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open");
     let pool = BufferPool::new(8, 8192, DEFAULT_ALIGN).expect("pool");
