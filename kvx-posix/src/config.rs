@@ -67,10 +67,7 @@ pub struct PosixConfig {
     pub engine: EngineKind,
     /// Block I/Os in flight per ring (uring) or worker threads (psync); default 32.
     pub queue_depth: usize,
-    /// Rings, each with its own thread (uring only); ops go to them in turn; default 2 (one
-    /// thread issues, reaps and hands back every op of its ring: two keep a block's next op
-    /// from waiting behind another's completion, ~2.2 → ~2.95 GiB/s of 1 MiB loads on a
-    /// 2-core machine).
+    /// Rings, each with its own thread (uring only); ops go to them in turn; default 1.
     pub rings: usize,
     /// Most I/Os written off as stuck (past their deadline or cancelled but still in the
     /// kernel) before new ops are refused with `Busy`; default 256. psync runs at most
@@ -170,7 +167,7 @@ impl PosixConfig {
             roots: vec![root.into()],
             engine: EngineKind::default(),
             queue_depth: 32,
-            rings: 2,
+            rings: 1,
             max_stuck: 256,
             max_queued: 16384,
             direct: true,

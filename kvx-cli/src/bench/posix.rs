@@ -32,7 +32,7 @@ pub struct PosixArgs {
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
     /// io_uring rings, each with its own thread (uring engine only).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 1)]
     rings: usize,
     /// Send every uring op through the kernel's workers, also on a local block file system
     /// (`PosixConfig::inline_io` off).
