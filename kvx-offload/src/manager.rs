@@ -119,6 +119,19 @@ impl OffloadManager {
         Some(plan.evicted)
     }
 
+    /// Forget the file-tier blocks a complete listing of the tier, begun at `listed_at`, did not
+    /// find (`present` is what it found) and that the index took before then; returns them.
+    /// Blocks pinned by a load stay (the load reports them).
+    pub fn forget_absent_file(
+        &mut self,
+        present: &rustc_hash::FxHashSet<BlockKey>,
+        listed_at: std::time::Instant,
+    ) -> Vec<BlockKey> {
+        self.file
+            .as_mut()
+            .map_or_else(Vec::new, |f| f.forget_absent(present, listed_at))
+    }
+
     /// Longest prefix of `keys` present in the tiers, or `Retry` when the next block is being
     /// stored or promoted.
     pub fn lookup(&self, keys: &[BlockKey]) -> Lookup {

@@ -1,6 +1,8 @@
 //! The index of one tier: which blocks it holds, which are being stored, which are pinned by a
 //! load, and the eviction order over the rest.
 
+use std::time::Instant;
+
 use kvx_core::BlockKey;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
@@ -21,6 +23,18 @@ pub enum Tier {
 struct Entry {
     stored: bool,
     pins: u32,
+    /// When the block became stored here (or when its store began, while `!stored`).
+    since: Instant,
+}
+
+impl Entry {
+    fn storing() -> Entry {
+        Entry {
+            stored: false,
+            pins: 0,
+            since: Instant::now(),
+        }
+    }
 }
 
 /// What `prepare_store` decided.
@@ -113,13 +127,7 @@ impl TierIndex {
             self.order.remove(*k);
         }
         for k in &new {
-            self.entries.insert(
-                *k,
-                Entry {
-                    stored: false,
-                    pins: 0,
-                },
-            );
+            self.entries.insert(*k, Entry::storing());
         }
         Ok(StorePlan { new, evicted })
     }
@@ -133,6 +141,7 @@ impl TierIndex {
             {
                 if success {
                     e.stored = true;
+                    e.since = Instant::now();
                     self.order.insert(*k);
                 } else {
                     // A block that never became visible: any pin on it came from a stale plan.
@@ -191,22 +200,39 @@ impl TierIndex {
             if self.entries.len() >= self.capacity {
                 break;
             }
-            if self
-                .entries
-                .insert(
-                    k,
-                    Entry {
-                        stored: true,
-                        pins: 0,
-                    },
-                )
-                .is_none()
-            {
+            let entry = Entry {
+                stored: true,
+                ..Entry::storing()
+            };
+            if self.entries.insert(k, entry).is_none() {
                 self.order.insert(k);
                 n += 1;
             }
         }
         n
+    }
+
+    /// Drop the stored, unpinned blocks that became stored before `listed_at` and are not in
+    /// `present` (a complete listing of the tier taken from then on): they are gone. Returns
+    /// them. A block stored later, being stored, or pinned by a load stays.
+    pub(crate) fn forget_absent(
+        &mut self,
+        present: &FxHashSet<BlockKey>,
+        listed_at: Instant,
+    ) -> Vec<BlockKey> {
+        let gone: Vec<BlockKey> = self
+            .entries
+            .iter()
+            .filter(|(k, e)| {
+                e.stored && e.pins == 0 && e.since < listed_at && !present.contains(*k)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &gone {
+            self.entries.remove(k);
+            self.order.remove(*k);
+        }
+        gone
     }
 
     /// Every stored key.
@@ -271,6 +297,35 @@ mod tests {
         assert!(!t.is_storing(BlockKey(5)));
         t.unpin(&[BlockKey(0)]);
         assert_eq!(t.prepare_store(&keys(5..7)).unwrap().evicted.len(), 2);
+    }
+
+    #[test]
+    fn only_old_unpinned_entries_missing_from_a_listing_are_forgotten() {
+        let mut t = TierIndex::new(Tier::File, 8, EvictionKind::Lru);
+        t.adopt(keys(0..3));
+        t.pin(&[BlockKey(1)]);
+        let listed_at = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.prepare_store(&keys(3..5)).unwrap();
+        t.complete_store(&[BlockKey(3)], true); // stored after the walk began
+        let present: FxHashSet<BlockKey> = [BlockKey(2)].into_iter().collect();
+        let gone = t.forget_absent(&present, listed_at);
+        assert_eq!(
+            gone,
+            vec![BlockKey(0)],
+            "absent, unpinned and older than the walk"
+        );
+        assert!(!t.is_stored(BlockKey(0)));
+        assert!(
+            t.is_stored(BlockKey(1)),
+            "pinned by a load: its load will tell"
+        );
+        assert!(t.is_stored(BlockKey(2)), "listed");
+        assert!(t.is_stored(BlockKey(3)), "stored after the walk began");
+        assert!(t.is_storing(BlockKey(4)), "being stored");
+        // The eviction order forgot it too: the least recently used block left is the victim.
+        let p = t.prepare_store(&keys(10..15)).unwrap();
+        assert_eq!(p.evicted, vec![BlockKey(2)]);
     }
 
     #[test]

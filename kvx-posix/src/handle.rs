@@ -73,6 +73,8 @@ pub(crate) struct Shared {
     pub(crate) probes: Option<ProbeTable>,
     /// The touch lane, on a shared mount with `touch_on_load`.
     pub(crate) touch: Option<TouchLane>,
+    /// What the newest collector pass found on the mount.
+    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::collector::Listing>>>,
 }
 
 impl Shared {

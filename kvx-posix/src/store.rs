@@ -152,6 +152,7 @@ impl PosixStore {
                 counters: Counters::default(),
                 probes: cfg.shared.clone().map(crate::probes::ProbeTable::new),
                 touch,
+                listing: std::sync::Mutex::new(None),
             }),
             direct,
             dirs: found.dirs.into_iter().collect(),

@@ -132,6 +132,8 @@ pub struct SchedulerSide {
     jobs: FxHashMap<JobId, (RequestId, JobInfo)>,
     meta: StepMeta,
     probe: Option<std::sync::Arc<dyn FileTierProbe>>,
+    /// The newest listing of the shared file tier taken into account.
+    listing_pass: u64,
 }
 
 /// Most keys one lookup asks a shared file tier about.
@@ -152,6 +154,7 @@ impl SchedulerSide {
             jobs: FxHashMap::default(),
             meta: StepMeta::default(),
             probe: None,
+            listing_pass: 0,
         })
     }
 
@@ -397,9 +400,31 @@ impl SchedulerSide {
         delay
     }
 
+    /// Forget the file-tier blocks a new listing of the shared tier shows gone (another node
+    /// removed them): a lookup must not claim them, and a node that computes one again must
+    /// write it again.
+    fn forget_unlisted(&mut self) {
+        let Some(listing) = self.probe.as_ref().and_then(|p| p.listing()) else {
+            return;
+        };
+        if listing.pass <= self.listing_pass {
+            return;
+        }
+        self.listing_pass = listing.pass;
+        let gone = self.mgr.forget_absent_file(&listing.keys, listing.started);
+        if !gone.is_empty() {
+            debug!(
+                blocks = gone.len(),
+                "file-tier blocks gone from the shared mount"
+            );
+        }
+        self.meta.evict_file.extend(gone);
+    }
+
     /// Instructions for the worker for this step.
     pub fn build_meta(&mut self) -> StepMeta {
         self.drop_idle(Instant::now());
+        self.forget_unlisted();
         let mut m = std::mem::take(&mut self.meta);
         m.submit_stores_now = self.reqs.values().all(|r| r.finished);
         m
@@ -424,7 +449,7 @@ impl SchedulerSide {
                     },
                     JobPart::Load,
                 ) => {
-                    let corrupt: Vec<BlockKey> = r
+                    let invalid: Vec<BlockKey> = r
                         .failed
                         .iter()
                         .filter(|(_, e)| matches!(e, BlockError::Corrupt(_) | BlockError::NotFound))
@@ -432,8 +457,17 @@ impl SchedulerSide {
                         .collect();
                     let removed =
                         self.mgr
-                            .complete_load(keys, tiers, promote, &corrupt, &r.promoted);
-                    self.meta.remove_file.extend(removed);
+                            .complete_load(keys, tiers, promote, &invalid, &r.promoted);
+                    // A corrupt file is removed; a missing one is only forgotten: on a shared
+                    // mount another node may have stored the block again under that name.
+                    let (gone, corrupt): (Vec<BlockKey>, Vec<BlockKey>) =
+                        removed.into_iter().partition(|k| {
+                            r.failed
+                                .iter()
+                                .any(|(f, e)| f == k && matches!(e, BlockError::NotFound))
+                        });
+                    self.meta.evict_file.extend(gone);
+                    self.meta.remove_file.extend(corrupt);
                     engine_part_done = true;
                     job_done = true;
                 }
