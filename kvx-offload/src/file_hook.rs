@@ -3,7 +3,7 @@
 //! lacks ([`FileTierProbe`]).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use kvx_core::BlockKey;
 use rustc_hash::FxHashSet;
@@ -53,6 +53,12 @@ pub trait FileTierProbe: Send + Sync {
     fn listing(&self) -> Option<FileListing> {
         None
     }
+
+    /// `key`, just written into the tier, was last used at `at`: its recency on the tier
+    /// (default: ignored). Must not block.
+    fn last_used(&self, key: BlockKey, at: SystemTime) {
+        let _ = (key, at);
+    }
 }
 
 /// kvx-posix's handle unlinks through its I/O engine, so a stuck mount never blocks the caller.
@@ -88,5 +94,9 @@ impl FileTierProbe for kvx_posix::PosixHandle {
             started: l.started,
             keys: l.keys.clone(),
         })
+    }
+
+    fn last_used(&self, key: BlockKey, at: SystemTime) {
+        kvx_posix::PosixHandle::set_last_use(self, key, at);
     }
 }

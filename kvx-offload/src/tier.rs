@@ -25,14 +25,18 @@ struct Entry {
     pins: u32,
     /// When the block became stored here (or when its store began, while `!stored`).
     since: Instant,
+    /// When the block was last stored, loaded or looked up here.
+    used: Instant,
 }
 
 impl Entry {
     fn storing() -> Entry {
+        let now = Instant::now();
         Entry {
             stored: false,
             pins: 0,
-            since: Instant::now(),
+            since: now,
+            used: now,
         }
     }
 }
@@ -52,6 +56,9 @@ pub(crate) struct TierIndex {
     capacity: usize,
     entries: FxHashMap<BlockKey, Entry>,
     order: Box<dyn EvictionOrder>,
+    /// With [`TierIndex::record_evictions`]: blocks evicted since the last
+    /// [`TierIndex::take_evicted`], with their last use.
+    evicted_log: Option<Vec<(BlockKey, Instant)>>,
 }
 
 impl TierIndex {
@@ -62,6 +69,7 @@ impl TierIndex {
             capacity,
             entries: FxHashMap::default(),
             order: new_order(kind, capacity),
+            evicted_log: None,
         }
     }
 
@@ -123,7 +131,9 @@ impl TierIndex {
             Vec::new()
         };
         for k in &evicted {
-            self.entries.remove(k);
+            if let (Some(e), Some(log)) = (self.entries.remove(k), self.evicted_log.as_mut()) {
+                log.push((*k, e.used));
+            }
             self.order.remove(*k);
         }
         for k in &new {
@@ -142,6 +152,7 @@ impl TierIndex {
                 if success {
                     e.stored = true;
                     e.since = Instant::now();
+                    e.used = e.since;
                     self.order.insert(*k);
                 } else {
                     // A block that never became visible: any pin on it came from a stale plan.
@@ -156,6 +167,7 @@ impl TierIndex {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins += 1;
+                e.used = Instant::now();
                 self.order.touch(*k);
             }
         }
@@ -172,11 +184,28 @@ impl TierIndex {
 
     /// Mark keys recently used.
     pub(crate) fn touch(&mut self, keys: &[BlockKey]) {
+        let now = Instant::now();
         for k in keys {
-            if self.is_stored(*k) {
+            if let Some(e) = self.entries.get_mut(k)
+                && e.stored
+            {
+                e.used = now;
                 self.order.touch(*k);
             }
         }
+    }
+
+    /// Keep a log of the blocks evicted to make room, for [`TierIndex::take_evicted`].
+    pub(crate) fn record_evictions(&mut self) {
+        self.evicted_log.get_or_insert_with(Vec::new);
+    }
+
+    /// Blocks evicted to make room since the last call, each with its last use (always empty
+    /// without [`TierIndex::record_evictions`]).
+    pub(crate) fn take_evicted(&mut self) -> Vec<(BlockKey, Instant)> {
+        self.evicted_log
+            .as_mut()
+            .map_or_else(Vec::new, std::mem::take)
     }
 
     /// Drop a stored, unpinned `key` (e.g. it failed verification on load); true if removed.
@@ -326,6 +355,30 @@ mod tests {
         // The eviction order forgot it too: the least recently used block left is the victim.
         let p = t.prepare_store(&keys(10..15)).unwrap();
         assert_eq!(p.evicted, vec![BlockKey(2)]);
+    }
+
+    #[test]
+    fn evictions_are_logged_with_their_last_use() {
+        let mut t = TierIndex::new(Tier::Host, 2, EvictionKind::Lru);
+        t.prepare_store(&keys(0..2)).unwrap();
+        t.complete_store(&keys(0..2), true);
+        t.prepare_store(&keys(2..3)).unwrap();
+        assert!(t.take_evicted().is_empty(), "not recorded unless asked");
+        t.complete_store(&keys(2..3), true);
+        t.record_evictions();
+        let before = Instant::now();
+        t.touch(&[BlockKey(1)]);
+        let after = Instant::now();
+        t.prepare_store(&keys(3..5)).unwrap();
+        let log = t.take_evicted();
+        let evicted: Vec<BlockKey> = log.iter().map(|e| e.0).collect();
+        assert_eq!(evicted, vec![BlockKey(2), BlockKey(1)]);
+        assert!(
+            log[1].1 >= before && log[1].1 <= after,
+            "key 1's last use is its touch"
+        );
+        assert!(log[0].1 <= before, "key 2 was last used when it was stored");
+        assert!(t.take_evicted().is_empty(), "taken once");
     }
 
     #[test]

@@ -234,7 +234,7 @@ impl PosixStore {
                 (FileOp::Load, Ok(())) => {
                     self.shared.index.insert(job.key);
                     if let Some(t) = &self.shared.touch {
-                        t.touch(&job.block_path());
+                        t.touch(&job.block_path(), None);
                     }
                     if st.cancel.load(Ordering::Acquire) {
                         result = Err(BlockError::Cancelled);

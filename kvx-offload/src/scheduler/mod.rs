@@ -1,7 +1,7 @@
 //! The scheduler half of the connector: decides what to load and store each step, and keeps
 //! the tier index in step with what the worker half reports.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
 use rustc_hash::FxHashMap;
@@ -11,7 +11,9 @@ use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
 use crate::file_hook::{FileProbe, FileTierProbe};
 use crate::manager::{Lookup, OffloadManager};
-use crate::meta::{JobId, JobPart, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
+use crate::meta::{
+    JobId, JobPart, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput, WriteBackJob,
+};
 use crate::tier::Tier;
 use crate::worker::WorkerConfig;
 
@@ -134,6 +136,10 @@ pub struct SchedulerSide {
     probe: Option<std::sync::Arc<dyn FileTierProbe>>,
     /// The newest listing of the shared file tier taken into account.
     listing_pass: u64,
+    /// Write-back: blocks that left the host tier, to write in this step's write-back job.
+    write_back_pending: Vec<(BlockKey, Instant)>,
+    /// Write-back jobs in flight: their keys, each with its last use.
+    write_backs: FxHashMap<JobId, Vec<(BlockKey, SystemTime)>>,
 }
 
 /// Most keys one lookup asks a shared file tier about.
@@ -155,6 +161,8 @@ impl SchedulerSide {
             meta: StepMeta::default(),
             probe: None,
             listing_pass: 0,
+            write_back_pending: Vec::new(),
+            write_backs: FxHashMap::default(),
         })
     }
 
@@ -174,6 +182,20 @@ impl SchedulerSide {
     /// lookup answer "ask again later".
     pub fn set_file_probe(&mut self, probe: std::sync::Arc<dyn FileTierProbe>) {
         self.probe = Some(probe);
+    }
+
+    /// Write blocks into the file tier as they leave the host tier, not when they are stored
+    /// (a file tier shared with other nodes: see [`OffloadManager::set_write_back`]). A block
+    /// written back gets its last use in this node's host tier as its recency on the mount.
+    pub fn set_write_back(&mut self) {
+        self.mgr.set_write_back();
+    }
+
+    /// Take the blocks that just left the host tier into this step's write-back.
+    fn queue_write_back(&mut self) {
+        let wb = self.mgr.take_write_back();
+        self.meta.evict_file.extend(wb.evicted_file);
+        self.write_back_pending.extend(wb.keys);
     }
 
     /// The lookup of `keys`, extended by probes of the shared file tier past the index's hits.
@@ -292,6 +314,7 @@ impl SchedulerSide {
         };
         let (promote, evicted) = self.mgr.prepare_load(&keys, &tiers);
         self.meta.evict_host.extend(evicted);
+        self.queue_write_back();
         let job = self.job_id();
         let blocks = keys
             .iter()
@@ -343,6 +366,7 @@ impl SchedulerSide {
         };
         self.meta.evict_host.extend(d.evicted_host);
         self.meta.evict_file.extend(d.evicted_file);
+        self.queue_write_back();
         if d.host.is_empty() {
             return None;
         }
@@ -425,6 +449,18 @@ impl SchedulerSide {
     pub fn build_meta(&mut self) -> StepMeta {
         self.drop_idle(Instant::now());
         self.forget_unlisted();
+        if !self.write_back_pending.is_empty() {
+            let job = self.job_id();
+            let (now, wall) = (Instant::now(), SystemTime::now());
+            let pending = std::mem::take(&mut self.write_back_pending);
+            let keys = pending.iter().map(|(k, _)| *k).collect();
+            self.meta.write_back.push(WriteBackJob { job, keys });
+            let used = pending
+                .into_iter()
+                .map(|(k, t)| (k, wall - now.saturating_duration_since(t)))
+                .collect();
+            self.write_backs.insert(job, used);
+        }
         let mut m = std::mem::take(&mut self.meta);
         m.submit_stores_now = self.reqs.values().all(|r| r.finished);
         m
@@ -433,6 +469,10 @@ impl SchedulerSide {
     /// Take in what the worker reported.
     pub fn update_from_worker(&mut self, out: &WorkerOutput) {
         for r in &out.jobs {
+            if let Some(used) = self.write_backs.remove(&r.job) {
+                self.write_back_done(r, &used);
+                continue;
+            }
             let Some((req, info)) = self.jobs.get_mut(&r.job) else {
                 continue; // a job from before a reset
             };
@@ -511,9 +551,24 @@ impl SchedulerSide {
         }
     }
 
+    /// A write-back ended: written blocks are in the file tier, with their last use here as
+    /// their recency on the mount.
+    fn write_back_done(&mut self, r: &crate::meta::JobResult, used: &[(BlockKey, SystemTime)]) {
+        let failed: Vec<BlockKey> = r.failed.iter().map(|f| f.0).collect();
+        self.mgr.complete_store(Tier::File, &r.ok, true);
+        self.mgr.complete_store(Tier::File, &failed, false);
+        if let Some(p) = &self.probe {
+            for (k, at) in used.iter().filter(|(k, _)| r.ok.contains(k)) {
+                p.last_used(*k, *at);
+            }
+        }
+    }
+
     /// Forget every job in flight (their late results will be ignored); keep stored blocks.
     pub fn reset(&mut self) {
         self.mgr.reset_in_flight();
+        self.write_backs.clear();
+        self.write_back_pending.clear();
         self.jobs.clear();
         self.reqs.clear();
         self.lookups.clear();
@@ -553,7 +608,7 @@ impl SchedulerSide {
 
     /// Jobs not yet fully reported.
     pub fn job_count(&self) -> usize {
-        self.jobs.len()
+        self.jobs.len() + self.write_backs.len()
     }
 }
 
