@@ -184,14 +184,19 @@ impl PosixHandle {
         self.shared.index.remove(key)
     }
 
-    /// Set `key`'s block file's recency (its mtime, which collectors order blocks by) to `at`:
-    /// a block written back from a node's host tier was last used there at `at`, not when its
-    /// file was written. Queued on the touch lane (a shared mount with `touch_on_load`; without
-    /// it nothing happens); never blocks. A touch of a block another node loads meanwhile may
-    /// set its recency back to `at`: it is then collected a little early.
+    /// Set `key`'s block file's recency (its mtime, which collectors order blocks by) back to
+    /// `at`, just after this node wrote it: a block written back from a node's host tier was
+    /// last used there at `at`, not when its file was written. Skipped if the file's mtime is
+    /// already later than this call (a node loaded it since: that use stands). Queued on the
+    /// touch lane (a shared mount with `touch_on_load`; without it nothing happens); never
+    /// blocks.
     pub fn set_last_use(&self, key: BlockKey, at: std::time::SystemTime) {
         if let Some(t) = &self.shared.touch {
-            t.touch(&self.shared.layout.block_path(key), Some(at));
+            let stamp = crate::touch::Stamp::Back {
+                to: at,
+                unless_after: std::time::SystemTime::now(),
+            };
+            t.touch(&self.shared.layout.block_path(key), stamp);
         }
     }
 

@@ -234,7 +234,7 @@ impl PosixStore {
                 (FileOp::Load, Ok(())) => {
                     self.shared.index.insert(job.key);
                     if let Some(t) = &self.shared.touch {
-                        t.touch(&job.block_path(), None);
+                        t.touch(&job.block_path(), crate::touch::Stamp::Now);
                     }
                     if st.cancel.load(Ordering::Acquire) {
                         result = Err(BlockError::Cancelled);
