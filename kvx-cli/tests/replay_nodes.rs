@@ -1,7 +1,8 @@
 //! `kvx replay --nodes N` through the built binary: N node processes share one file-tier
 //! directory; round robin gives hits on blocks another node stored, reported beside an ideal
 //! LRU shared by all nodes; a spread by the first block's hash keeps every conversation, and so
-//! every hit, on one node; bad node options give one clear line.
+//! every hit, on one node; written back, a block reaches the directory only as it leaves a
+//! host tier, written through at once; bad node options give one clear line.
 
 use std::process::{Command, Output};
 
@@ -92,6 +93,38 @@ fn hash_spread_keeps_conversations_on_a_node() {
         "a prefix hit needs the same first block, which always lands on the same node"
     );
     assert!(n(&j, "hit_rate") > 0.0);
+}
+
+#[test]
+fn written_back_blocks_reach_the_directory_only_as_they_leave_a_host_tier() {
+    // Host tiers larger than everything the nodes compute: with write-back no block leaves
+    // one, so none is written into the shared directory and no node hits another's block.
+    let mut args = vec![
+        "--limit",
+        "150",
+        "--speedup",
+        "1",
+        "--block-bytes",
+        "4K",
+        "--host-blocks",
+        "4096",
+        "--json",
+        "--nodes",
+        "2",
+    ];
+    let back = run_json(&args);
+    assert_eq!(back["shared_writes"], "back", "the default");
+    assert_eq!(n(&back, "stored_file_blocks"), 0.0, "{back}");
+    assert_eq!(n(&back, "cross_node_hits"), 0.0, "{back}");
+    assert!(
+        n(&back, "hit_host_blocks") > 0.0,
+        "each node hits its own host tier"
+    );
+    args.extend(["--shared-writes", "through"]);
+    let through = run_json(&args);
+    assert_eq!(through["shared_writes"], "through");
+    assert!(n(&through, "stored_file_blocks") > 0.0, "{through}");
+    assert!(n(&through, "cross_node_hits") > 0.0, "{through}");
 }
 
 #[test]

@@ -195,6 +195,14 @@ impl OffloadBuilder {
         if let Some(p) = &files.probe {
             scheduler.set_file_probe(p.clone());
         }
+        if cfg
+            .file
+            .as_ref()
+            .and_then(|f| f.shared.as_ref())
+            .is_some_and(|m| m.write_back)
+        {
+            scheduler.set_write_back();
+        }
         let worker = WorkerSide::new(
             driver.handle(),
             TierRoutes {

@@ -154,6 +154,12 @@ pub struct SharedMountConfig {
     /// Another node's temporary file older than this many seconds is a leftover (default 600).
     #[serde(default = "default_stale_temp_s")]
     pub stale_temp_s: u64,
+    /// Write a block into the shared tier when it leaves this node's host tier, with its last
+    /// use there as its recency, instead of writing it through when it is stored (default
+    /// false). The nodes' host tiers and the mount then hold different blocks, so their
+    /// capacities add up; another node sees a block only once its node's host tier lets it go.
+    #[serde(default)]
+    pub write_back: bool,
 }
 
 fn default_probe_deadline_ms() -> u64 {
@@ -185,6 +191,7 @@ impl Default for SharedMountConfig {
             quota_bytes: None,
             collect_interval_ms: default_collect_interval_ms(),
             stale_temp_s: default_stale_temp_s(),
+            write_back: false,
         }
     }
 }

@@ -2,7 +2,11 @@
 //! blocks ([`FileTierHook`]), the scheduler half asks a shared mount about blocks its index
 //! lacks ([`FileTierProbe`]).
 
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
 use kvx_core::BlockKey;
+use rustc_hash::FxHashSet;
 
 /// Removes blocks from a file tier: evicted blocks, and blocks that failed verification.
 pub trait FileTierHook: Send + Sync {
@@ -27,11 +31,34 @@ pub enum FileProbe {
     Pending,
 }
 
+/// Every block a shared file tier held at one time: a complete walk of the mount (a collector
+/// pass).
+#[derive(Debug, Clone)]
+pub struct FileListing {
+    /// Number of the walk: a newer one has a larger number.
+    pub pass: u64,
+    /// When the walk began: an index entry taken before this and absent from `keys` is stale.
+    pub started: Instant,
+    /// The blocks the walk found (less those it is removing).
+    pub keys: Arc<FxHashSet<BlockKey>>,
+}
+
 /// Asks a file tier shared with other nodes whether it holds a block; must answer at once (a
 /// probe that takes time answers [`FileProbe::Pending`] and runs in the background).
 pub trait FileTierProbe: Send + Sync {
     /// Whether `key` is in the tier.
     fn probe(&self, key: BlockKey) -> FileProbe;
+
+    /// The newest complete listing of the tier, if something walks it (default: `None`).
+    fn listing(&self) -> Option<FileListing> {
+        None
+    }
+
+    /// `key`, just written into the tier, was last used at `at`: its recency on the tier
+    /// (default: ignored). Must not block.
+    fn last_used(&self, key: BlockKey, at: SystemTime) {
+        let _ = (key, at);
+    }
 }
 
 /// kvx-posix's handle unlinks through its I/O engine, so a stuck mount never blocks the caller.
@@ -59,5 +86,17 @@ impl FileTierProbe for kvx_posix::PosixHandle {
             kvx_posix::ProbeAnswer::Absent => FileProbe::Absent,
             kvx_posix::ProbeAnswer::Pending => FileProbe::Pending,
         }
+    }
+
+    fn listing(&self) -> Option<FileListing> {
+        kvx_posix::PosixHandle::listing(self).map(|l| FileListing {
+            pass: l.pass,
+            started: l.started,
+            keys: l.keys.clone(),
+        })
+    }
+
+    fn last_used(&self, key: BlockKey, at: SystemTime) {
+        kvx_posix::PosixHandle::set_last_use(self, key, at);
     }
 }

@@ -4,7 +4,8 @@
 //! the [`SchedulerSide`] decides what to load and store and keeps the tier index
 //! ([`OffloadManager`]); the [`WorkerSide`] turns its [`StepMeta`] into kvx-core tasks and
 //! reports a [`WorkerOutput`] back. Tiers compose through the kvx-core `Backend` trait only:
-//! engine memory → host tier (kvx-owned buffers) → file tier (written through).
+//! engine memory → host tier (kvx-owned buffers) → file tier (written through; on a shared mount
+//! optionally written back as blocks leave the host tier).
 //!
 //! [`OffloadBuilder`] sets all of it up from an [`OffloadConfig`] (code, TOML or JSON):
 //!
@@ -92,8 +93,10 @@ pub use config::{FileTierConfig, IoEngine, OffloadConfig, SharedMountConfig};
 pub use error::OffloadError;
 pub use eviction::EvictionKind;
 pub use file_hook::{FileProbe, FileTierHook, FileTierProbe};
-pub use manager::{Lookup, OffloadManager, StoreDecision};
-pub use meta::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
+pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
+pub use meta::{
+    JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput, WriteBackJob,
+};
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;
 pub use worker::{

@@ -7,6 +7,14 @@
 //! holds engine memory. Loads read the host tier, else the file tier; a block loaded from a
 //! file is promoted into the host tier, which is how concurrent requests sharing a prefix read
 //! it from disk only once.
+//!
+//! On a file tier shared with other nodes the manager may instead **write back**
+//! ([`OffloadManager::set_write_back`]): a block enters the file tier when it leaves this node's
+//! host tier (and only if the file tier lacks it), so the host tiers of the nodes and the shared
+//! file tier hold different blocks and their capacities add up; another node sees a block once
+//! its node's host tier let it go.
+
+use std::time::Instant;
 
 use kvx_core::BlockKey;
 use rustc_hash::FxHashMap;
@@ -53,6 +61,17 @@ pub struct OffloadManager {
     file: Option<TierIndex>,
     /// File-tier keys being loaded (and promoted into the host tier), with a count.
     promoting: FxHashMap<BlockKey, u32>,
+    /// Blocks leave the host tier into the file tier instead of being written through.
+    write_back: bool,
+}
+
+/// Blocks to write from the host tier into the file tier as they leave it (write-back).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct WriteBack {
+    /// Keys now being stored in the file tier, each with its last use in the host tier.
+    pub keys: Vec<(BlockKey, Instant)>,
+    /// File-tier keys evicted from the index to make room (forget them).
+    pub evicted_file: Vec<BlockKey>,
 }
 
 impl OffloadManager {
@@ -66,6 +85,51 @@ impl OffloadManager {
             host: TierIndex::new(Tier::Host, host_blocks, kind),
             file: file_blocks.map(|n| TierIndex::new(Tier::File, n, kind)),
             promoting: FxHashMap::default(),
+            write_back: false,
+        }
+    }
+
+    /// Write blocks into the file tier when they leave the host tier, not when they are stored
+    /// (see the module docs). Has no effect without a file tier.
+    pub fn set_write_back(&mut self) {
+        if self.file.is_some() {
+            self.write_back = true;
+            self.host.record_evictions();
+        }
+    }
+
+    /// True when blocks are written back (see [`OffloadManager::set_write_back`]).
+    pub fn writes_back(&self) -> bool {
+        self.write_back
+    }
+
+    /// The host-tier blocks evicted since the last call that the file tier lacks: they are
+    /// marked as being stored there (the caller writes them before the host tier drops their
+    /// buffers). Empty unless writing back; a file tier that cannot make room takes none.
+    pub fn take_write_back(&mut self) -> WriteBack {
+        let evicted = self.host.take_evicted();
+        let Some(f) = self.file.as_mut().filter(|_| !evicted.is_empty()) else {
+            return WriteBack::default();
+        };
+        let candidates: Vec<BlockKey> = evicted
+            .iter()
+            .map(|e| e.0)
+            .filter(|k| !f.is_stored(*k) && !f.is_storing(*k))
+            .collect();
+        let mut used: FxHashMap<BlockKey, Instant> = evicted.into_iter().collect();
+        match f.prepare_store(&candidates) {
+            Ok(plan) => WriteBack {
+                keys: plan
+                    .new
+                    .into_iter()
+                    .filter_map(|k| used.remove(&k).map(|t| (k, t)))
+                    .collect(),
+                evicted_file: plan.evicted,
+            },
+            Err(e) => {
+                tracing::debug!(error = %e, "file tier full: evicted host blocks are dropped");
+                WriteBack::default()
+            }
         }
     }
 
@@ -117,6 +181,19 @@ impl OffloadManager {
         let plan = f.prepare_store(&[key]).ok()?;
         f.complete_store(&[key], true);
         Some(plan.evicted)
+    }
+
+    /// Forget the file-tier blocks a complete listing of the tier, begun at `listed_at`, did not
+    /// find (`present` is what it found) and that the index took before then; returns them.
+    /// Blocks pinned by a load stay (the load reports them).
+    pub fn forget_absent_file(
+        &mut self,
+        present: &rustc_hash::FxHashSet<BlockKey>,
+        listed_at: std::time::Instant,
+    ) -> Vec<BlockKey> {
+        self.file
+            .as_mut()
+            .map_or_else(Vec::new, |f| f.forget_absent(present, listed_at))
     }
 
     /// Longest prefix of `keys` present in the tiers, or `Retry` when the next block is being
@@ -233,7 +310,7 @@ impl OffloadManager {
             evicted_host: evicted,
             ..Default::default()
         };
-        if let Some(f) = self.file.as_mut() {
+        if let Some(f) = self.file.as_mut().filter(|_| !self.write_back) {
             let candidates: Vec<BlockKey> = d
                 .host
                 .iter()
@@ -340,6 +417,45 @@ mod tests {
         assert!(evicted.is_empty(), "evicted {evicted:?} of the load itself");
         assert_eq!(promote, vec![false, false, false], "no room: no promotion");
         assert!(m.is_stored(Tier::Host, k(1)) && m.is_stored(Tier::Host, k(3)));
+    }
+
+    #[test]
+    fn write_back_moves_blocks_into_the_file_tier_as_they_leave_the_host_tier() {
+        let mut m = OffloadManager::new(2, Some(8), EvictionKind::Lru);
+        m.set_write_back();
+        assert!(m.writes_back());
+        m.adopt_file_blocks([k(9)]);
+        let d = m.prepare_store(&[k(1), k(9)]).unwrap();
+        assert!(d.file.is_empty(), "nothing is written through");
+        m.complete_store(Tier::Host, &[k(1), k(9)], true);
+        assert!(!m.is_stored(Tier::File, k(1)) && !m.is_storing(Tier::File, k(1)));
+        assert_eq!(
+            m.take_write_back(),
+            WriteBack::default(),
+            "nothing left yet"
+        );
+        let t1 = Instant::now();
+        m.touch(&[k(1)]);
+        let d = m.prepare_store(&[k(3), k(4)]).unwrap();
+        assert_eq!(d.evicted_host.len(), 2);
+        let wb = m.take_write_back();
+        // k(9) is already in the file tier: only k(1) is written, with its last use.
+        assert_eq!(wb.keys.len(), 1);
+        assert_eq!(wb.keys[0].0, k(1));
+        assert!(wb.keys[0].1 >= t1 && wb.keys[0].1 <= Instant::now());
+        assert!(m.is_storing(Tier::File, k(1)));
+        assert_eq!(m.lookup(&[k(1)]), Lookup::Retry, "being written back");
+        m.complete_store(Tier::File, &[k(1)], true);
+        assert_eq!(
+            m.lookup(&[k(1), k(9)]),
+            Lookup::Hit(vec![Tier::File, Tier::File])
+        );
+        // Without write-back the same eviction writes nothing.
+        let mut plain = OffloadManager::new(2, Some(8), EvictionKind::Lru);
+        plain.prepare_store(&[k(1), k(2)]).unwrap();
+        plain.complete_store(Tier::Host, &[k(1), k(2)], true);
+        plain.prepare_store(&[k(3), k(4)]).unwrap();
+        assert_eq!(plain.take_write_back(), WriteBack::default());
     }
 
     #[test]

@@ -46,6 +46,16 @@ pub struct StoreJob {
     pub write_file: Vec<BlockKey>,
 }
 
+/// Write host-tier blocks into the file tier before the host tier drops them (write-back on a
+/// shared mount).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteBackJob {
+    /// Job id (its result comes back as a [`JobPart::StoreFile`]).
+    pub job: JobId,
+    /// Host-tier keys to write.
+    pub keys: Vec<BlockKey>,
+}
+
 /// Per-step instructions from the scheduler half to the worker half.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepMeta {
@@ -60,6 +70,8 @@ pub struct StepMeta {
     /// Of those, the ones whose freeing the engine delays (`request_finished` returned true):
     /// exactly these come back once in `finished_sending`.
     pub delayed_free: Vec<RequestId>,
+    /// Host-tier blocks to write into the file tier before `evict_host` drops them.
+    pub write_back: Vec<WriteBackJob>,
     /// Host-tier blocks to drop.
     pub evict_host: Vec<BlockKey>,
     /// File-tier blocks evicted from the index (removed; on a shared mount only forgotten).

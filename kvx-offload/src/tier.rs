@@ -1,6 +1,8 @@
 //! The index of one tier: which blocks it holds, which are being stored, which are pinned by a
 //! load, and the eviction order over the rest.
 
+use std::time::Instant;
+
 use kvx_core::BlockKey;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
@@ -21,6 +23,22 @@ pub enum Tier {
 struct Entry {
     stored: bool,
     pins: u32,
+    /// When the block became stored here (or when its store began, while `!stored`).
+    since: Instant,
+    /// When the block was last stored, loaded or looked up here.
+    used: Instant,
+}
+
+impl Entry {
+    fn storing() -> Entry {
+        let now = Instant::now();
+        Entry {
+            stored: false,
+            pins: 0,
+            since: now,
+            used: now,
+        }
+    }
 }
 
 /// What `prepare_store` decided.
@@ -38,6 +56,9 @@ pub(crate) struct TierIndex {
     capacity: usize,
     entries: FxHashMap<BlockKey, Entry>,
     order: Box<dyn EvictionOrder>,
+    /// With [`TierIndex::record_evictions`]: blocks evicted since the last
+    /// [`TierIndex::take_evicted`], with their last use.
+    evicted_log: Option<Vec<(BlockKey, Instant)>>,
 }
 
 impl TierIndex {
@@ -48,6 +69,7 @@ impl TierIndex {
             capacity,
             entries: FxHashMap::default(),
             order: new_order(kind, capacity),
+            evicted_log: None,
         }
     }
 
@@ -109,17 +131,13 @@ impl TierIndex {
             Vec::new()
         };
         for k in &evicted {
-            self.entries.remove(k);
+            if let (Some(e), Some(log)) = (self.entries.remove(k), self.evicted_log.as_mut()) {
+                log.push((*k, e.used));
+            }
             self.order.remove(*k);
         }
         for k in &new {
-            self.entries.insert(
-                *k,
-                Entry {
-                    stored: false,
-                    pins: 0,
-                },
-            );
+            self.entries.insert(*k, Entry::storing());
         }
         Ok(StorePlan { new, evicted })
     }
@@ -133,6 +151,8 @@ impl TierIndex {
             {
                 if success {
                     e.stored = true;
+                    e.since = Instant::now();
+                    e.used = e.since;
                     self.order.insert(*k);
                 } else {
                     // A block that never became visible: any pin on it came from a stale plan.
@@ -147,6 +167,7 @@ impl TierIndex {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins += 1;
+                e.used = Instant::now();
                 self.order.touch(*k);
             }
         }
@@ -163,11 +184,28 @@ impl TierIndex {
 
     /// Mark keys recently used.
     pub(crate) fn touch(&mut self, keys: &[BlockKey]) {
+        let now = Instant::now();
         for k in keys {
-            if self.is_stored(*k) {
+            if let Some(e) = self.entries.get_mut(k)
+                && e.stored
+            {
+                e.used = now;
                 self.order.touch(*k);
             }
         }
+    }
+
+    /// Keep a log of the blocks evicted to make room, for [`TierIndex::take_evicted`].
+    pub(crate) fn record_evictions(&mut self) {
+        self.evicted_log.get_or_insert_with(Vec::new);
+    }
+
+    /// Blocks evicted to make room since the last call, each with its last use (always empty
+    /// without [`TierIndex::record_evictions`]).
+    pub(crate) fn take_evicted(&mut self) -> Vec<(BlockKey, Instant)> {
+        self.evicted_log
+            .as_mut()
+            .map_or_else(Vec::new, std::mem::take)
     }
 
     /// Drop a stored, unpinned `key` (e.g. it failed verification on load); true if removed.
@@ -191,22 +229,39 @@ impl TierIndex {
             if self.entries.len() >= self.capacity {
                 break;
             }
-            if self
-                .entries
-                .insert(
-                    k,
-                    Entry {
-                        stored: true,
-                        pins: 0,
-                    },
-                )
-                .is_none()
-            {
+            let entry = Entry {
+                stored: true,
+                ..Entry::storing()
+            };
+            if self.entries.insert(k, entry).is_none() {
                 self.order.insert(k);
                 n += 1;
             }
         }
         n
+    }
+
+    /// Drop the stored, unpinned blocks that became stored before `listed_at` and are not in
+    /// `present` (a complete listing of the tier taken from then on): they are gone. Returns
+    /// them. A block stored later, being stored, or pinned by a load stays.
+    pub(crate) fn forget_absent(
+        &mut self,
+        present: &FxHashSet<BlockKey>,
+        listed_at: Instant,
+    ) -> Vec<BlockKey> {
+        let gone: Vec<BlockKey> = self
+            .entries
+            .iter()
+            .filter(|(k, e)| {
+                e.stored && e.pins == 0 && e.since < listed_at && !present.contains(*k)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &gone {
+            self.entries.remove(k);
+            self.order.remove(*k);
+        }
+        gone
     }
 
     /// Every stored key.
@@ -271,6 +326,59 @@ mod tests {
         assert!(!t.is_storing(BlockKey(5)));
         t.unpin(&[BlockKey(0)]);
         assert_eq!(t.prepare_store(&keys(5..7)).unwrap().evicted.len(), 2);
+    }
+
+    #[test]
+    fn only_old_unpinned_entries_missing_from_a_listing_are_forgotten() {
+        let mut t = TierIndex::new(Tier::File, 8, EvictionKind::Lru);
+        t.adopt(keys(0..3));
+        t.pin(&[BlockKey(1)]);
+        let listed_at = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.prepare_store(&keys(3..5)).unwrap();
+        t.complete_store(&[BlockKey(3)], true); // stored after the walk began
+        let present: FxHashSet<BlockKey> = [BlockKey(2)].into_iter().collect();
+        let gone = t.forget_absent(&present, listed_at);
+        assert_eq!(
+            gone,
+            vec![BlockKey(0)],
+            "absent, unpinned and older than the walk"
+        );
+        assert!(!t.is_stored(BlockKey(0)));
+        assert!(
+            t.is_stored(BlockKey(1)),
+            "pinned by a load: its load will tell"
+        );
+        assert!(t.is_stored(BlockKey(2)), "listed");
+        assert!(t.is_stored(BlockKey(3)), "stored after the walk began");
+        assert!(t.is_storing(BlockKey(4)), "being stored");
+        // The eviction order forgot it too: the least recently used block left is the victim.
+        let p = t.prepare_store(&keys(10..15)).unwrap();
+        assert_eq!(p.evicted, vec![BlockKey(2)]);
+    }
+
+    #[test]
+    fn evictions_are_logged_with_their_last_use() {
+        let mut t = TierIndex::new(Tier::Host, 2, EvictionKind::Lru);
+        t.prepare_store(&keys(0..2)).unwrap();
+        t.complete_store(&keys(0..2), true);
+        t.prepare_store(&keys(2..3)).unwrap();
+        assert!(t.take_evicted().is_empty(), "not recorded unless asked");
+        t.complete_store(&keys(2..3), true);
+        t.record_evictions();
+        let before = Instant::now();
+        t.touch(&[BlockKey(1)]);
+        let after = Instant::now();
+        t.prepare_store(&keys(3..5)).unwrap();
+        let log = t.take_evicted();
+        let evicted: Vec<BlockKey> = log.iter().map(|e| e.0).collect();
+        assert_eq!(evicted, vec![BlockKey(2), BlockKey(1)]);
+        assert!(
+            log[1].1 >= before && log[1].1 <= after,
+            "key 1's last use is its touch"
+        );
+        assert!(log[0].1 <= before, "key 2 was last used when it was stored");
+        assert!(t.take_evicted().is_empty(), "taken once");
     }
 
     #[test]

@@ -105,6 +105,123 @@ fn an_eviction_from_a_nodes_index_leaves_the_file() {
 }
 
 #[test]
+fn blocks_another_node_removed_leave_the_index_at_the_next_collector_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = rig(dir.path(), shared(64));
+    // B runs a collector whose quota never bites: its passes only list the mount.
+    let interval = 20;
+    let mut opts = shared(64);
+    if let Some(m) = opts.shared.as_mut() {
+        m.quota_bytes = Some(1 << 40);
+        m.collect_interval_ms = interval;
+    }
+    let mut b = rig(dir.path(), opts);
+    let ks = keys(9, 0, 9, 4);
+    assert!(a.offload(1, &ks, &[0, 1, 2, 3], T));
+    std::thread::sleep(Duration::from_millis(30)); // B's cached misses expire
+    let (n, _) = lookup(&mut b, 1, &ks);
+    assert_eq!(n, 4 * BT as u64, "B adopted A's four blocks");
+    b.finish(1);
+    // Another node's collector removes the last two files.
+    for k in &ks[2..] {
+        std::fs::remove_file(a.files.block_path(*k)).unwrap();
+    }
+    let removed_at = Instant::now();
+    // The first pass that began after the removal drops them from B's index (one interval
+    // for the pass to start, one for it to end, and 50 ms of slack).
+    let bound = Duration::from_millis(2 * interval + 50);
+    assert!(
+        b.step_until(T, |r| !r.sched.manager().is_stored(Tier::File, ks[2])),
+        "B never forgot the removed blocks"
+    );
+    assert!(
+        removed_at.elapsed() <= bound,
+        "forgotten after {:?}, bound {bound:?}",
+        removed_at.elapsed()
+    );
+    assert!(!b.sched.manager().is_stored(Tier::File, ks[3]));
+    assert!(
+        b.sched.manager().is_stored(Tier::File, ks[0]),
+        "still listed"
+    );
+    assert!(
+        b.step_until(T, |r| !r.files.contains(ks[2])),
+        "the store forgot it too"
+    );
+    // B's lookup now stops where the mount does: no load that would fail.
+    let (n, _) = lookup(&mut b, 2, &ks);
+    assert_eq!(n, 2 * BT as u64);
+    for k in &ks[..2] {
+        assert!(a.files.block_path(*k).exists(), "{k}: listed blocks stay");
+    }
+}
+
+#[test]
+fn written_back_blocks_reach_the_mount_as_they_leave_the_host_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = shared(64);
+    if let Some(m) = opts.shared.as_mut() {
+        m.write_back = true;
+    }
+    let mut a = rig(dir.path(), opts);
+    let mut b = rig(dir.path(), shared(64));
+    let first = keys(10, 0, 10, 4);
+    assert!(a.offload(1, &first, &[0, 1, 2, 3], T));
+    for k in &first {
+        assert!(a.sched.manager().is_stored(Tier::Host, *k));
+        assert!(!a.files.block_path(*k).exists(), "{k}: not written through");
+    }
+    let (n, _) = lookup(&mut b, 1, &first);
+    assert_eq!(n, 0, "B cannot see blocks still only in A's host tier");
+    b.finish(1);
+    let last_use = std::time::SystemTime::now();
+    std::thread::sleep(Duration::from_millis(1100)); // mtimes a second apart at least
+    // Eight more blocks fill A's host tier of 8: the first four leave it for the mount.
+    let more = keys(11, 0, 11, 8);
+    assert!(a.offload(2, &more, &[4, 5, 6, 7, 8, 9, 10, 11], T));
+    for k in &first {
+        assert!(!a.sched.manager().is_stored(Tier::Host, *k));
+        assert!(
+            a.sched.manager().is_stored(Tier::File, *k),
+            "{k}: written back"
+        );
+    }
+    // Their recency on the mount is their last use in A's host tier, not the write's time.
+    for k in &first {
+        let path = a.files.block_path(*k);
+        let end = Instant::now() + T;
+        let mtime = loop {
+            let m = std::fs::metadata(&path).unwrap().modified().unwrap();
+            if m <= last_use || Instant::now() >= end {
+                break m;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert!(
+            mtime <= last_use,
+            "{k}: mtime {mtime:?} after its last use {last_use:?}"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(30)); // B's cached misses expire
+    let (n, _) = lookup(&mut b, 2, &first);
+    assert_eq!(n, 4 * BT as u64, "B finds the written-back blocks");
+    let alloc: Vec<EngineBlockId> = (20..24).map(EngineBlockId).collect();
+    b.sched
+        .update_state_after_alloc(RequestId(2), &alloc)
+        .unwrap();
+    assert!(b.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
+    assert!(b.out.invalid_blocks.is_empty());
+    assert!(
+        b.holds(&first, &[20, 21, 22, 23]),
+        "byte-exact from A's host buffers"
+    );
+    assert!(
+        a.settle(T) && a.pool_whole(),
+        "the write-back gave its buffers back"
+    );
+}
+
+#[test]
 fn shared_mount_settings_are_checked() {
     let bad = |f: fn(&mut SharedMountConfig), field: &str| {
         let mut m = SharedMountConfig::default();

@@ -15,6 +15,12 @@
 //! store's place and never crowd out the lane's probes. The walk itself (readdir and stat) runs
 //! on the collector's own thread: a stuck mount stalls that thread only.
 //!
+//! Each pass that walks every root to the end publishes what it saw ([`Listing`],
+//! [`PosixHandle::listing`]): the blocks present, less those it queued for removal. A node's
+//! index entry taken before the walk began and absent from it was removed by another node
+//! meanwhile; the node's scheduler forgets it, so its lookups never claim a block that a load
+//! would then not find.
+//!
 //! A block removed while another node reads it: the reader opened the file before the unlink
 //! and reads the old inode to the end (local file systems, and NFS within one client thanks to
 //! its silly rename), or opens after it and gets a miss. Across NFS clients a reader may get
@@ -26,6 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::BlockKey;
+use rustc_hash::FxHashSet;
 
 use crate::error::PosixError;
 use crate::handle::PosixHandle;
@@ -81,6 +88,18 @@ pub struct CollectReport {
     pub removed_temps: usize,
 }
 
+/// What one collector pass saw on the mount (see [`crate::collector`]).
+#[derive(Debug, Clone)]
+pub struct Listing {
+    /// The pass's number on this handle, from 1: a newer listing has a larger one.
+    pub pass: u64,
+    /// When the walk began: a block a node took into its index before this, absent from
+    /// `keys`, was gone from the mount.
+    pub started: Instant,
+    /// Blocks the walk found, less those the pass queued for removal.
+    pub keys: Arc<FxHashSet<BlockKey>>,
+}
+
 #[derive(Clone)]
 struct Found {
     key: BlockKey,
@@ -100,6 +119,7 @@ impl PosixHandle {
     ) -> Result<CollectReport, PosixError> {
         cfg.validate()?;
         let layout = &self.shared.layout;
+        let started = Instant::now();
         let now = SystemTime::now();
         let mut report = CollectReport::default();
         let mut found: Vec<Vec<Found>> = vec![Vec::new(); layout.roots().len()];
@@ -133,13 +153,16 @@ impl PosixHandle {
                 Ok(())
             },
         )?;
+        let mut present: FxHashSet<BlockKey> = FxHashSet::default();
         for mut blocks in found {
             let mut total: u64 = blocks.iter().map(|f| f.bytes).sum();
             report.blocks += blocks.len();
             report.bytes += total;
             blocks.sort_by_key(|f| f.mtime);
-            for f in blocks {
+            let mut kept = blocks.into_iter();
+            for f in kept.by_ref() {
                 if total <= cfg.quota_bytes || stop.load(Ordering::Acquire) {
+                    present.insert(f.key);
                     break;
                 }
                 self.wait_for_lane(stop);
@@ -148,8 +171,35 @@ impl PosixHandle {
                 report.removed_bytes += f.bytes;
                 report.removed.push(f.key);
             }
+            present.extend(kept.map(|f| f.key));
         }
+        self.publish_listing(started, present);
         Ok(report)
+    }
+
+    /// Keep `keys`, what the walk that began at `started` found, as the newest listing.
+    fn publish_listing(&self, started: Instant, keys: FxHashSet<BlockKey>) {
+        let mut slot = self
+            .shared
+            .listing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let pass = slot.as_ref().map_or(0, |l| l.pass) + 1;
+        *slot = Some(Arc::new(Listing {
+            pass,
+            started,
+            keys: Arc::new(keys),
+        }));
+    }
+
+    /// The newest complete listing of the mount a collector pass on this store made (`None`
+    /// before the first).
+    pub fn listing(&self) -> Option<Arc<Listing>> {
+        self.shared
+            .listing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Wait until the maintenance lane has room for another remove without delaying probes.
@@ -281,6 +331,43 @@ mod tests {
         let again = h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
         assert!(again.removed.is_empty());
         assert_eq!(again.bytes, 2 * size);
+    }
+
+    #[test]
+    fn a_pass_publishes_the_blocks_it_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(PosixConfig::new(dir.path())).unwrap();
+        let h = store.handle();
+        assert!(h.listing().is_none(), "no pass yet");
+        let keys: Vec<BlockKey> = (1..=4u128).map(|i| BlockKey(i << 100 | i)).collect();
+        let paths: Vec<PathBuf> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| write_block(&h, *k, 100 - i as u64 * 10))
+            .collect();
+        let size = std::fs::metadata(&paths[0]).unwrap().len();
+        let stop = AtomicBool::new(false);
+        let before = Instant::now();
+        h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
+        let first = h.listing().expect("a complete pass publishes a listing");
+        assert_eq!(first.pass, 1);
+        assert!(first.started >= before && first.started <= Instant::now());
+        let mut kept: Vec<BlockKey> = first.keys.iter().copied().collect();
+        kept.sort();
+        assert_eq!(
+            kept,
+            keys[2..].to_vec(),
+            "the two it removed are not listed"
+        );
+        // Another node removes a block: the next pass no longer lists it.
+        assert!(wait_gone(&paths[0]) && wait_gone(&paths[1]));
+        std::fs::remove_file(&paths[2]).unwrap();
+        h.collect(&CollectorConfig::new(2 * size), &stop).unwrap();
+        let second = h.listing().unwrap();
+        assert_eq!(second.pass, 2);
+        assert!(second.started >= first.started);
+        assert_eq!(second.keys.len(), 1);
+        assert!(second.keys.contains(&keys[3]));
     }
 
     #[test]

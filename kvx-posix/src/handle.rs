@@ -75,6 +75,8 @@ pub(crate) struct Shared {
     pub(crate) touch: Option<TouchLane>,
     /// Spare files for stores (see `PosixConfig::spare_files`).
     pub(crate) spares: Option<crate::spare::Spares>,
+    /// What the newest collector pass found on the mount.
+    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::collector::Listing>>>,
 }
 
 impl Shared {
@@ -182,6 +184,22 @@ impl PosixHandle {
             t.forget(key);
         }
         self.shared.index.remove(key)
+    }
+
+    /// Set `key`'s block file's recency (its mtime, which collectors order blocks by) back to
+    /// `at`, just after this node wrote it: a block written back from a node's host tier was
+    /// last used there at `at`, not when its file was written. Skipped if the file's mtime is
+    /// already later than this call (a node loaded it since: that use stands). Queued on the
+    /// touch lane (a shared mount with `touch_on_load`; without it nothing happens); never
+    /// blocks.
+    pub fn set_last_use(&self, key: BlockKey, at: std::time::SystemTime) {
+        if let Some(t) = &self.shared.touch {
+            let stamp = crate::touch::Stamp::Back {
+                to: at,
+                unless_after: std::time::SystemTime::now(),
+            };
+            t.touch(&self.shared.layout.block_path(key), stamp);
+        }
     }
 
     /// True when the roots are shared with other nodes ([`crate::SharedMount`] settings).

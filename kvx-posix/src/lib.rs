@@ -89,7 +89,7 @@ mod store;
 mod tests;
 mod touch;
 
-pub use collector::{CollectReport, Collector, CollectorConfig};
+pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use config::{Capabilities, EngineKind, PosixConfig, SharedMount};
 pub use error::PosixError;
 pub use handle::{PosixHandle, PosixStats};

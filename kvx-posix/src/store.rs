@@ -184,6 +184,7 @@ impl PosixStore {
                 probes: cfg.shared.clone().map(crate::probes::ProbeTable::new),
                 touch,
                 spares,
+                listing: std::sync::Mutex::new(None),
             }),
             direct,
             inline,
@@ -269,7 +270,7 @@ impl PosixStore {
                 (FileOp::Load, Ok(())) => {
                     self.shared.index.insert(job.key);
                     if let Some(t) = &self.shared.touch {
-                        t.touch(&job.block_path());
+                        t.touch(&job.block_path(), crate::touch::Stamp::Now);
                     }
                     if st.cancel.load(Ordering::Acquire) {
                         result = Err(BlockError::Cancelled);

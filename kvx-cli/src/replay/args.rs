@@ -98,6 +98,12 @@ pub struct ReplayArgs {
     /// (a conversation stays on one node, so its hits are that node's own).
     #[arg(long, value_enum, default_value_t = Spread::RoundRobin)]
     pub spread: Spread,
+    /// When a node writes a block into the shared file tier: `back`, as it leaves the node's
+    /// host tier (host tiers and the mount hold different blocks, so their capacities add
+    /// up), or `through`, as soon as it is stored (other nodes see it at once; every host
+    /// block is also on the mount).
+    #[arg(long, value_enum, default_value_t = SharedWrites::Back)]
+    pub shared_writes: SharedWrites,
     /// Internal: run as node I of --nodes (set by the parent process).
     #[arg(long, hide = true)]
     pub node_index: Option<usize>,
@@ -124,6 +130,25 @@ impl Spread {
         match self {
             Spread::RoundRobin => "round-robin",
             Spread::Hash => "hash",
+        }
+    }
+}
+
+/// `--shared-writes`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedWrites {
+    /// A block is written into the shared tier as it leaves the node's host tier.
+    Back,
+    /// A block is written into the shared tier as soon as it is stored.
+    Through,
+}
+
+impl SharedWrites {
+    /// The option's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SharedWrites::Back => "back",
+            SharedWrites::Through => "through",
         }
     }
 }
@@ -183,6 +208,8 @@ pub struct Settings {
     pub nodes: usize,
     /// How requests are spread over the nodes.
     pub spread: Spread,
+    /// When nodes write blocks into the shared file tier.
+    pub shared_writes: SharedWrites,
     /// This process is node `i` of `nodes` (a child of a multi-node replay).
     pub node: Option<usize>,
     /// Start replaying at this Unix time in ms (a child of a multi-node replay).
@@ -332,6 +359,7 @@ impl ReplayArgs {
             progress: self.node_index.is_none(),
             nodes: self.nodes,
             spread: self.spread,
+            shared_writes: self.shared_writes,
             node: self.node_index,
             start_unix_ms: self.start_unix_ms,
             time_origin_ms: None,

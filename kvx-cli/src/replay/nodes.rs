@@ -3,11 +3,13 @@
 //! directory. The trace's requests are spread over them (round robin, or by a hash of the first
 //! block so that a conversation stays on one node); every node starts on the same wall clock,
 //! probes the shared directory for blocks its own index lacks, and runs a collector that keeps
-//! the directory under the file tier's capacity. The parent sums the nodes' counters and
-//! compares the hit rate with an ideal LRU cache shared by all nodes, of their total capacity
-//! (every node's host tier plus the one file tier), and with one of the capacity the tiers
-//! really have for distinct blocks: the file tier is written through, so every host tier holds
-//! copies of file-tier blocks, and the distinct capacity is the larger of the two.
+//! the directory under the file tier's capacity. A node writes a block into the directory as it
+//! leaves its host tier (`--shared-writes back`, the default: host tiers and directory hold
+//! different blocks) or as soon as it is stored (`through`). The parent sums the nodes'
+//! counters and compares the hit rate with an ideal LRU cache shared by all nodes, of their
+//! total capacity (every node's host tier plus the one file tier), and with one of the capacity
+//! written-through tiers have for distinct blocks: every host tier then holds copies of
+//! file-tier blocks, and the distinct capacity is the larger of the two.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -227,6 +229,7 @@ fn combine(s: &Settings, reports: &[Value], ideal: &Ideals, dir: &Path) -> Value
     let inclusive_rate = rate(ideal.inclusive_hits, blocks);
     m.insert("nodes".into(), json!(s.nodes));
     m.insert("spread".into(), json!(s.spread.as_str()));
+    m.insert("shared_writes".into(), json!(s.shared_writes.as_str()));
     m.insert("shared_dir".into(), json!(dir.display().to_string()));
     m.insert("hit_rate".into(), json!(hit_rate));
     m.insert("host_hit_rate".into(), json!(rate(host, blocks)));
@@ -283,9 +286,10 @@ fn summary(v: &Value) -> String {
     let f = |k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(0.0);
     let mut out = String::new();
     out.push_str(&format!(
-        "nodes            {} (requests spread {}), shared file tier {}\n",
+        "nodes            {} (requests spread {}, written {}), shared file tier {}\n",
         n("nodes"),
         v.get("spread").and_then(Value::as_str).unwrap_or(""),
+        v.get("shared_writes").and_then(Value::as_str).unwrap_or(""),
         v.get("shared_dir").and_then(Value::as_str).unwrap_or("")
     ));
     out.push_str(&format!(

@@ -15,7 +15,7 @@ use kvx_policy::{BreakerConfig, TimeoutConfig};
 use kvx_posix::{EngineKind, PosixHandle};
 use tempfile::TempDir;
 
-use super::args::Settings;
+use super::args::{Settings, SharedWrites};
 use super::error::ReplayError;
 use super::trace::TRACE_BLOCK_TOKENS;
 
@@ -94,7 +94,8 @@ fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
 /// The file tier's settings when `s.nodes` engines share it: a probe gets the load deadline
 /// (a lookup waits for it no longer than a load of the block would take) and its answer is
 /// reused for 50 ms; every node runs a collector that keeps the directory under the file
-/// tier's capacity in bytes (header included).
+/// tier's capacity in bytes (header included); blocks are written back or through as
+/// `--shared-writes` says.
 fn shared_mount(s: &Settings) -> SharedMountConfig {
     let block_file = s.blocks.block_bytes.div_ceil(4096) * 4096 + 4096;
     SharedMountConfig {
@@ -102,6 +103,7 @@ fn shared_mount(s: &Settings) -> SharedMountConfig {
         probe_ttl_ms: 50,
         quota_bytes: Some(s.file_blocks as u64 * block_file),
         collect_interval_ms: 1000,
+        write_back: s.shared_writes == SharedWrites::Back,
         ..SharedMountConfig::default()
     }
 }

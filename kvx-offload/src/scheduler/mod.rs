@@ -1,7 +1,7 @@
 //! The scheduler half of the connector: decides what to load and store each step, and keeps
 //! the tier index in step with what the worker half reports.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
 use rustc_hash::FxHashMap;
@@ -9,7 +9,7 @@ use tracing::{debug, warn};
 
 use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
-use crate::file_hook::{FileProbe, FileTierProbe};
+use crate::file_hook::FileTierProbe;
 use crate::manager::{Lookup, OffloadManager};
 use crate::meta::{JobId, JobPart, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
 use crate::tier::Tier;
@@ -132,6 +132,12 @@ pub struct SchedulerSide {
     jobs: FxHashMap<JobId, (RequestId, JobInfo)>,
     meta: StepMeta,
     probe: Option<std::sync::Arc<dyn FileTierProbe>>,
+    /// The newest listing of the shared file tier taken into account.
+    listing_pass: u64,
+    /// Write-back: blocks that left the host tier, to write in this step's write-back job.
+    write_back_pending: Vec<(BlockKey, Instant)>,
+    /// Write-back jobs in flight: their keys, each with its last use.
+    write_backs: FxHashMap<JobId, Vec<(BlockKey, SystemTime)>>,
 }
 
 /// Most keys one lookup asks a shared file tier about.
@@ -152,6 +158,9 @@ impl SchedulerSide {
             jobs: FxHashMap::default(),
             meta: StepMeta::default(),
             probe: None,
+            listing_pass: 0,
+            write_back_pending: Vec::new(),
+            write_backs: FxHashMap::default(),
         })
     }
 
@@ -171,46 +180,6 @@ impl SchedulerSide {
     /// lookup answer "ask again later".
     pub fn set_file_probe(&mut self, probe: std::sync::Arc<dyn FileTierProbe>) {
         self.probe = Some(probe);
-    }
-
-    /// The lookup of `keys`, extended by probes of the shared file tier past the index's hits.
-    fn lookup_with_probes(&mut self, keys: &[BlockKey]) -> Lookup {
-        let first = self.mgr.lookup(keys);
-        let (Lookup::Hit(tiers), Some(probe)) = (&first, &self.probe) else {
-            return first;
-        };
-        if tiers.len() >= keys.len() || self.mgr.capacity(Tier::File).is_none() {
-            return first;
-        }
-        let probe = probe.clone();
-        let hits = tiers.len();
-        // Adopting evicts this node's least recently used file-tier entries: refresh the hits
-        // first and adopt no more than the rest of the capacity, so the eviction never takes
-        // a block of this same prefix.
-        self.mgr.touch(&keys[..hits]);
-        let room = self
-            .mgr
-            .capacity(Tier::File)
-            .unwrap_or(0)
-            .saturating_sub(hits)
-            .min(MAX_PROBES_PER_LOOKUP);
-        let mut pending = false;
-        for k in keys[hits..].iter().take(room) {
-            match probe.probe(*k) {
-                FileProbe::Absent => break,
-                // Keep asking past a pending answer, so the probes of one prefix run together.
-                FileProbe::Pending => pending = true,
-                FileProbe::Present if pending => {}
-                FileProbe::Present => match self.mgr.adopt_probed(*k) {
-                    Some(evicted) => self.meta.evict_file.extend(evicted),
-                    None => break,
-                },
-            }
-        }
-        if pending {
-            return Lookup::Retry;
-        }
-        self.mgr.lookup(keys)
     }
 
     /// Tokens per block.
@@ -289,6 +258,7 @@ impl SchedulerSide {
         };
         let (promote, evicted) = self.mgr.prepare_load(&keys, &tiers);
         self.meta.evict_host.extend(evicted);
+        self.queue_write_back();
         let job = self.job_id();
         let blocks = keys
             .iter()
@@ -340,6 +310,7 @@ impl SchedulerSide {
         };
         self.meta.evict_host.extend(d.evicted_host);
         self.meta.evict_file.extend(d.evicted_file);
+        self.queue_write_back();
         if d.host.is_empty() {
             return None;
         }
@@ -400,6 +371,8 @@ impl SchedulerSide {
     /// Instructions for the worker for this step.
     pub fn build_meta(&mut self) -> StepMeta {
         self.drop_idle(Instant::now());
+        self.forget_unlisted();
+        self.start_write_back();
         let mut m = std::mem::take(&mut self.meta);
         m.submit_stores_now = self.reqs.values().all(|r| r.finished);
         m
@@ -408,6 +381,10 @@ impl SchedulerSide {
     /// Take in what the worker reported.
     pub fn update_from_worker(&mut self, out: &WorkerOutput) {
         for r in &out.jobs {
+            if let Some(used) = self.write_backs.remove(&r.job) {
+                self.write_back_done(r, &used);
+                continue;
+            }
             let Some((req, info)) = self.jobs.get_mut(&r.job) else {
                 continue; // a job from before a reset
             };
@@ -424,7 +401,7 @@ impl SchedulerSide {
                     },
                     JobPart::Load,
                 ) => {
-                    let corrupt: Vec<BlockKey> = r
+                    let invalid: Vec<BlockKey> = r
                         .failed
                         .iter()
                         .filter(|(_, e)| matches!(e, BlockError::Corrupt(_) | BlockError::NotFound))
@@ -432,8 +409,17 @@ impl SchedulerSide {
                         .collect();
                     let removed =
                         self.mgr
-                            .complete_load(keys, tiers, promote, &corrupt, &r.promoted);
-                    self.meta.remove_file.extend(removed);
+                            .complete_load(keys, tiers, promote, &invalid, &r.promoted);
+                    // A corrupt file is removed; a missing one is only forgotten: on a shared
+                    // mount another node may have stored the block again under that name.
+                    let (gone, corrupt): (Vec<BlockKey>, Vec<BlockKey>) =
+                        removed.into_iter().partition(|k| {
+                            r.failed
+                                .iter()
+                                .any(|(f, e)| f == k && matches!(e, BlockError::NotFound))
+                        });
+                    self.meta.evict_file.extend(gone);
+                    self.meta.remove_file.extend(corrupt);
                     engine_part_done = true;
                     job_done = true;
                 }
@@ -480,6 +466,8 @@ impl SchedulerSide {
     /// Forget every job in flight (their late results will be ignored); keep stored blocks.
     pub fn reset(&mut self) {
         self.mgr.reset_in_flight();
+        self.write_backs.clear();
+        self.write_back_pending.clear();
         self.jobs.clear();
         self.reqs.clear();
         self.lookups.clear();
@@ -519,9 +507,10 @@ impl SchedulerSide {
 
     /// Jobs not yet fully reported.
     pub fn job_count(&self) -> usize {
-        self.jobs.len()
+        self.jobs.len() + self.write_backs.len()
     }
 }
 
+mod shared;
 #[cfg(test)]
 mod tests;

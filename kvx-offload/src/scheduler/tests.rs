@@ -220,3 +220,43 @@ fn output_with_only_a_decision_is_not_empty() {
     assert!(!out.is_empty());
     assert!(WorkerOutput::default().is_empty());
 }
+
+#[test]
+fn a_missing_file_is_forgotten_and_a_corrupt_one_removed() {
+    let mut s = SchedulerSide::new(SchedulerConfig {
+        host_blocks: 8,
+        file_blocks: Some(8),
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let ks = [k(1), k(2), k(3)];
+    assert_eq!(s.adopt_file_blocks(ks), 3);
+    assert_eq!(s.get_num_new_matched_tokens(RequestId(1), &ks, 0), Some(48));
+    let blocks = [EngineBlockId(0), EngineBlockId(1), EngineBlockId(2)];
+    let job = s
+        .update_state_after_alloc(RequestId(1), &blocks)
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.build_meta().loads.len(), 1);
+    s.update_from_worker(&WorkerOutput {
+        jobs: vec![crate::meta::JobResult {
+            job,
+            request: RequestId(1),
+            part: JobPart::Load,
+            ok: vec![k(1)],
+            failed: vec![
+                (k(2), BlockError::NotFound),
+                (k(3), BlockError::Corrupt("checksum".into())),
+            ],
+            promoted: vec![k(1)],
+        }],
+        ..Default::default()
+    });
+    let meta = s.build_meta();
+    // On a shared mount another node may have stored k(2) again meanwhile: never unlink it.
+    assert_eq!(meta.evict_file, vec![k(2)]);
+    assert_eq!(meta.remove_file, vec![k(3)]);
+    assert!(!s.manager().is_stored(Tier::File, k(2)));
+    assert!(!s.manager().is_stored(Tier::File, k(3)));
+    assert!(s.manager().is_stored(Tier::File, k(1)));
+}

@@ -186,6 +186,10 @@ impl WorkerSide {
         if let Some(keep) = meta.retain_host {
             self.host.retain(keep);
         }
+        // Written back first: the writes hold the buffers the eviction below lets go.
+        for job in meta.write_back {
+            self.write_back(job);
+        }
         self.host.evict(&meta.evict_host);
         if let Some(h) = &self.file_hook {
             for k in &meta.evict_file {

@@ -18,6 +18,18 @@ pub(super) struct StoreState {
     pub(super) file_failed: Vec<(BlockKey, BlockError)>,
 }
 
+impl StoreState {
+    /// A store with no host part: a write-back of host-tier blocks (`failed` had no buffer).
+    pub(super) fn file_only(request: RequestId, failed: Vec<(BlockKey, BlockError)>) -> Self {
+        StoreState {
+            request,
+            write_file: FxHashSet::default(),
+            host_failed: Vec::new(),
+            file_failed: failed,
+        }
+    }
+}
+
 impl WorkerSide {
     /// Queue a store: a deferred task, submitted at the start of the next step.
     pub(super) fn queue_store(&mut self, job: StoreJob) -> Result<(), OffloadError> {

@@ -1,5 +1,6 @@
 //! Write-through: blocks just stored in the host tier are written to the file tier as a task
-//! of an internal request that never touches engine memory.
+//! of an internal request that never touches engine memory. Write-back (a shared mount) writes
+//! blocks the same way as they leave the host tier.
 
 use std::sync::Arc;
 
@@ -10,7 +11,8 @@ use tracing::warn;
 
 use super::Role;
 use super::WorkerSide;
-use crate::meta::{JobId, JobPart};
+use super::store::StoreState;
+use crate::meta::{JobId, JobPart, WriteBackJob};
 
 /// Internal request ids (file write-through) live at the top of the id space.
 pub(super) const INTERNAL_BASE: u64 = 1 << 62;
@@ -82,6 +84,23 @@ impl WorkerSide {
                 self.report_store(job, request, JobPart::StoreFile, Vec::new(), failed);
             }
         }
+    }
+
+    /// Write host-tier blocks into the file tier (they are about to leave the host tier; the
+    /// write holds their buffers until it ends). A key the host tier lacks fails.
+    pub(super) fn write_back(&mut self, job: WriteBackJob) {
+        let request = RequestId(self.next_internal);
+        let mut blocks = Vec::with_capacity(job.keys.len());
+        let mut failed = Vec::new();
+        for key in job.keys {
+            match self.host.get(&key) {
+                Some(buf) => blocks.push((key, buf)),
+                None => failed.push((key, BlockError::Invalid("not in the host tier".into()))),
+            }
+        }
+        self.stores
+            .insert(job.job, StoreState::file_only(request, failed));
+        self.write_through(job.job, request, blocks);
     }
 
     /// The write-through of a store ended.
