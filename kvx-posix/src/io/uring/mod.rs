@@ -3,10 +3,14 @@
 //! posted on the ring, so a submitter wakes the thread by writing the eventfd.
 //!
 //! Every file syscall (open, statx, readv, writev, fdatasync, close, rename, unlink, mkdir) is a
-//! ring op with `IOSQE_ASYNC`: the kernel hands it to an io-wq worker at once instead of trying
-//! it inline inside `io_uring_enter`, where an op on a stuck FUSE or NFS mount would block the
-//! ring thread. No syscall that can touch a mount runs on the caller's thread or on the ring
-//! thread.
+//! ring op. On a root that can block (FUSE, NFS, any file system not known to be a local block
+//! file system) each carries `IOSQE_ASYNC`: the kernel hands it to an io-wq worker at once
+//! instead of trying it inline inside `io_uring_enter`, where an op on a stuck mount would block
+//! the ring thread. On a local block file system (`PosixConfig::inline_io`) ops are issued
+//! inline: the kernel tries them without blocking and hands any that would block to its
+//! workers. No syscall that can touch a mount runs on the caller's thread or on the ring thread.
+//! The ring is set up for its one owning thread (`COOP_TASKRUN`, `SINGLE_ISSUER`,
+//! `DEFER_TASKRUN`): completions are posted when the thread waits for them.
 //!
 //! A load or store in flight whose op is cancelled or past its deadline is written off: it stops
 //! counting against the ring's queue depth (so a healthy root sharing the ring keeps going), but
