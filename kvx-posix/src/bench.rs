@@ -172,6 +172,9 @@ impl BenchRig {
                 next += 1;
             }
             self.store.poll(&mut out);
+            // Completions free buffers: start their successors before sleeping again (their
+            // wake-up may have been taken by the last park already).
+            let progressed = !out.is_empty();
             let now = Instant::now();
             for c in out.drain(..) {
                 if self.abandoned.remove(&c.op.id) {
@@ -222,7 +225,9 @@ impl BenchRig {
                 .map(|(start, _)| (*start + deadline).saturating_duration_since(now))
                 .min()
                 .unwrap_or(STARVED);
-            self.park(until_due);
+            if !progressed {
+                self.park(until_due);
+            }
         }
         phase.elapsed = t0.elapsed();
         phase.latencies.sort_unstable();
