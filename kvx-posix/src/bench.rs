@@ -85,7 +85,7 @@ pub struct BenchRig {
 impl BenchRig {
     /// Open a store with `cfg` and a pool of `cfg.queue_depth` buffers of `block_size`.
     pub fn new(cfg: PosixConfig, block_size: usize) -> Result<BenchRig, PosixError> {
-        let queue_depth = cfg.queue_depth * cfg.rings.max(1);
+        let queue_depth = cfg.queue_depth;
         let mut store = PosixStore::open(cfg)?;
         let pool = BufferPool::new(queue_depth, block_size, DEFAULT_ALIGN)
             .map_err(|e| PosixError::Bench(format!("staging pool: {e}")))?;
