@@ -115,6 +115,14 @@ impl PosixStore {
             }
         }
         let sink = Arc::new(Sink::default());
+        if cfg.engine == EngineKind::Uring {
+            let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
+            sink.start_verify_lane(threads)
+                .map_err(|e| PosixError::Engine {
+                    engine: "verify",
+                    msg: format!("cannot start the verify threads: {e}"),
+                })?;
+        }
         let engine: Box<dyn IoEngine> = match cfg.engine {
             EngineKind::Psync => Box::new(PsyncEngine::new(
                 cfg.queue_depth,

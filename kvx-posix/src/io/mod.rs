@@ -15,6 +15,7 @@ pub(crate) mod psync;
 pub(crate) mod sys;
 #[cfg(target_os = "linux")]
 pub(crate) mod uring;
+pub(crate) mod verify;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -35,6 +36,8 @@ pub(crate) struct Sink {
     done: Mutex<Vec<Box<BlockJob>>>,
     cv: Condvar,
     notifier: Mutex<Notifier>,
+    /// Where finished loads with an unchecked payload go first (uring), once started.
+    verify: std::sync::OnceLock<verify::VerifyLane>,
 }
 
 impl Default for Sink {
@@ -43,6 +46,7 @@ impl Default for Sink {
             done: Mutex::new(Vec::new()),
             cv: Condvar::new(),
             notifier: Mutex::new(Notifier::noop()),
+            verify: std::sync::OnceLock::new(),
         }
     }
 }
@@ -52,8 +56,40 @@ impl Sink {
         kvx_core::lock(&self.done)
     }
 
-    /// Queue finished jobs and wake the store's owner.
+    /// Check the payloads of finished loads on `threads` threads of their own before they reach
+    /// the store (see [`verify`]); a sink without them leaves the check to the store.
+    pub(crate) fn start_verify_lane(
+        self: &std::sync::Arc<Self>,
+        threads: usize,
+    ) -> std::io::Result<()> {
+        let lane = verify::VerifyLane::start(threads, std::sync::Arc::downgrade(self))?;
+        let _ = self.verify.set(lane);
+        Ok(())
+    }
+
+    /// Queue finished jobs and wake the store's owner; loads with an unchecked payload go
+    /// through the verify lane first, when there is one.
     pub(crate) fn push(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
+        match self.verify.get() {
+            None => self.push_checked(jobs),
+            Some(lane) => {
+                let mut ready = Vec::new();
+                for job in jobs {
+                    if job.payload_unchecked() {
+                        if let Err(job) = lane.send(job) {
+                            ready.push(job);
+                        }
+                    } else {
+                        ready.push(job);
+                    }
+                }
+                self.push_checked(ready);
+            }
+        }
+    }
+
+    /// Queue jobs that need no more work and wake the store's owner.
+    pub(crate) fn push_checked(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
         let mut d = self.lock();
         let before = d.len();
         d.extend(jobs);

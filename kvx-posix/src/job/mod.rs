@@ -218,6 +218,18 @@ impl BlockJob {
         }
     }
 
+    /// True for a finished load whose payload checksum is still to be checked.
+    pub(crate) fn payload_unchecked(&self) -> bool {
+        self.payload_unchecked
+    }
+
+    /// Check a finished load's payload now (on the verify lane): a mismatch fails the block.
+    pub(crate) fn verify_payload(&mut self) {
+        if self.result.is_ok() {
+            self.result = self.check_payload();
+        }
+    }
+
     /// A finished load whose payload checksum was left to the caller: check it now; a
     /// mismatch fails the block as corrupt.
     pub(crate) fn check_payload(&mut self) -> Result<(), BlockError> {
