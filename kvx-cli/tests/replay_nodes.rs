@@ -35,21 +35,24 @@ fn n(v: &Value, k: &str) -> f64 {
         .unwrap_or_else(|| panic!("{k} in {v}"))
 }
 
-const COMMON: [&str; 9] = [
-    "--limit",
-    "150",
-    "--speedup",
-    "1",
-    "--block-bytes",
-    "4K",
-    "--host-blocks",
-    "256",
-    "--json",
-];
+/// The options every test passes, with host tiers of `host_blocks` each.
+fn common(host_blocks: &'static str) -> Vec<&'static str> {
+    vec![
+        "--limit",
+        "150",
+        "--speedup",
+        "1",
+        "--block-bytes",
+        "4K",
+        "--host-blocks",
+        host_blocks,
+        "--json",
+    ]
+}
 
 #[test]
 fn round_robin_nodes_hit_each_others_blocks() {
-    let mut args = COMMON.to_vec();
+    let mut args = common("256");
     args.extend(["--nodes", "3"]);
     let j = run_json(&args);
     assert_eq!(n(&j, "nodes"), 3.0);
@@ -82,7 +85,7 @@ fn round_robin_nodes_hit_each_others_blocks() {
 
 #[test]
 fn hash_spread_keeps_conversations_on_a_node() {
-    let mut args = COMMON.to_vec();
+    let mut args = common("256");
     args.extend(["--nodes", "2", "--spread", "hash"]);
     let j = run_json(&args);
     assert_eq!(n(&j, "nodes"), 2.0);
@@ -99,19 +102,8 @@ fn hash_spread_keeps_conversations_on_a_node() {
 fn written_back_blocks_reach_the_directory_only_as_they_leave_a_host_tier() {
     // Host tiers larger than everything the nodes compute: with write-back no block leaves
     // one, so none is written into the shared directory and no node hits another's block.
-    let mut args = vec![
-        "--limit",
-        "150",
-        "--speedup",
-        "1",
-        "--block-bytes",
-        "4K",
-        "--host-blocks",
-        "4096",
-        "--json",
-        "--nodes",
-        "2",
-    ];
+    let mut args = common("4096");
+    args.extend(["--nodes", "2"]);
     let back = run_json(&args);
     assert_eq!(back["shared_writes"], "back", "the default");
     assert_eq!(n(&back, "stored_file_blocks"), 0.0, "{back}");

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crossbeam_channel::{Sender, TrySendError};
+use crossbeam_channel::Sender;
 
 use crate::error::PosixError;
 
@@ -151,10 +151,8 @@ impl Spares {
             (spare, ready.len())
         };
         if self.inner.refill && left < self.inner.target / 2 + 1 {
-            match self.wake.try_send(()) {
-                Ok(()) | Err(TrySendError::Full(())) => {}
-                Err(TrySendError::Disconnected(())) => {}
-            }
+            // Full: a wake-up is already pending; disconnected: the thread is gone.
+            let _ = self.wake.try_send(());
         }
         spare
     }

@@ -129,7 +129,7 @@ impl BlockJob {
             e.to_block_error()
         })?;
         b.set_len(len);
-        if self.p.crc_in_caller {
+        if self.p.crc_off_ring {
             self.payload_unchecked = true;
         } else {
             format::check_payload(&path, header.as_slice(), b.as_slice())

@@ -62,11 +62,12 @@ pub(crate) struct JobParams {
     /// The root is a local block file system: ops may be issued inline, and a load reads
     /// without a statx (see `PosixConfig::inline_io`).
     pub(crate) inline: bool,
-    /// The payload checksum is the caller's work, not the engine thread's: a store's is
-    /// computed before the job is queued ([`BlockJob::compute_payload_crc`]), a load's checked
-    /// after the job is done ([`BlockJob::check_payload`]). Set for the uring engine, whose one
-    /// thread per ring would otherwise checksum every block; psync's threads do it in parallel.
-    pub(crate) crc_in_caller: bool,
+    /// The payload checksum is not the ring thread's work: a store's is computed by the caller
+    /// before the job is queued ([`BlockJob::compute_payload_crc`]), a load's checked on the
+    /// verify lane after the job is done ([`BlockJob::verify_payload`]). Set for the uring
+    /// engine, whose one thread per ring would otherwise checksum every block; psync's threads
+    /// do it in parallel.
+    pub(crate) crc_off_ring: bool,
     /// fdatasync before the rename.
     pub(crate) fdatasync: bool,
     /// The leaf directory may not exist yet: create it first.
@@ -88,7 +89,7 @@ impl JobParams {
         JobParams {
             direct: false,
             inline: false,
-            crc_in_caller: false,
+            crc_off_ring: false,
             fdatasync: false,
             make_dirs: false,
             deadline: Instant::now(),
@@ -210,10 +211,10 @@ impl BlockJob {
         self.p.deadline
     }
 
-    /// A store with [`JobParams::crc_in_caller`]: compute the payload's checksum now, on the
+    /// A store with [`JobParams::crc_off_ring`]: compute the payload's checksum now, on the
     /// caller's thread.
     pub(crate) fn compute_payload_crc(&mut self) {
-        if self.action == FileOp::Store && self.p.crc_in_caller {
+        if self.action == FileOp::Store && self.p.crc_off_ring {
             self.payload_crc = self.buf.as_ref().map(|b| crc32c::crc32c(b.as_slice()));
         }
     }
