@@ -137,6 +137,9 @@ fn frozen_mount_all_nodes(engine: EngineKind) {
         );
         assert_eq!(ok, 0, "no load succeeds on a frozen mount");
         assert_eq!(open, 1, "the breaker opened");
+        println!(
+            "frozen mount: slowest lookup answered in {answer_us} us (bound {bound:?}); loads ended at most {late_us} us after their deadlines (bound {MARGIN:?})"
+        );
     }
     mount.thaw();
     // After the thaw (and the breaker's cool-down) everything serves again.
