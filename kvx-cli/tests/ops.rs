@@ -381,6 +381,11 @@ fn frozen(cmd: &[&str]) -> Result<(), Failed> {
         &format!("kvx exited {took:?} after its operation got stuck, deadline {deadline_ms} ms"),
     )?;
     check(status.code() == Some(3), &format!("exit {status}"))?;
+    println!(
+        "{}: exit 3 {took:?} after its operation got stuck (deadline {deadline_ms} ms): {}",
+        cmd[0],
+        line.trim()
+    );
     if cmd.contains(&"--json") {
         let mut out = String::new();
         std::io::Read::read_to_string(&mut child.stdout.take().ok_or("stdout")?, &mut out)?;
