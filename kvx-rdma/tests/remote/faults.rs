@@ -39,6 +39,12 @@ pub fn producer_killed_mid_read() {
     let report = c.load(&desc.blocks, deadline);
     let ended = Instant::now();
     killer.join().unwrap();
+    println!(
+        "producer_killed_mid_read: the report reached the caller {:?} past the deadline ({:?} before it; bound {:?} past)",
+        ended.saturating_duration_since(deadline),
+        deadline.saturating_duration_since(ended),
+        TICK + ALLOWANCE
+    );
     assert!(
         ended <= deadline + TICK + ALLOWANCE,
         "ended {:?} past the deadline",
@@ -121,6 +127,12 @@ pub fn stalled_producer() {
     let report = c.load(&desc.blocks, deadline);
     let ended = Instant::now();
     stopper.join().unwrap();
+    println!(
+        "stalled_producer: the report reached the caller {:?} past the deadline ({:?} before it; bound {:?} past)",
+        ended.saturating_duration_since(deadline),
+        deadline.saturating_duration_since(ended),
+        TICK + ALLOWANCE
+    );
     assert!(
         ended <= deadline + TICK + ALLOWANCE,
         "ended {:?} past the deadline",
@@ -228,6 +240,10 @@ pub fn partition_netns() {
     assert!(report.contains("state=TimedOut"), "{report}");
     assert_eq!(field("failed="), u64::from(BLOCKS), "{report}");
     let margin = (TICK + ALLOWANCE).as_millis() as u64;
+    println!(
+        "partition_netns: elapsed_ms={} for a {deadline_ms} ms deadline (bound +{margin} ms)",
+        field("elapsed_ms=")
+    );
     assert!(field("elapsed_ms=") <= deadline_ms + margin, "{report}");
     assert!(report.contains("err=timed out"), "{report}");
     drop(consumer);

@@ -24,6 +24,10 @@ pub fn lease_expires_without_reader_real_time() {
     assert_eq!(line, "released 1 Expired");
     // Timed in the producer's clock, from `ready` to the engine loop polling the release.
     let after = p.release_timing(1).0.expect("ready was timed");
+    println!(
+        "lease_expires_without_reader: released {after:?} after ready (bound {:?})",
+        ttl + TICK + ALLOWANCE
+    );
     assert!(
         after >= ttl,
         "released {after:?} after ready; TTL is {ttl:?}"

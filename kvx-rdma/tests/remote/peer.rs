@@ -82,7 +82,14 @@ pub fn producer() -> i32 {
         let layout = layout.clone();
         std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                while let Some(r) = exporter.poll_released() {
+                // The release is timed at the poll that found it (the exporter's clock for
+                // that poll), not after this loop overwrote its blocks: a 16 MiB block takes
+                // the test milliseconds to overwrite on a cold machine.
+                loop {
+                    let polled = Instant::now();
+                    let Some(r) = exporter.poll_released_at(polled) else {
+                        break;
+                    };
                     for b in &r.blocks {
                         for (addr, len) in layout.segments(*b).expect("segments") {
                             // SAFETY: the exporter released the request: no read of it is in
@@ -90,7 +97,6 @@ pub fn producer() -> i32 {
                             unsafe { std::ptr::write_bytes(addr as *mut u8, REUSED, len) };
                         }
                     }
-                    let polled = Instant::now();
                     say(format!("released {} {:?}", r.request.0, r.reason));
                     let mark = marks.lock().unwrap().remove(&r.request.0);
                     let since = |at: Option<Instant>| {
