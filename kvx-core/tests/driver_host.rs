@@ -163,6 +163,11 @@ fn deadline_fires_while_the_backend_is_slow() {
     let ended = rep.finished_at;
     assert_eq!(rep.state, TaskState::TimedOut);
     assert!(ended >= deadline, "ended before its deadline");
+    println!(
+        "deadline_fires_while_the_backend_is_slow: verdict {:?} after the deadline (bound {:?})",
+        ended - deadline,
+        TICK + Duration::from_millis(50)
+    );
     assert!(
         ended <= deadline + TICK + Duration::from_millis(50),
         "ended {:?} after submit for a 60 ms deadline",
