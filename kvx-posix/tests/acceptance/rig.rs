@@ -251,8 +251,9 @@ pub fn first_error(r: &TaskReport) -> Option<BlockError> {
     r.blocks.iter().find_map(|b| b.result.clone().err())
 }
 
-/// Assert that `r` timed out by its deadline plus [`MARGIN`].
-pub fn assert_timed_out_on_time(r: &TaskReport, deadline: Instant) {
+/// Assert that `r` timed out by its deadline plus [`MARGIN`]; returns how long after its
+/// deadline it ended, for the log.
+pub fn assert_timed_out_on_time(r: &TaskReport, deadline: Instant) -> Duration {
     assert_eq!(
         r.state,
         TaskState::TimedOut,
@@ -265,4 +266,5 @@ pub fn assert_timed_out_on_time(r: &TaskReport, deadline: Instant) {
         r.task,
         r.finished_at.saturating_duration_since(deadline)
     );
+    r.finished_at.saturating_duration_since(deadline)
 }

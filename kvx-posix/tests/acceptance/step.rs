@@ -71,8 +71,9 @@ impl Watchdog {
     }
 
     /// Assert that no call took longer than [`HUNG`].
-    fn check(&self) {
+    fn check(&self, what: &str) {
         let longest = Duration::from_micros(self.longest.load(Ordering::Acquire));
+        println!("{what}: the longest engine-facing call took {longest:?} (bound {HUNG:?})");
         assert!(
             longest <= HUNG,
             "an engine-facing call took {longest:?} (bound {HUNG:?})"
@@ -154,7 +155,7 @@ fn backend_calls(engine: EngineKind) {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    dog.check();
+    dog.check(&format!("backend calls {engine}"));
     drop(dog);
     assert!(accepted > 0);
     assert!(mount.blocked_requests() > 0, "the mount really was stuck");
@@ -208,12 +209,24 @@ fn driver_calls(engine: EngineKind) {
         reports.extend(dog.call(|| r.driver.get_finished()).reports);
         std::thread::sleep(Duration::from_millis(5));
     }
-    dog.check();
+    dog.check(&format!("driver calls {engine}"));
     drop(dog);
     assert!(wait_until(SOON, || {
         reports.extend(r.driver.get_finished().reports);
         reports.len() == pending.len()
     }));
+    let late = reports
+        .iter()
+        .map(|rep| {
+            rep.finished_at
+                .saturating_duration_since(pending[&rep.task])
+        })
+        .max()
+        .unwrap_or_default();
+    println!(
+        "driver calls {engine}: {} tasks ended at most {late:?} after their deadline (bound {MARGIN:?})",
+        reports.len()
+    );
     for rep in &reports {
         let deadline = pending[&rep.task];
         assert!(rep.finished_at <= deadline + MARGIN, "{:?}", rep.state);

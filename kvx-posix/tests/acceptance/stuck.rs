@@ -94,15 +94,24 @@ pub fn stuck_mount_store(engine: EngineKind) {
     let keys: Vec<BlockKey> = (1000..1016).map(key).collect();
     r.store_ok(&[key(1)]); // the root exists and the mount is warm
     r.mount().freeze();
+    // The payloads are built before the clock starts: only submitting them is timed.
+    let payloads: Vec<Vec<OpBlock>> = keys.iter().map(|&k| r.filled(&[k])).collect();
     let deadline = Instant::now() + DEADLINE;
-    let tasks: Vec<TaskId> = keys
-        .iter()
-        .map(|&k| r.submit(Direction::Store, vec![r.posix], r.filled(&[k]), deadline))
+    let tasks: Vec<TaskId> = payloads
+        .into_iter()
+        .map(|blocks| r.submit(Direction::Store, vec![r.posix], blocks, deadline))
         .collect();
     assert!(r.mount().wait_blocked(1, SOON));
+    let mut late = Duration::ZERO;
     for t in tasks {
-        assert_timed_out_on_time(&r.report(t, deadline + SOON), deadline);
+        late = late.max(assert_timed_out_on_time(
+            &r.report(t, deadline + SOON),
+            deadline,
+        ));
     }
+    println!(
+        "stuck_mount_store {engine}: 16 stores timed out at most {late:?} after their deadline (bound {MARGIN:?})"
+    );
     r.mount().thaw();
     assert!(r.drained());
     for &k in &keys {
@@ -140,14 +149,18 @@ pub fn stuck_open(engine: EngineKind) {
         .expect("a key with the same 16-bit prefix");
     r.store_ok(&[old]);
     r.mount().freeze();
+    let (empty, filled) = (r.empty(&[old]), r.filled(&[new]));
     let deadline = Instant::now() + DEADLINE;
-    let load = r.submit(Direction::Load, vec![r.posix], r.empty(&[old]), deadline);
-    let store = r.submit(Direction::Store, vec![r.posix], r.filled(&[new]), deadline);
+    let load = r.submit(Direction::Load, vec![r.posix], empty, deadline);
+    let store = r.submit(Direction::Store, vec![r.posix], filled, deadline);
     // Frozen before either task started: the first request of each (the open of the block,
     // the create of the temporary file, or the lookup inside them) is what blocks.
     assert!(r.mount().wait_blocked(2, SOON), "open and create are stuck");
-    assert_timed_out_on_time(&r.report(load, deadline + SOON), deadline);
-    assert_timed_out_on_time(&r.report(store, deadline + SOON), deadline);
+    let load_late = assert_timed_out_on_time(&r.report(load, deadline + SOON), deadline);
+    let store_late = assert_timed_out_on_time(&r.report(store, deadline + SOON), deadline);
+    println!(
+        "stuck_open {engine}: load and store timed out {load_late:?} and {store_late:?} after their deadline (bound {MARGIN:?})"
+    );
     r.mount().thaw();
     assert!(r.drained());
     assert!(!r.files.block_path(new).exists());
@@ -175,7 +188,10 @@ pub fn late_completion_quarantine(engine: EngineKind) {
         .collect();
     let t = r.submit(Direction::Load, vec![r.posix], blocks, deadline);
     let rep = r.report(t, deadline + SOON);
-    assert_timed_out_on_time(&rep, deadline);
+    let late = assert_timed_out_on_time(&rep, deadline);
+    println!(
+        "late_completion_quarantine {engine}: timed out {late:?} after its deadline (bound {MARGIN:?})"
+    );
     assert!(rep.blocks.iter().all(|b| b.buf.is_none()));
     assert_eq!(r.tracker().zombie_ops, 1);
     assert_eq!(r.pool.available(), 8, "the 8 stuck buffers are quarantined");
