@@ -152,12 +152,24 @@ fn a_wedged_copy_gets_its_verdict_at_the_deadline_and_stays_a_zombie() {
             deferred: false,
         })
         .unwrap();
+    // The delivery check below holds only if this thread waits before the deadline passes.
+    let ahead = deadline.saturating_duration_since(Instant::now());
+    println!("wedged copy: the caller waits for the verdict {ahead:?} before the deadline");
+    assert!(
+        !ahead.is_zero(),
+        "submitting took past the deadline: the caller was not waiting"
+    );
 
     // The verdict comes from the tracker at the deadline, though the copy never returns.
     let report = driver
         .wait_report(task, deadline + Duration::from_secs(5))
         .expect("a verdict for the wedged task");
     let reported = Instant::now();
+    println!(
+        "wedged copy: the verdict reached the caller {:?} after the deadline (bound {:?})",
+        reported.saturating_duration_since(deadline),
+        TICK + ALLOWANCE
+    );
     assert_eq!(report.state, TaskState::TimedOut);
     assert!(
         reported <= deadline + TICK + ALLOWANCE,
