@@ -121,8 +121,8 @@ fn ops_that_never_complete_leave_every_call_bounded() {
         r.sched.update_from_worker(&out);
         for got in &out.finished_recving {
             let (_, t0, ids) = loads.iter().find(|l| l.0 == *got).expect("a load of ours");
-            // Its load started in an earlier step, so an earlier poll came after it.
-            let missing = missing_at.expect("a poll before the verdict") - *t0;
+            // Still missing at the previous poll (zero if that came before the load started).
+            let missing = missing_at.map_or(Duration::ZERO, |at| at.saturating_duration_since(*t0));
             latest_missing = latest_missing.max(missing);
             assert!(
                 missing <= by,
