@@ -165,18 +165,10 @@ fn stuck_disk_tier() -> Result<(), Failed> {
         )?;
         // Held at the last step that still missed the verdict, not at the one that saw it
         // after the test's own stepping (and sleeping) in between.
-        let mut missing_at = t0;
-        loop {
-            let stepped = Instant::now();
-            r.step();
-            if r.out.finished_recving.contains(&RequestId(req)) {
-                break;
-            }
-            missing_at = stepped;
-            check(stepped - t0 < T, "load never ended")?;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        waits.push((missing_at - t0, t0.elapsed()));
+        let missing = r
+            .step_until_last_miss(t0, T, |r| r.out.finished_recving.contains(&RequestId(req)))
+            .ok_or("load never ended")?;
+        waits.push((missing, t0.elapsed()));
         let d = r.out.decisions.iter().find(|d| d.0 == RequestId(req));
         check(
             matches!(

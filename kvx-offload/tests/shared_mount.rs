@@ -131,25 +131,14 @@ fn blocks_another_node_removed_leave_the_index_at_the_next_collector_pass() {
     // for the pass to start, one for it to end, and 50 ms of slack). Held at the last check
     // that still found them listed (the test's own stepping between checks is not B's).
     let bound = Duration::from_millis(2 * interval + 50);
-    let mut listed_at = removed_at;
-    loop {
-        let checked = Instant::now();
-        b.step();
-        // Both removed blocks (a pass already under way may drop one before the other).
-        if ks[2..]
-            .iter()
-            .all(|k| !b.sched.manager().is_stored(Tier::File, *k))
-        {
-            break;
-        }
-        listed_at = checked;
-        assert!(
-            checked - removed_at < T,
-            "B never forgot the removed blocks"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let listed = listed_at - removed_at;
+    // Both removed blocks (a pass already under way may drop one before the other).
+    let listed = b
+        .step_until_last_miss(removed_at, T, |r| {
+            ks[2..]
+                .iter()
+                .all(|k| !r.sched.manager().is_stored(Tier::File, *k))
+        })
+        .expect("B never forgot the removed blocks");
     println!("B still listed the removed blocks {listed:?} after the removal (bound {bound:?})");
     assert!(
         listed <= bound,

@@ -222,15 +222,31 @@ impl Rig {
     }
 
     /// Step until `done(self)` or the timeout; true if done.
-    pub fn step_until(&mut self, timeout: Duration, mut done: impl FnMut(&Rig) -> bool) -> bool {
-        let end = Instant::now() + timeout;
+    pub fn step_until(&mut self, timeout: Duration, done: impl FnMut(&Rig) -> bool) -> bool {
+        self.step_until_last_miss(Instant::now(), timeout, done)
+            .is_some()
+    }
+
+    /// Step until `done(self)`, for at most `timeout` after `since`; returns how long after
+    /// `since` the last step that still found it false began (zero when the first step found
+    /// it true), `None` on timeout. A bound held there is kvx's own: the test's stepping and
+    /// sleeping after that step are not.
+    pub fn step_until_last_miss(
+        &mut self,
+        since: Instant,
+        timeout: Duration,
+        mut done: impl FnMut(&Rig) -> bool,
+    ) -> Option<Duration> {
+        let mut missed_at = since;
         loop {
+            let stepped = Instant::now();
             self.step();
             if done(self) {
-                return true;
+                return Some(missed_at.saturating_duration_since(since));
             }
-            if Instant::now() >= end {
-                return false;
+            missed_at = stepped;
+            if stepped.saturating_duration_since(since) >= timeout {
+                return None;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
