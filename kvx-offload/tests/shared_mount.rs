@@ -40,6 +40,25 @@ fn lookup(r: &mut Rig, req: u64, keys: &[BlockKey]) -> (u64, usize) {
     }
 }
 
+/// Load `keys` (all found by a lookup of `req`) into engine `blocks`: the load must end with
+/// no invalid block; true when the blocks then hold the keys' bytes.
+fn load_all(r: &mut Rig, req: u64, keys: &[BlockKey], blocks: &[u32]) -> bool {
+    let alloc: Vec<EngineBlockId> = blocks.iter().copied().map(EngineBlockId).collect();
+    r.sched
+        .update_state_after_alloc(RequestId(req), &alloc)
+        .unwrap();
+    assert!(
+        r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(req))),
+        "the load of request {req} never ended"
+    );
+    assert!(
+        r.out.invalid_blocks.is_empty(),
+        "{:?}",
+        r.out.invalid_blocks
+    );
+    r.holds(keys, blocks)
+}
+
 #[test]
 fn a_block_another_node_stored_is_found_and_loaded() {
     let dir = tempfile::tempdir().unwrap();
@@ -58,13 +77,10 @@ fn a_block_another_node_stored_is_found_and_loaded() {
     for k in &ks {
         assert!(b.sched.manager().is_stored(Tier::File, *k));
     }
-    let alloc: Vec<EngineBlockId> = (10..14).map(EngineBlockId).collect();
-    b.sched
-        .update_state_after_alloc(RequestId(2), &alloc)
-        .unwrap();
-    assert!(b.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
-    assert!(b.out.invalid_blocks.is_empty());
-    assert!(b.holds(&ks, &[10, 11, 12, 13]), "byte-exact from A's files");
+    assert!(
+        load_all(&mut b, 2, &ks, &[10, 11, 12, 13]),
+        "byte-exact from A's files"
+    );
 }
 
 #[test]
@@ -209,14 +225,8 @@ fn written_back_blocks_reach_the_mount_as_they_leave_the_host_tier() {
     std::thread::sleep(Duration::from_millis(30)); // B's cached misses expire
     let (n, _) = lookup(&mut b, 2, &first);
     assert_eq!(n, 4 * BT as u64, "B finds the written-back blocks");
-    let alloc: Vec<EngineBlockId> = (20..24).map(EngineBlockId).collect();
-    b.sched
-        .update_state_after_alloc(RequestId(2), &alloc)
-        .unwrap();
-    assert!(b.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
-    assert!(b.out.invalid_blocks.is_empty());
     assert!(
-        b.holds(&first, &[20, 21, 22, 23]),
+        load_all(&mut b, 2, &first, &[20, 21, 22, 23]),
         "byte-exact from A's host buffers"
     );
     assert!(

@@ -18,20 +18,25 @@ fn with_stored(keys: &[BlockKey]) -> SchedulerSide {
     let pairs: Vec<_> = keys.iter().map(|k| (*k, EngineBlockId(0))).collect();
     let job = s.save_blocks(RequestId(1000), &pairs).unwrap();
     s.request_finished(RequestId(1000));
-    s.update_from_worker(&WorkerOutput {
+    s.update_from_worker(&host_store_done(job, RequestId(1000), keys));
+    s.build_meta();
+    assert_eq!(s.request_count(), 0, "the store's request is gone");
+    s
+}
+
+/// The worker's report that host store `job` of `request` stored every one of `keys`.
+fn host_store_done(job: crate::meta::JobId, request: RequestId, keys: &[BlockKey]) -> WorkerOutput {
+    WorkerOutput {
         jobs: vec![crate::meta::JobResult {
             job,
-            request: RequestId(1000),
+            request,
             part: JobPart::StoreHost,
             ok: keys.to_vec(),
             failed: vec![],
             promoted: vec![],
         }],
         ..Default::default()
-    });
-    s.build_meta();
-    assert_eq!(s.request_count(), 0, "the store's request is gone");
-    s
+    }
 }
 
 fn k(i: u128) -> BlockKey {
@@ -176,17 +181,7 @@ fn idle_request_state_is_dropped() {
     let mut s = sched(idle);
     let pairs = [(k(1), EngineBlockId(0))];
     let job = s.save_blocks(RequestId(1), &pairs).unwrap();
-    s.update_from_worker(&WorkerOutput {
-        jobs: vec![crate::meta::JobResult {
-            job,
-            request: RequestId(1),
-            part: JobPart::StoreHost,
-            ok: vec![k(1)],
-            failed: vec![],
-            promoted: vec![],
-        }],
-        ..Default::default()
-    });
+    s.update_from_worker(&host_store_done(job, RequestId(1), &[k(1)]));
     assert_eq!(
         s.get_num_new_matched_tokens(RequestId(2), &[k(1)], 0),
         Some(16)
