@@ -72,19 +72,14 @@ impl Sink {
     pub(crate) fn push(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
         match self.verify.get() {
             None => self.push_checked(jobs),
-            Some(lane) => {
-                let mut ready = Vec::new();
-                for job in jobs {
-                    if job.payload_unchecked() {
-                        if let Err(job) = lane.send(job) {
-                            ready.push(job);
-                        }
-                    } else {
-                        ready.push(job);
-                    }
+            // A job the lane cannot take (it is gone) is queued as is: the store checks it.
+            Some(lane) => self.push_checked(jobs.into_iter().filter_map(|job| {
+                if job.payload_unchecked() {
+                    lane.send(job).err()
+                } else {
+                    Some(job)
                 }
-                self.push_checked(ready);
-            }
+            })),
         }
     }
 
