@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # compare-posix: kvx's file tier next to fio and NVIDIA NIXL's POSIX backend on the same disk,
 # run alternately round by round (these disks swing 2x between back-to-back runs), printing
-# medians (GiB/s) and the ratios kvx/peer-best and kvx/fio, then one JSON line.
+# medians (GiB/s), the ratios kvx/peer-best and kvx/fio of those medians, and the median of the
+# per-round ratios kvx/peer-best (each round's kvx run against the peer's better engine of the same
+# round), then one JSON line.
 #
 # Each round runs, in an order rotated by one each round (so no tool always goes first):
 #   kvx-uring   kvx bench posix --engine uring   (one file per block, header, checksum, rename)
@@ -43,7 +45,7 @@ kvx="$repo/target/release/kvx"
 venv="${NIXL_VENV:-$HOME/nixl-venv}"
 peer="$repo/../shared/peers/nixl_posix.py"
 
-usage() { sed -n '14,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '16,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dir) dir=${2:?--dir needs a value}; shift 2 ;;
@@ -96,8 +98,8 @@ cleanup() { rm -rf -- "$work"; rm -f -- "$results" "$loadlog"; }
 trap cleanup EXIT
 failed=0
 
-# record BS TOOL PHASE GIB_S
-record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$results"; }
+# record BS TOOL PHASE GIB_S (of the round under way)
+record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$round" >>"$results"; }
 # the first field named $1 of the last JSON object line on stdin
 json_field() { python3 -c '
 import json, sys
@@ -182,10 +184,12 @@ from collections import defaultdict
 
 results, loadlog, qd, rounds, where = sys.argv[1:6]
 runs = defaultdict(list)  # (bs, tool, phase) -> GiB/s per round
+by_round = {}  # (bs, tool, phase, round) -> GiB/s
 order = []
 for line in open(results):
-    bs, tool, phase, v = line.rstrip("\n").split("\t")
+    bs, tool, phase, v, rnd = line.rstrip("\n").split("\t")
     runs[(bs, tool, phase)].append(float(v))
+    by_round[(bs, tool, phase, rnd)] = float(v)
     if bs not in order:
         order.append(bs)
 loads = [float(x) for x in open(loadlog).read().split()]
@@ -230,6 +234,22 @@ for bs in order:
             rs, rl = ratio(med(bs, t, "store"), base["store"]), ratio(med(bs, t, "load"), base["load"])
             print(f"  {t + '/' + name:22} {fmt(rs):>7} {fmt(rl):>7}")
             entry[f"{t}_vs_{name}"] = {"store": rs, "load": rl}
+    # Paired: kvx against the peer's better engine of the same round (minutes apart, not
+    # tens of minutes), then the median of those ratios; rounds missing a figure are skipped.
+    print(f"  {'paired, median':22} {'store':>7} {'load':>7}")
+    for t in ("kvx-uring", "kvx-psync"):
+        med_pair = {}
+        for ph in ("store", "load"):
+            pairs = []
+            for r in range(int(rounds)):
+                k = by_round.get((bs, t, ph, str(r)))
+                p = [by_round.get((bs, e, ph, str(r))) for e in ("nixl-aio", "nixl-uring")]
+                p = [x for x in p if x]
+                if k is not None and p:
+                    pairs.append(k / max(p))
+            med_pair[ph] = round(statistics.median(pairs), 3) if pairs else None
+        print(f"  {t + '/peer-best':22} {fmt(med_pair['store']):>7} {fmt(med_pair['load']):>7}")
+        entry[f"{t}_vs_peer-best_paired"] = med_pair
     out["sizes"][bs] = entry
 print(json.dumps(out, separators=(",", ":")))
 EOF
