@@ -8,7 +8,7 @@
 //! steady load allocates nothing here.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::ids::TaskId;
 
@@ -26,13 +26,16 @@ const TICK_NS: u64 = crate::TICK.as_nanos() as u64;
 /// idle tracker holds no timer).
 #[derive(Default, Debug)]
 pub(crate) struct Deadlines {
-    /// Slot 0 starts here: the `now` of the first push since the last clear (deadlines are
-    /// never before the `now` they were submitted at).
+    /// Slot 0 starts here: the `now` of the first push (deadlines are never before the `now`
+    /// they were submitted at; one that is lands in slot 0). Kept through `clear`.
     origin: Option<Instant>,
+    /// The slot found last and the instants it covers, `[start, end)`: deadlines mostly come
+    /// in runs within one tick, and this spares them the division.
+    hot: Option<(Instant, Instant, u64)>,
     /// Every slot but the latest.
     slots: BTreeMap<u64, Vec<Entry>>,
     /// The latest slot: later than every slot in `slots`, and `None` only when `slots` is
-    /// empty too.
+    /// empty too (left in place, emptied, by `clear`).
     latest: Option<(u64, Vec<Entry>)>,
     len: usize,
     /// Emptied slot vectors, for new slots.
@@ -41,11 +44,32 @@ pub(crate) struct Deadlines {
 
 impl Deadlines {
     /// The slot of `at`: ticks since the origin.
-    fn slot(&self, at: Instant) -> u64 {
-        self.origin.map_or(0, |o| {
-            let ns = at.saturating_duration_since(o).as_nanos();
-            u64::try_from(ns).unwrap_or(u64::MAX) / TICK_NS
-        })
+    #[inline]
+    fn slot(&mut self, at: Instant) -> u64 {
+        match self.hot {
+            Some((start, end, s)) if start <= at && at < end => s,
+            _ => self.slot_by_division(at),
+        }
+    }
+
+    /// [`Deadlines::slot`] outside the hot slot; makes the slot of `at` the hot one.
+    #[inline(never)]
+    fn slot_by_division(&mut self, at: Instant) -> u64 {
+        let Some(o) = self.origin else {
+            return 0;
+        };
+        let ns = at.saturating_duration_since(o).as_nanos();
+        let s = u64::try_from(ns).unwrap_or(u64::MAX) / TICK_NS;
+        // Only a deadline at or after the origin is known to be in the slot's own tick.
+        if at >= o {
+            let start = s
+                .checked_mul(TICK_NS)
+                .and_then(|ns| o.checked_add(Duration::from_nanos(ns)));
+            if let Some((start, end)) = start.and_then(|a| Some((a, a.checked_add(crate::TICK)?))) {
+                self.hot = Some((start, end, s));
+            }
+        }
+        s
     }
 
     pub(crate) fn push(&mut self, now: Instant, e: Entry) {
@@ -64,8 +88,13 @@ impl Deadlines {
             _ => {
                 let mut v = self.spares.pop().unwrap_or_default();
                 v.push(e);
-                if let Some((older, w)) = self.latest.replace((s, v)) {
-                    self.slots.insert(older, w);
+                match self.latest.replace((s, v)) {
+                    // Emptied by `clear`: nothing to keep but the vector.
+                    Some((_, w)) if w.is_empty() => self.recycle(w),
+                    Some((older, w)) => {
+                        self.slots.insert(older, w);
+                    }
+                    None => {}
                 }
             }
         }
@@ -175,24 +204,22 @@ impl Deadlines {
         self.len
     }
 
-    /// Drop every entry. (Slot by slot: the map keeps its root node and the vectors are kept
+    /// Drop every entry (the origin stays). (Slot by slot: the map keeps its root node and the vectors are kept
     /// for reuse, so a tracker that keeps going from one task to none allocates nothing.)
     pub(crate) fn clear(&mut self) {
         while let Some((_, v)) = self.slots.pop_first() {
             self.recycle(v);
         }
-        if let Some((_, v)) = self.latest.take() {
-            self.recycle(v);
+        // The latest slot stays, emptied: the next push most likely lands in it again.
+        if let Some((_, v)) = &mut self.latest {
+            v.clear();
         }
         self.len = 0;
-        self.origin = None;
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]

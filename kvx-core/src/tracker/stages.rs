@@ -352,7 +352,8 @@ impl Tracker {
     /// End the live task in `slot` in `state`; its outstanding op, if any, becomes a zombie.
     pub(super) fn terminate(&mut self, slot: u32, state: TaskState, now: Instant) {
         self.unlink_task(slot);
-        let Some(mut t) = self.tasks.remove(slot) else {
+        // Worked on where it lies in the slab (a task entry is large), freed at the end.
+        let Some(t) = self.tasks.get_mut(slot) else {
             return;
         };
         self.task_slots.remove(t.id);
@@ -401,21 +402,24 @@ impl Tracker {
         if zombie_engine.is_none() {
             self.holders.remove(&t.engine_blocks, Holder::Task(slot));
         }
+        let (task, request, dir, req_slot) = (t.id, t.request, t.dir, t.req_slot);
+        let blocks = std::mem::take(&mut t.reports);
         if t.phase == Phase::Deferred {
             self.deferred.retain(|x| x.0 != slot);
         }
-        if let (Some(op), Some(r)) = (zombie_engine, self.requests.get_mut(t.req_slot)) {
+        self.tasks.free(slot);
+        if let (Some(op), Some(r)) = (zombie_engine, self.requests.get_mut(req_slot)) {
             r.zombies.push(op);
         }
         self.events.push_back(Event::TaskFinished(TaskReport {
-            task: t.id,
-            request: t.request,
-            dir: t.dir,
+            task,
+            request,
+            dir,
             state,
-            blocks: t.reports,
+            blocks,
             finished_at: now,
         }));
-        self.maybe_release(t.req_slot);
+        self.maybe_release(req_slot);
         self.recheck_blocked();
         let tasks = &self.tasks;
         self.deadlines

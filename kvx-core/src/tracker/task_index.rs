@@ -110,10 +110,17 @@ impl TaskIndex {
 
     /// Drop free places at the front; move the oldest live ids away while free places
     /// dominate. (Free places at the back stay: the next ids land right after them.)
+    #[inline]
     fn tidy(&mut self) {
         if self.window.front() != Some(&NIL) && self.window.len() <= 2 * self.in_window + SLACK {
             return;
         }
+        self.tidy_now();
+    }
+
+    /// The work of [`TaskIndex::tidy`], when there is some.
+    #[inline(never)]
+    fn tidy_now(&mut self) {
         let mut moves = 0;
         loop {
             while self.window.front() == Some(&NIL) {
