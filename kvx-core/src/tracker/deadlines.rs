@@ -72,7 +72,23 @@ impl Deadlines {
         s
     }
 
+    #[inline]
     pub(crate) fn push(&mut self, now: Instant, e: Entry) {
+        // The common case: into the latest slot, which is the hot one.
+        if let (Some((start, end, s)), Some((latest, v))) = (self.hot, &mut self.latest) {
+            if s == *latest && start <= e.0 && e.0 < end {
+                v.push(e);
+                self.len += 1;
+                return;
+            }
+        }
+        self.push_elsewhere(now, e);
+    }
+
+    /// [`Deadlines::push`] when the deadline is not in the latest slot, or that slot is not
+    /// the hot one.
+    #[inline(never)]
+    fn push_elsewhere(&mut self, now: Instant, e: Entry) {
         self.origin.get_or_insert(now);
         let s = self.slot(e.0);
         self.len += 1;
@@ -178,24 +194,31 @@ impl Deadlines {
     }
 
     /// Drop every entry whose task ended, if stale entries dominate.
-    pub(crate) fn compact(&mut self, live: usize, mut is_live: impl FnMut(&Entry) -> bool) {
+    #[inline]
+    pub(crate) fn compact(&mut self, live: usize, is_live: impl FnMut(&Entry) -> bool) {
         if live == 0 {
             self.clear();
         } else if self.len > 2 * live + 1024 {
-            for v in self.slots.values_mut() {
-                v.retain(&mut is_live);
-            }
-            self.slots.retain(|_, v| !v.is_empty());
-            if let Some((_, v)) = &mut self.latest {
-                v.retain(&mut is_live);
-            }
-            self.len = self.slots.values().map(Vec::len).sum::<usize>()
-                + self.latest.as_ref().map_or(0, |(_, v)| v.len());
-            if self.latest.as_ref().is_some_and(|(_, v)| v.is_empty()) {
-                let empty = std::mem::replace(&mut self.latest, self.slots.pop_last());
-                if let Some((_, v)) = empty {
-                    self.recycle(v);
-                }
+            self.compact_now(is_live);
+        }
+    }
+
+    /// The work of [`Deadlines::compact`] when stale entries dominate.
+    #[inline(never)]
+    fn compact_now(&mut self, mut is_live: impl FnMut(&Entry) -> bool) {
+        for v in self.slots.values_mut() {
+            v.retain(&mut is_live);
+        }
+        self.slots.retain(|_, v| !v.is_empty());
+        if let Some((_, v)) = &mut self.latest {
+            v.retain(&mut is_live);
+        }
+        self.len = self.slots.values().map(Vec::len).sum::<usize>()
+            + self.latest.as_ref().map_or(0, |(_, v)| v.len());
+        if self.latest.as_ref().is_some_and(|(_, v)| v.is_empty()) {
+            let empty = std::mem::replace(&mut self.latest, self.slots.pop_last());
+            if let Some((_, v)) = empty {
+                self.recycle(v);
             }
         }
     }
@@ -206,9 +229,12 @@ impl Deadlines {
 
     /// Drop every entry (the origin stays). (Slot by slot: the map keeps its root node and the vectors are kept
     /// for reuse, so a tracker that keeps going from one task to none allocates nothing.)
+    #[inline]
     pub(crate) fn clear(&mut self) {
-        while let Some((_, v)) = self.slots.pop_first() {
-            self.recycle(v);
+        if !self.slots.is_empty() {
+            while let Some((_, v)) = self.slots.pop_first() {
+                self.recycle(v);
+            }
         }
         // The latest slot stays, emptied: the next push most likely lands in it again.
         if let Some((_, v)) = &mut self.latest {

@@ -77,6 +77,7 @@ impl<T> Slab<T> {
     }
 
     /// Drop the value in slot `i` where it lies; false if the slot is free.
+    #[inline]
     pub(super) fn free(&mut self, i: u32) -> bool {
         let Some(slot) = self.slots.get_mut(i as usize) else {
             return false;

@@ -15,7 +15,7 @@ use super::{
 use crate::backend::SubmitError;
 use crate::error::CoreError;
 use crate::ids::{BackendId, OpId, TaskId};
-use crate::op::{BlockError, Op, OpCompletion};
+use crate::op::{BlockError, Op, OpBlock, OpCompletion};
 use crate::task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
 
 /// The lower half of an op id: its slot in the op slab.
@@ -57,15 +57,16 @@ impl Tracker {
             deferred,
         } = spec;
         let n = blocks.len();
-        let mut reports: Vec<BlockReport> = blocks
-            .iter()
-            .map(|b| BlockReport {
-                key: b.key,
-                engine: b.engine,
-                result: Ok(()),
-                buf: None,
-            })
-            .collect();
+        let report = |b: &OpBlock| BlockReport {
+            key: b.key,
+            engine: b.engine,
+            result: Ok(()),
+            buf: None,
+        };
+        let mut reports: Vec<BlockReport> = match &blocks[..] {
+            [b] => vec![report(b)],
+            _ => blocks.iter().map(report).collect(),
+        };
         let span = tracing::debug_span!("kvx_task", task = %id, request = %request, dir = %dir, blocks = n);
         let req_slot = self.request_slots.get(&request).copied();
         // Refusals: the task ends at once, buffers handed back.
@@ -310,8 +311,16 @@ impl Tracker {
                 self.start_stage(slot);
                 return;
             }
-            for (i, blk) in op.blocks.into_iter().enumerate() {
-                t.reports[at.at(i)].buf = Some(blk.buf);
+            let mut blocks = op.blocks;
+            if blocks.len() == 1 {
+                // The common one-block op: no iterator to set up and drop.
+                if let Some(blk) = blocks.pop() {
+                    t.reports[at.at(0)].buf = Some(blk.buf);
+                }
+            } else {
+                for (i, blk) in blocks.into_iter().enumerate() {
+                    t.reports[at.at(i)].buf = Some(blk.buf);
+                }
             }
         } else {
             let (mut ok, mut ok_at) = (Vec::new(), Vec::new());

@@ -55,6 +55,7 @@ impl TaskIndex {
     }
 
     /// Record live task `id` in `slot` (`id` must not be live already).
+    #[inline]
     pub(super) fn insert(&mut self, id: TaskId, slot: u32) {
         if self.window.is_empty() {
             self.base = id.0;
@@ -91,6 +92,7 @@ impl TaskIndex {
     }
 
     /// Forget `id`; returns its slot.
+    #[inline]
     pub(super) fn remove(&mut self, id: TaskId) -> Option<u32> {
         if let Some(i) = self.place(id) {
             let slot = std::mem::replace(&mut self.window[i], NIL);
