@@ -82,8 +82,22 @@ pub struct OpCompletion {
 
 impl OpCompletion {
     /// A completion where every block got the same result.
+    #[inline]
     pub fn all(op: Op, result: Result<(), BlockError>) -> OpCompletion {
-        let results = vec![result; op.blocks.len()];
+        // Clones for all blocks but the last, which takes `result` itself (no clone and no
+        // drop for the common one-block op).
+        let n = op.blocks.len();
+        if n == 1 {
+            return OpCompletion {
+                op,
+                results: vec![result],
+            };
+        }
+        let mut results = Vec::with_capacity(n);
+        if n > 0 {
+            results.extend(std::iter::repeat_n(&result, n - 1).cloned());
+            results.push(result);
+        }
         OpCompletion { op, results }
     }
 }

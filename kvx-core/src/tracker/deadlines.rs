@@ -8,7 +8,7 @@
 //! steady load allocates nothing here.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::ids::TaskId;
 
@@ -26,13 +26,16 @@ const TICK_NS: u64 = crate::TICK.as_nanos() as u64;
 /// idle tracker holds no timer).
 #[derive(Default, Debug)]
 pub(crate) struct Deadlines {
-    /// Slot 0 starts here: the `now` of the first push since the last clear (deadlines are
-    /// never before the `now` they were submitted at).
+    /// Slot 0 starts here: the `now` of the first push (deadlines are never before the `now`
+    /// they were submitted at; one that is lands in slot 0). Kept through `clear`.
     origin: Option<Instant>,
+    /// The slot found last and the instants it covers, `[start, end)`: deadlines mostly come
+    /// in runs within one tick, and this spares them the division.
+    hot: Option<(Instant, Instant, u64)>,
     /// Every slot but the latest.
     slots: BTreeMap<u64, Vec<Entry>>,
     /// The latest slot: later than every slot in `slots`, and `None` only when `slots` is
-    /// empty too.
+    /// empty too (left in place, emptied, by `clear`).
     latest: Option<(u64, Vec<Entry>)>,
     len: usize,
     /// Emptied slot vectors, for new slots.
@@ -41,14 +44,51 @@ pub(crate) struct Deadlines {
 
 impl Deadlines {
     /// The slot of `at`: ticks since the origin.
-    fn slot(&self, at: Instant) -> u64 {
-        self.origin.map_or(0, |o| {
-            let ns = at.saturating_duration_since(o).as_nanos();
-            u64::try_from(ns).unwrap_or(u64::MAX) / TICK_NS
-        })
+    #[inline]
+    fn slot(&mut self, at: Instant) -> u64 {
+        match self.hot {
+            Some((start, end, s)) if start <= at && at < end => s,
+            _ => self.slot_by_division(at),
+        }
     }
 
+    /// [`Deadlines::slot`] outside the hot slot; makes the slot of `at` the hot one.
+    #[inline(never)]
+    fn slot_by_division(&mut self, at: Instant) -> u64 {
+        let Some(o) = self.origin else {
+            return 0;
+        };
+        let ns = at.saturating_duration_since(o).as_nanos();
+        let s = u64::try_from(ns).unwrap_or(u64::MAX) / TICK_NS;
+        // Only a deadline at or after the origin is known to be in the slot's own tick.
+        if at >= o {
+            let start = s
+                .checked_mul(TICK_NS)
+                .and_then(|ns| o.checked_add(Duration::from_nanos(ns)));
+            if let Some((start, end)) = start.and_then(|a| Some((a, a.checked_add(crate::TICK)?))) {
+                self.hot = Some((start, end, s));
+            }
+        }
+        s
+    }
+
+    #[inline]
     pub(crate) fn push(&mut self, now: Instant, e: Entry) {
+        // The common case: into the latest slot, which is the hot one.
+        if let (Some((start, end, s)), Some((latest, v))) = (self.hot, &mut self.latest) {
+            if s == *latest && start <= e.0 && e.0 < end {
+                v.push(e);
+                self.len += 1;
+                return;
+            }
+        }
+        self.push_elsewhere(now, e);
+    }
+
+    /// [`Deadlines::push`] when the deadline is not in the latest slot, or that slot is not
+    /// the hot one.
+    #[inline(never)]
+    fn push_elsewhere(&mut self, now: Instant, e: Entry) {
         self.origin.get_or_insert(now);
         let s = self.slot(e.0);
         self.len += 1;
@@ -64,8 +104,13 @@ impl Deadlines {
             _ => {
                 let mut v = self.spares.pop().unwrap_or_default();
                 v.push(e);
-                if let Some((older, w)) = self.latest.replace((s, v)) {
-                    self.slots.insert(older, w);
+                match self.latest.replace((s, v)) {
+                    // Emptied by `clear`: nothing to keep but the vector.
+                    Some((_, w)) if w.is_empty() => self.recycle(w),
+                    Some((older, w)) => {
+                        self.slots.insert(older, w);
+                    }
+                    None => {}
                 }
             }
         }
@@ -149,24 +194,31 @@ impl Deadlines {
     }
 
     /// Drop every entry whose task ended, if stale entries dominate.
-    pub(crate) fn compact(&mut self, live: usize, mut is_live: impl FnMut(&Entry) -> bool) {
+    #[inline]
+    pub(crate) fn compact(&mut self, live: usize, is_live: impl FnMut(&Entry) -> bool) {
         if live == 0 {
             self.clear();
         } else if self.len > 2 * live + 1024 {
-            for v in self.slots.values_mut() {
-                v.retain(&mut is_live);
-            }
-            self.slots.retain(|_, v| !v.is_empty());
-            if let Some((_, v)) = &mut self.latest {
-                v.retain(&mut is_live);
-            }
-            self.len = self.slots.values().map(Vec::len).sum::<usize>()
-                + self.latest.as_ref().map_or(0, |(_, v)| v.len());
-            if self.latest.as_ref().is_some_and(|(_, v)| v.is_empty()) {
-                let empty = std::mem::replace(&mut self.latest, self.slots.pop_last());
-                if let Some((_, v)) = empty {
-                    self.recycle(v);
-                }
+            self.compact_now(is_live);
+        }
+    }
+
+    /// The work of [`Deadlines::compact`] when stale entries dominate.
+    #[inline(never)]
+    fn compact_now(&mut self, mut is_live: impl FnMut(&Entry) -> bool) {
+        for v in self.slots.values_mut() {
+            v.retain(&mut is_live);
+        }
+        self.slots.retain(|_, v| !v.is_empty());
+        if let Some((_, v)) = &mut self.latest {
+            v.retain(&mut is_live);
+        }
+        self.len = self.slots.values().map(Vec::len).sum::<usize>()
+            + self.latest.as_ref().map_or(0, |(_, v)| v.len());
+        if self.latest.as_ref().is_some_and(|(_, v)| v.is_empty()) {
+            let empty = std::mem::replace(&mut self.latest, self.slots.pop_last());
+            if let Some((_, v)) = empty {
+                self.recycle(v);
             }
         }
     }
@@ -175,24 +227,25 @@ impl Deadlines {
         self.len
     }
 
-    /// Drop every entry. (Slot by slot: the map keeps its root node and the vectors are kept
+    /// Drop every entry (the origin stays). (Slot by slot: the map keeps its root node and the vectors are kept
     /// for reuse, so a tracker that keeps going from one task to none allocates nothing.)
+    #[inline]
     pub(crate) fn clear(&mut self) {
-        while let Some((_, v)) = self.slots.pop_first() {
-            self.recycle(v);
+        if !self.slots.is_empty() {
+            while let Some((_, v)) = self.slots.pop_first() {
+                self.recycle(v);
+            }
         }
-        if let Some((_, v)) = self.latest.take() {
-            self.recycle(v);
+        // The latest slot stays, emptied: the next push most likely lands in it again.
+        if let Some((_, v)) = &mut self.latest {
+            v.clear();
         }
         self.len = 0;
-        self.origin = None;
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]

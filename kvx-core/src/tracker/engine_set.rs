@@ -30,8 +30,17 @@ impl Default for EngineSet {
 
 impl EngineSet {
     /// The engine blocks that `blocks` name.
+    #[inline]
     pub(super) fn of(blocks: &[OpBlock]) -> EngineSet {
         let mut ids = [EngineBlockId(0); INLINE];
+        if let [b] = blocks {
+            // The common one-block task.
+            ids[0] = b.engine.unwrap_or(EngineBlockId(0));
+            return EngineSet::Inline {
+                len: u8::from(b.engine.is_some()),
+                ids,
+            };
+        }
         let mut len = 0;
         for e in blocks.iter().filter_map(|b| b.engine) {
             let Err(at) = ids[..len].binary_search(&e) else {

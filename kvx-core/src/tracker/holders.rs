@@ -44,6 +44,7 @@ pub(crate) struct Holders {
 
 impl Holders {
     /// Queue `h` on `blocks`; true when it is first in line on all of them.
+    #[inline]
     pub(crate) fn register(&mut self, blocks: &[EngineBlockId], h: Holder) -> bool {
         self.seq += 1;
         let seq = self.seq;
@@ -105,6 +106,7 @@ impl Holders {
     }
 
     /// Remove `h` from `blocks`.
+    #[inline]
     pub(crate) fn remove(&mut self, blocks: &[EngineBlockId], h: Holder) {
         for b in blocks {
             let Entry::Occupied(mut entry) = self.lines.entry(*b) else {

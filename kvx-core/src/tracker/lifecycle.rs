@@ -127,6 +127,7 @@ impl Tracker {
     }
 
     /// Drop the entry of a finished request (by slot) once nothing of it is outstanding.
+    #[inline]
     pub(super) fn maybe_release(&mut self, rs: u32) {
         let Some(r) = self.requests.get(rs) else {
             return;

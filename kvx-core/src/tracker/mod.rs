@@ -208,11 +208,13 @@ impl Tracker {
     }
 
     /// Next piece of work for the driver.
+    #[inline]
     pub fn poll_backend_command(&mut self) -> Option<BackendCommand> {
         self.commands.pop_front()
     }
 
     /// Next thing the engine needs to know.
+    #[inline]
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
     }

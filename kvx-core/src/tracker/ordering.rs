@@ -38,10 +38,16 @@ impl Tracker {
     }
 
     /// Start blocked tasks that are now first in line.
+    #[inline]
     pub(super) fn recheck_blocked(&mut self) {
-        if self.blocked.is_empty() {
-            return;
+        if !self.blocked.is_empty() {
+            self.recheck_blocked_now();
         }
+    }
+
+    /// The work of [`Tracker::recheck_blocked`] when some task is blocked.
+    #[inline(never)]
+    fn recheck_blocked_now(&mut self) {
         let mut list = std::mem::take(&mut self.blocked);
         let mut kept = 0;
         for i in 0..list.len() {

@@ -44,16 +44,20 @@ impl<T> Slab<T> {
     ///
     /// # Panics
     /// With `u32::MAX` values stored at once (the tracker's limit on live tasks and ops).
+    #[inline]
     pub(super) fn insert(&mut self, v: T) -> u32 {
         let i = self.next_slot();
         assert!(i != NIL, "more than u32::MAX - 1 entries in a tracker slab");
         self.len += 1;
-        if i as usize == self.slots.len() {
-            self.slots.push(Slot::Used(v));
-        } else if let Slot::Free(next) =
-            std::mem::replace(&mut self.slots[i as usize], Slot::Used(v))
-        {
-            self.free = next;
+        match self.slots.get_mut(i as usize) {
+            // Written in place: no copy of the old slot comes back.
+            Some(slot) => {
+                if let Slot::Free(next) = *slot {
+                    self.free = next;
+                }
+                *slot = Slot::Used(v);
+            }
+            None => self.slots.push(Slot::Used(v)),
         }
         i
     }
@@ -70,6 +74,21 @@ impl<T> Slab<T> {
         self.free = i;
         self.len -= 1;
         Some(v)
+    }
+
+    /// Drop the value in slot `i` where it lies; false if the slot is free.
+    #[inline]
+    pub(super) fn free(&mut self, i: u32) -> bool {
+        let Some(slot) = self.slots.get_mut(i as usize) else {
+            return false;
+        };
+        if matches!(slot, Slot::Free(_)) {
+            return false;
+        }
+        *slot = Slot::Free(self.free);
+        self.free = i;
+        self.len -= 1;
+        true
     }
 
     pub(super) fn get(&self, i: u32) -> Option<&T> {
@@ -114,7 +133,8 @@ mod tests {
         assert_eq!((a, b, c), (0, 1, 2));
         assert_eq!(s.remove(a), Some('a'));
         assert_eq!(s.remove(a), None, "a free slot holds nothing");
-        assert_eq!(s.remove(c), Some('c'));
+        assert!(s.free(c));
+        assert!(!s.free(c), "a free slot is freed once");
         assert_eq!(s.next_slot(), c);
         assert_eq!(s.insert('d'), c);
         assert_eq!(s.insert('e'), a);

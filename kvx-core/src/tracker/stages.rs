@@ -15,7 +15,7 @@ use super::{
 use crate::backend::SubmitError;
 use crate::error::CoreError;
 use crate::ids::{BackendId, OpId, TaskId};
-use crate::op::{BlockError, Op, OpCompletion};
+use crate::op::{BlockError, Op, OpBlock, OpCompletion};
 use crate::task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
 
 /// The lower half of an op id: its slot in the op slab.
@@ -57,15 +57,16 @@ impl Tracker {
             deferred,
         } = spec;
         let n = blocks.len();
-        let mut reports: Vec<BlockReport> = blocks
-            .iter()
-            .map(|b| BlockReport {
-                key: b.key,
-                engine: b.engine,
-                result: Ok(()),
-                buf: None,
-            })
-            .collect();
+        let report = |b: &OpBlock| BlockReport {
+            key: b.key,
+            engine: b.engine,
+            result: Ok(()),
+            buf: None,
+        };
+        let mut reports: Vec<BlockReport> = match &blocks[..] {
+            [b] => vec![report(b)],
+            _ => blocks.iter().map(report).collect(),
+        };
         let span = tracing::debug_span!("kvx_task", task = %id, request = %request, dir = %dir, blocks = n);
         let req_slot = self.request_slots.get(&request).copied();
         // Refusals: the task ends at once, buffers handed back.
@@ -310,8 +311,16 @@ impl Tracker {
                 self.start_stage(slot);
                 return;
             }
-            for (i, blk) in op.blocks.into_iter().enumerate() {
-                t.reports[at.at(i)].buf = Some(blk.buf);
+            let mut blocks = op.blocks;
+            if blocks.len() == 1 {
+                // The common one-block op: no iterator to set up and drop.
+                if let Some(blk) = blocks.pop() {
+                    t.reports[at.at(0)].buf = Some(blk.buf);
+                }
+            } else {
+                for (i, blk) in blocks.into_iter().enumerate() {
+                    t.reports[at.at(i)].buf = Some(blk.buf);
+                }
             }
         } else {
             let (mut ok, mut ok_at) = (Vec::new(), Vec::new());
@@ -352,7 +361,8 @@ impl Tracker {
     /// End the live task in `slot` in `state`; its outstanding op, if any, becomes a zombie.
     pub(super) fn terminate(&mut self, slot: u32, state: TaskState, now: Instant) {
         self.unlink_task(slot);
-        let Some(mut t) = self.tasks.remove(slot) else {
+        // Worked on where it lies in the slab (a task entry is large), freed at the end.
+        let Some(t) = self.tasks.get_mut(slot) else {
             return;
         };
         self.task_slots.remove(t.id);
@@ -401,21 +411,24 @@ impl Tracker {
         if zombie_engine.is_none() {
             self.holders.remove(&t.engine_blocks, Holder::Task(slot));
         }
+        let (task, request, dir, req_slot) = (t.id, t.request, t.dir, t.req_slot);
+        let blocks = std::mem::take(&mut t.reports);
         if t.phase == Phase::Deferred {
             self.deferred.retain(|x| x.0 != slot);
         }
-        if let (Some(op), Some(r)) = (zombie_engine, self.requests.get_mut(t.req_slot)) {
+        self.tasks.free(slot);
+        if let (Some(op), Some(r)) = (zombie_engine, self.requests.get_mut(req_slot)) {
             r.zombies.push(op);
         }
         self.events.push_back(Event::TaskFinished(TaskReport {
-            task: t.id,
-            request: t.request,
-            dir: t.dir,
+            task,
+            request,
+            dir,
             state,
-            blocks: t.reports,
+            blocks,
             finished_at: now,
         }));
-        self.maybe_release(t.req_slot);
+        self.maybe_release(req_slot);
         self.recheck_blocked();
         let tasks = &self.tasks;
         self.deadlines

@@ -55,6 +55,7 @@ impl TaskIndex {
     }
 
     /// Record live task `id` in `slot` (`id` must not be live already).
+    #[inline]
     pub(super) fn insert(&mut self, id: TaskId, slot: u32) {
         if self.window.is_empty() {
             self.base = id.0;
@@ -91,6 +92,7 @@ impl TaskIndex {
     }
 
     /// Forget `id`; returns its slot.
+    #[inline]
     pub(super) fn remove(&mut self, id: TaskId) -> Option<u32> {
         if let Some(i) = self.place(id) {
             let slot = std::mem::replace(&mut self.window[i], NIL);
@@ -110,10 +112,17 @@ impl TaskIndex {
 
     /// Drop free places at the front; move the oldest live ids away while free places
     /// dominate. (Free places at the back stay: the next ids land right after them.)
+    #[inline]
     fn tidy(&mut self) {
         if self.window.front() != Some(&NIL) && self.window.len() <= 2 * self.in_window + SLACK {
             return;
         }
+        self.tidy_now();
+    }
+
+    /// The work of [`TaskIndex::tidy`], when there is some.
+    #[inline(never)]
+    fn tidy_now(&mut self) {
         let mut moves = 0;
         loop {
             while self.window.front() == Some(&NIL) {
