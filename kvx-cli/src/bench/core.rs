@@ -332,6 +332,9 @@ fn measure(args: &CoreArgs) -> Result<(), String> {
     if args.tasks == 0 || args.rounds == 0 || args.expiry_rounds == 0 {
         return Err("--tasks, --rounds and --expiry-rounds must be positive".into());
     }
+    // "On one core": stay on the CPU this thread starts on, as a migration between the
+    // machine's cores would be timed as tracker work.
+    let cpu = super::pin::pin_to_current_cpu();
     let tp = match args.only {
         Some(Part::Expiry) => None,
         _ => Some(throughput(args)?),
@@ -346,6 +349,7 @@ fn measure(args: &CoreArgs) -> Result<(), String> {
             "tasks": args.tasks,
             "rounds": args.rounds,
             "expiry_rounds": args.expiry_rounds,
+            "pinned_cpu": cpu,
         });
         if let Some(tp) = &tp {
             v["tasks_per_s"] = tp.tasks_per_s.into();
@@ -361,7 +365,14 @@ fn measure(args: &CoreArgs) -> Result<(), String> {
         println!("{v}");
         return Ok(());
     }
-    println!("kvx bench core: the tracker alone on one core, one-block tasks");
+    match cpu {
+        Some(c) => {
+            println!("kvx bench core: the tracker alone on CPU {c} (pinned), one-block tasks")
+        }
+        None => println!(
+            "kvx bench core: the tracker alone on one thread (not pinned), one-block tasks"
+        ),
+    }
     if let Some(tp) = &tp {
         println!(
             "  submit -> complete   {:10.0} tasks/s  ({:.0} ns per task; median of {} rounds of {})",

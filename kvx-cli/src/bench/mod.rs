@@ -3,6 +3,7 @@
 pub(crate) mod core;
 pub(crate) mod counting_alloc;
 mod cuda;
+mod pin;
 mod posix;
 mod remote;
 
