@@ -34,7 +34,7 @@ fn posix(c: &mut Criterion) {
                     let mut cfg = PosixConfig::new(root.join(format!("{engine}-{size}")));
                     cfg.engine = engine;
                     cfg.queue_depth = qd;
-                    let mut rig = BenchRig::new(cfg, size).expect("open store");
+                    let mut rig = BenchRig::new(cfg, size, qd).expect("open store");
                     let keys = bench_keys(size as u64, PER_ITER / size);
                     if dir_kind == Direction::Load {
                         assert!(

@@ -1,6 +1,10 @@
-//! A closed-loop driver of a [`PosixStore`] for benchmarks (`kvx bench posix`, criterion): keeps
-//! `queue_depth` single-block ops in flight, stores or loads a set of keys, and measures
-//! throughput and per-op latency.
+//! A closed-loop driver of a [`PosixStore`] for benchmarks (`kvx bench posix`, criterion): the
+//! store runs `queue_depth` single-block ops at a time (its [`PosixConfig::queue_depth`]), and
+//! the driver keeps `backlog` more submitted and waiting in the store, as an engine that hands
+//! over a step's blocks at once does, so that when an op ends the next one starts in the store
+//! without waiting for this loop to see the completion and submit it (0: the loop refills only
+//! after it sees a completion). It stores or loads a set of keys and measures throughput and
+//! per-op latency (submit to verdict, so with a backlog it includes the wait in the store).
 //!
 //! Every op has a deadline. An op past it is cancelled, counted as timed out and never waited
 //! for again (its buffer comes back whenever the filesystem answers); when no buffer is left
@@ -70,12 +74,13 @@ impl Phase {
     }
 }
 
-/// A store with a staging pool of `queue_depth` buffers, driven in a closed loop.
+/// A store with a staging pool of `queue_depth + backlog` buffers, driven in a closed loop.
 pub struct BenchRig {
     store: PosixStore,
     pool: BufferPool,
     block_size: usize,
-    queue_depth: usize,
+    /// Ops submitted and not yet seen complete: the store's queue depth plus the backlog.
+    window: usize,
     wake: Arc<(Mutex<bool>, Condvar)>,
     next_op: u64,
     /// Ops given up on at their deadline, still holding a buffer.
@@ -83,11 +88,16 @@ pub struct BenchRig {
 }
 
 impl BenchRig {
-    /// Open a store with `cfg` and a pool of `cfg.queue_depth` buffers of `block_size`.
-    pub fn new(cfg: PosixConfig, block_size: usize) -> Result<BenchRig, PosixError> {
-        let queue_depth = cfg.queue_depth;
+    /// Open a store with `cfg` and a pool of `cfg.queue_depth + backlog` buffers of
+    /// `block_size`; `backlog` ops wait in the store beyond the `cfg.queue_depth` it runs.
+    pub fn new(
+        cfg: PosixConfig,
+        block_size: usize,
+        backlog: usize,
+    ) -> Result<BenchRig, PosixError> {
+        let window = cfg.queue_depth + backlog;
         let mut store = PosixStore::open(cfg)?;
-        let pool = BufferPool::new(queue_depth, block_size, DEFAULT_ALIGN)
+        let pool = BufferPool::new(window, block_size, DEFAULT_ALIGN)
             .map_err(|e| PosixError::Bench(format!("staging pool: {e}")))?;
         // Give every buffer a payload once; stores send it as is.
         let mut all = Vec::new();
@@ -109,7 +119,7 @@ impl BenchRig {
             store,
             pool,
             block_size,
-            queue_depth,
+            window,
             wake,
             next_op: 1,
             abandoned: FxHashSet::default(),
@@ -130,8 +140,9 @@ impl BenchRig {
         *woken = false;
     }
 
-    /// Store (or load) every key once, `queue_depth` single-block ops in flight, each with
-    /// `deadline`; see the module docs for what a phase does with ops that do not finish.
+    /// Store (or load) every key once, `queue_depth` single-block ops in flight in the store and
+    /// the backlog waiting there, each with `deadline`; see the module docs for what a phase
+    /// does with ops that do not finish.
     pub fn run(&mut self, dir: Direction, keys: &[BlockKey], deadline: Duration) -> Phase {
         let mut inflight: FxHashMap<OpId, (Instant, BlockKey)> = FxHashMap::default();
         let mut phase = Phase::default();
@@ -140,7 +151,7 @@ impl BenchRig {
         let mut starved_since: Option<Instant> = None;
         let t0 = Instant::now();
         loop {
-            while inflight.len() < self.queue_depth && next < keys.len() {
+            while inflight.len() < self.window && next < keys.len() {
                 let Some(mut buf) = self.pool.take() else {
                     break;
                 };

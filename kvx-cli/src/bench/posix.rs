@@ -28,9 +28,15 @@ pub struct PosixArgs {
     /// Blocks stored then loaded per round.
     #[arg(long, default_value_t = 1024)]
     blocks: usize,
-    /// Block I/Os in flight.
+    /// Block I/Os in flight: the store runs this many ops at a time, as fio's iodepth and the
+    /// NIXL peer's descriptors per request.
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
+    /// Ops submitted beyond the queue depth, waiting in the store, so the next op starts as
+    /// soon as one ends, as when an engine hands over a step's blocks at once (default: the
+    /// queue depth; 0: the next op is submitted only once a completion is seen).
+    #[arg(long)]
+    backlog: Option<usize>,
     /// io_uring rings, each with its own thread (uring engine only).
     #[arg(long, default_value_t = 1)]
     rings: usize,
@@ -174,6 +180,10 @@ fn spare_files(args: &PosixArgs) -> usize {
     args.spare_files.unwrap_or(args.blocks)
 }
 
+fn backlog(args: &PosixArgs) -> usize {
+    args.backlog.unwrap_or(args.queue_depth)
+}
+
 fn one_round(
     args: &PosixArgs,
     engine: EngineKind,
@@ -189,7 +199,7 @@ fn one_round(
     cfg.fdatasync = args.fdatasync;
     cfg.spare_files = spare_files(args);
     cfg.spare_refill = false;
-    let mut rig = BenchRig::new(cfg, args.block_size).map_err(|e| e.to_string())?;
+    let mut rig = BenchRig::new(cfg, args.block_size, backlog(args)).map_err(|e| e.to_string())?;
     let direct = rig.handle().capabilities().direct;
     let keys = bench_keys(round as u64, args.blocks);
     let deadline = Duration::from_millis(args.deadline_ms);
@@ -323,10 +333,11 @@ pub fn run(args: PosixArgs) -> i32 {
     let fio_r: Vec<f64> = rounds.iter().filter_map(|r| r.fio_read).collect();
     let (fw, fr) = (median(fio_w), median(fio_r));
     println!(
-        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {}, {} spare files, {} round(s), medians",
+        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {} (+ {} waiting), {} spare files, {} round(s), medians",
         args.block_size >> 10,
         args.blocks,
         args.queue_depth,
+        backlog(&args),
         spare_files(&args),
         rounds.len()
     );
@@ -368,6 +379,7 @@ pub fn run(args: PosixArgs) -> i32 {
             "block_size": args.block_size,
             "blocks": args.blocks,
             "queue_depth": args.queue_depth,
+            "backlog": backlog(&args),
             "spare_files": spare_files(&args),
             "rounds": rounds.len(),
             "store_gib_s": store,
