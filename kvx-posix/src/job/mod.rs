@@ -261,6 +261,12 @@ impl BlockJob {
         self.step == Step::Load(load::LoadStep::Close)
     }
 
+    /// True when the job is a store whose data is written and that now only closes (and
+    /// renames, or unlinks) its file: the rest touches no block device.
+    pub(crate) fn is_closing_store(&self) -> bool {
+        self.step == Step::Store(store::StoreStep::CloseTemp)
+    }
+
     /// The kind of the pending syscall, if a late-completion fault can target it.
     pub(crate) fn pending_late(&self) -> Option<crate::io::fault::Late> {
         use crate::io::fault::Late;

@@ -355,3 +355,42 @@ fn full_queue_is_busy_at_submit(engine: EngineKind) {
     assert_eq!(ids, vec![1, 2, 3, 4, 5]);
     assert!(done.iter().all(|c| c.results == vec![Ok(())]));
 }
+
+/// uring, local file system: a store whose data is written leaves its I/O slot while it closes
+/// and renames its file. With queue depth 1 and the first store's rename held for 800 ms, a
+/// second store still ends (ok) within 300 ms of the hold, and the first ends ok once its
+/// rename lands. (psync runs a whole store on one thread and has no such slot.)
+#[test]
+fn closing_store_leaves_its_io_slot_uring() {
+    const HOLD: Duration = Duration::from_millis(800);
+    let r = FaultRig::new(EngineKind::Uring, 4, |c| c.queue_depth = 1);
+    assert!(
+        r.files.capabilities().inline_per_root[0],
+        "this test needs its temporary directory on a local block file system"
+    );
+    r.faults.late(Late::Rename, 1, HOLD);
+    let first = r.submit(
+        Direction::Store,
+        vec![r.block(key(7), 0x11)],
+        Instant::now() + SOON,
+    );
+    assert!(wait_until(SOON, || r.faults.held() == 1), "rename held");
+    let held_at = Instant::now();
+    let second = r.store(key(8), 0x22, SOON);
+    assert!(second.is_ok(), "second store: {:?}", second.state);
+    let waited = second.finished_at.saturating_duration_since(held_at);
+    println!("second store ended {waited:?} after the first one's rename was held (hold {HOLD:?})");
+    assert!(
+        waited < Duration::from_millis(300),
+        "the second store waited {waited:?} for the first one's rename"
+    );
+    let first = r.report(first);
+    assert!(first.is_ok(), "first store: {:?}", first.state);
+    assert!(first.finished_at >= held_at + HOLD - Duration::from_millis(50));
+    assert!(r.drained());
+    for (k, fill) in [(key(7), 0x11), (key(8), 0x22)] {
+        let rep = r.load(k, SOON);
+        let data = rep.blocks[0].buf.as_ref().expect("buffer").as_slice();
+        assert!(rep.is_ok() && data.iter().all(|x| *x == fill), "{k}");
+    }
+}

@@ -70,8 +70,9 @@ fn wake(efd: &OwnedFd) {
 
 /// Entries the queues need for `qd` loads and stores and `max_stuck` written-off ones.
 pub(crate) fn ring_entries(qd: usize, max_stuck: usize) -> usize {
-    // Loads and stores (live and written off), removes, detached closes, the eventfd read.
-    qd + max_stuck + MAINTENANCE_DEPTH + qd + 1
+    // Loads and stores (live and written off), removes, detached closes, closing stores, the
+    // eventfd read.
+    qd + max_stuck + MAINTENANCE_DEPTH + qd + qd + 1
 }
 
 impl UringEngine {
