@@ -188,7 +188,7 @@ impl OffloadBuilder {
                 (b.backend(backend), block_bytes, pool)
             }
         };
-        let files = open_file_tier(&cfg, &mut b)?;
+        let files = open_file_tier(&cfg, block_bytes, &mut b)?;
         let driver = b.spawn().map_err(|e| setup("driver")(e.to_string()))?;
         let mut scheduler = SchedulerSide::new(cfg.scheduler())?;
         let adopted = scheduler.adopt_file_blocks(files.keys());
@@ -264,11 +264,15 @@ impl FileTier {
 
 /// Open the configured file tier (its startup scan runs here) and register its backend.
 #[cfg(feature = "file")]
-fn open_file_tier(cfg: &OffloadConfig, b: &mut DriverBuilder) -> Result<FileTier, OffloadError> {
+fn open_file_tier(
+    cfg: &OffloadConfig,
+    block_bytes: usize,
+    b: &mut DriverBuilder,
+) -> Result<FileTier, OffloadError> {
     let Some(f) = &cfg.file else {
         return Ok(FileTier::default());
     };
-    let store = kvx_posix::PosixStore::open(posix_config(f))
+    let store = kvx_posix::PosixStore::open(posix_config(f, block_bytes))
         .map_err(|e| setup("file tier")(e.to_string()))?;
     let handle = store.handle();
     let probe: Option<Arc<dyn FileTierProbe>> = match &f.shared {
@@ -305,7 +309,11 @@ fn open_file_tier(cfg: &OffloadConfig, b: &mut DriverBuilder) -> Result<FileTier
 
 /// Without the `file` feature, a configured file tier is an error.
 #[cfg(not(feature = "file"))]
-fn open_file_tier(cfg: &OffloadConfig, _: &mut DriverBuilder) -> Result<FileTier, OffloadError> {
+fn open_file_tier(
+    cfg: &OffloadConfig,
+    _: usize,
+    _: &mut DriverBuilder,
+) -> Result<FileTier, OffloadError> {
     match cfg.file {
         None => Ok(FileTier::default()),
         Some(_) => Err(OffloadError::config(
@@ -316,7 +324,8 @@ fn open_file_tier(cfg: &OffloadConfig, _: &mut DriverBuilder) -> Result<FileTier
 }
 
 #[cfg(feature = "file")]
-fn posix_config(f: &crate::config::FileTierConfig) -> kvx_posix::PosixConfig {
+/// The file tier's store settings; its spare files are preallocated for `block_bytes` blocks.
+fn posix_config(f: &crate::config::FileTierConfig, block_bytes: usize) -> kvx_posix::PosixConfig {
     let mut p = kvx_posix::PosixConfig::new(f.roots[0].clone());
     p.roots = f.roots.clone();
     p.engine = match f.io_engine {
@@ -327,6 +336,7 @@ fn posix_config(f: &crate::config::FileTierConfig) -> kvx_posix::PosixConfig {
     p.queue_depth = f.queue_depth;
     p.fdatasync = f.fdatasync;
     p.spare_files = f.spare_files;
+    p.spare_block_bytes = block_bytes;
     p.breaker = f.breaker;
     if let Some(m) = &f.shared {
         p.shared = Some(kvx_posix::SharedMount {

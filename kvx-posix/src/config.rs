@@ -88,11 +88,17 @@ pub struct PosixConfig {
     /// default true. Other roots (FUSE, NFS, CIFS, Ceph, Lustre, GPFS, ...) always send every
     /// op through the kernel's workers, so a stuck mount never blocks the ring thread.
     pub inline_io: bool,
-    /// Empty files kept ready per root for stores to write into (made at open, topped up by a
+    /// Files kept ready per root for stores to write into (made at open, topped up by a
     /// thread of their own), so that a store does not create its file: on ext4 an inode
     /// allocation can cost as much as writing a MiB. Only on roots with inline I/O of a store
     /// that owns its roots (not on a shared mount); default 0 (stores create their files).
     pub spare_files: usize,
+    /// Payload bytes of the blocks this store holds (an engine's blocks are all one size):
+    /// each spare file is then preallocated (`fallocate`) to exactly the file of such a block,
+    /// header included, so that its store writes into allocated space, waits on no block
+    /// allocation, and lands next to the block stored before it. A store of another size
+    /// creates its own file. Default 0: spares are empty and fit any store.
+    pub spare_block_bytes: usize,
     /// Top the spare files up in the background when half are used (default true); false
     /// keeps only those made at open (a benchmark that makes its files before its clock
     /// starts, as fio and NIXL do, and makes none while it runs).
@@ -174,12 +180,23 @@ impl PosixConfig {
             fdatasync: false,
             inline_io: true,
             spare_files: 0,
+            spare_block_bytes: 0,
             spare_refill: true,
             breaker: BreakerConfig::default(),
             stale_temp_age: Duration::from_secs(600),
             visibility_margin: Duration::from_millis(10),
             shared: None,
         }
+    }
+
+    /// The length spare files are preallocated to (see [`PosixConfig::spare_block_bytes`]):
+    /// the file of a `spare_block_bytes` block written with O_DIRECT; 0 for empty spares.
+    pub(crate) fn spare_file_len(&self) -> u64 {
+        if self.spare_block_bytes == 0 {
+            return 0;
+        }
+        let sector = crate::format::HEADER_LEN;
+        (sector + self.spare_block_bytes.div_ceil(sector) * sector) as u64
     }
 
     /// Check the settings.
@@ -215,6 +232,12 @@ impl PosixConfig {
             return Err(PosixError::BadConfig(format!(
                 "spare_files must be 0..=1048576, got {}",
                 self.spare_files
+            )));
+        }
+        if self.spare_block_bytes > 1 << 30 {
+            return Err(PosixError::BadConfig(format!(
+                "spare_block_bytes must be 0..=1073741824, got {}",
+                self.spare_block_bytes
             )));
         }
         if let Some(m) = &self.shared {

@@ -1,4 +1,4 @@
-//! Spare files: empty files made ahead of the stores that write into them, so a store of a new
+//! Spare files: files made ahead of the stores that write into them, so a store of a new
 //! block does not create its file. On ext4 an inode allocation costs as much as writing a MiB
 //! once many files were deleted in the last minutes (the allocator skips recently freed
 //! inodes one by one); done here, off the store's path, it costs a store nothing.
@@ -6,13 +6,18 @@
 //! Each root with inline I/O (a local block file system, see [`crate::PosixConfig::inline_io`])
 //! of a store that owns its roots (no shared mount) keeps `spare_files` of them in
 //! `root/.kvx-spare/`, made at open and (unless `spare_refill` is off) topped up by a thread
-//! of its own when half are used.
+//! of its own when half are used. With [`crate::PosixConfig::spare_block_bytes`] set, each is
+//! preallocated to the length of one block's file, so its store's write allocates nothing
+//! (and, the spares being made one after another, lands next to the one before it); only a
+//! store of exactly that file length takes one. Spares are handed out oldest first.
 //! A store opens its spare (no create), writes, closes and renames it into place, exactly as it
 //! would a fresh temporary file; a spare found gone falls back to a fresh temporary file. At
-//! open, empty spares left by an earlier run are taken over and any other file there (a spare
-//! that was being written when a process died) is removed.
+//! open, empty spares left by an earlier run are taken over and any other file there (a
+//! preallocated spare, or one that was being written when a process died) is removed.
 
+use std::collections::VecDeque;
 use std::ffi::CString;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,16 +30,18 @@ use crate::error::PosixError;
 /// The directory of a root's spare files.
 pub(crate) const SPARE_DIR: &str = ".kvx-spare";
 
-/// One root's spare files, ready to be written.
+/// One root's spare files, ready to be written, oldest first.
 struct RootSpares {
     dir: PathBuf,
-    ready: Mutex<Vec<CString>>,
+    ready: Mutex<VecDeque<CString>>,
 }
 
 struct Inner {
     /// Per root; `None` for a root without spares.
     roots: Vec<Option<RootSpares>>,
     target: usize,
+    /// Length each new spare is preallocated to; 0: empty spares.
+    len: u64,
     refill: bool,
     tag: String,
     seq: AtomicU64,
@@ -64,7 +71,7 @@ impl Inner {
                 return;
             }
             match self.make(&r.dir) {
-                Ok(c) => kvx_core::lock(&r.ready).push(c),
+                Ok(c) => kvx_core::lock(&r.ready).push_back(c),
                 // A name an earlier process of the same pid left: the next one is free.
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
                 Err(e) => {
@@ -76,23 +83,31 @@ impl Inner {
         }
     }
 
-    /// A new empty file in `dir`.
+    /// A new file in `dir`, preallocated to `len` bytes (empty when `len` is 0).
     fn make(&self, dir: &Path) -> std::io::Result<CString> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("{}-{seq}", self.tag));
-        std::fs::File::create_new(&path)?;
+        let file = std::fs::File::create_new(&path)?;
+        if self.len > 0
+            && let Err(e) = preallocate(&file, self.len)
+        {
+            // Still a good spare: its store allocates as it writes, as into an empty one.
+            tracing::debug!(path = %path.display(), error = %e, "posix: spare not preallocated");
+        }
         CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)
     }
 }
 
 impl Spares {
-    /// Spares for the roots marked in `with_spares` (`target` per root; none at all when zero
-    /// or no root qualifies): take over an earlier run's empty spares, make the rest, and start
-    /// the thread that tops them up. `tag` (host and pid) starts every spare's name.
+    /// Spares for the roots marked in `with_spares` (`target` per root, each preallocated to
+    /// `len` bytes unless 0; none at all when `target` is zero or no root qualifies): take over
+    /// an earlier run's empty spares, make the rest, and start the thread that tops them up.
+    /// `tag` (host and pid) starts every spare's name.
     pub(crate) fn open(
         roots: &[PathBuf],
         with_spares: &[bool],
         target: usize,
+        len: u64,
         refill: bool,
         tag: String,
     ) -> Result<Option<Spares>, PosixError> {
@@ -116,6 +131,7 @@ impl Spares {
         let inner = Arc::new(Inner {
             roots: per_root,
             target,
+            len,
             refill,
             tag,
             seq: AtomicU64::new(0),
@@ -141,13 +157,18 @@ impl Spares {
         Ok(Some(Spares { inner, wake }))
     }
 
-    /// A spare file of `root` to write a block into, if one is ready; never blocks on the
-    /// device (half used wakes the thread that tops them up).
-    pub(crate) fn take(&self, root: usize) -> Option<CString> {
+    /// A spare file of `root` to write a block file of `file_len` bytes into, if one is ready
+    /// and fits (any does when spares are empty, only one of exactly that length when they are
+    /// preallocated); never blocks on the device (half used wakes the thread that tops them
+    /// up).
+    pub(crate) fn take(&self, root: usize, file_len: u64) -> Option<CString> {
+        if self.inner.len != 0 && self.inner.len != file_len {
+            return None;
+        }
         let r = self.inner.roots.get(root)?.as_ref()?;
         let (spare, left) = {
             let mut ready = kvx_core::lock(&r.ready);
-            let spare = ready.pop();
+            let spare = ready.pop_front();
             (spare, ready.len())
         };
         if self.inner.refill && left < self.inner.target / 2 + 1 {
@@ -168,15 +189,15 @@ impl Spares {
 }
 
 /// The empty files in `dir`, kept as spares; any other file there is removed.
-fn take_over(dir: &Path) -> Result<Vec<CString>, PosixError> {
-    let mut ready = Vec::new();
+fn take_over(dir: &Path) -> Result<VecDeque<CString>, PosixError> {
+    let mut ready = VecDeque::new();
     for e in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
         let e = e.map_err(|e| io_err(dir, e))?;
         let path = e.path();
         match e.metadata() {
             Ok(m) if m.is_file() && m.len() == 0 => {
                 if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
-                    ready.push(c);
+                    ready.push_back(c);
                 }
             }
             Ok(m) if m.is_file() => {
@@ -190,4 +211,18 @@ fn take_over(dir: &Path) -> Result<Vec<CString>, PosixError> {
         }
     }
     Ok(ready)
+}
+
+/// Allocate `len` bytes of `file` (its length becomes `len`; the blocks read as zeros until
+/// written).
+fn preallocate(file: &std::fs::File, len: u64) -> std::io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(std::io::Error::other)?;
+    // SAFETY: the descriptor belongs to `file`, which this call borrows, so it stays open for
+    // the call; fallocate reads no memory of ours.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }

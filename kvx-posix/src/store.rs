@@ -96,6 +96,7 @@ impl PosixStore {
             &cfg.roots,
             &with_spares,
             cfg.spare_files,
+            cfg.spare_file_len(),
             cfg.spare_refill,
             format!("{}-{}", layout.host(), std::process::id()),
         )?;
@@ -497,12 +498,7 @@ impl Backend for PosixStore {
                 Direction::Store => FileOp::Store,
             };
             let params = self.params(root, b.key, op.dir, op.deadline, &cancel);
-            let mut paths = layout.paths(b.key, action == FileOp::Store);
-            if action == FileOp::Store
-                && let Some(spare) = self.shared.spares.as_ref().and_then(|s| s.take(root))
-            {
-                paths.use_spare(spare);
-            }
+            let paths = layout.paths(b.key, action == FileOp::Store);
             let mut job = Box::new(BlockJob::new(
                 op.id,
                 i,
@@ -512,6 +508,11 @@ impl Backend for PosixStore {
                 paths,
                 params,
             ));
+            if let (Some(len), Some(spares)) = (job.store_file_len(), &self.shared.spares)
+                && let Some(spare) = spares.take(root, len)
+            {
+                job.use_spare(spare);
+            }
             job.compute_payload_crc();
             jobs.push(job);
             slots.push(slot);

@@ -403,6 +403,93 @@ fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
     assert!(!shared.path().join(".kvx-spare").exists());
 }
 
+/// With `spare_block_bytes`, spares are preallocated to one block's file (header included):
+/// stores of that size take them oldest first and load back byte-exact, a store of another
+/// size creates its own file and leaves them, and a reopened store replaces the preallocated
+/// spares an earlier run left.
+fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
+    use std::os::unix::fs::MetadataExt;
+    const BLOCK: usize = 12_288;
+    const FILE_LEN: u64 = 4096 + BLOCK as u64;
+    let dir = tempfile::tempdir().unwrap();
+    let spare_dir = dir.path().join(".kvx-spare");
+    let mut cfg = PosixConfig::new(dir.path());
+    cfg.engine = engine;
+    cfg.spare_files = 4;
+    cfg.spare_refill = false;
+    cfg.spare_block_bytes = BLOCK;
+    let spares = || -> Vec<(String, u64, u64)> {
+        let mut v: Vec<(String, u64, u64)> = std::fs::read_dir(&spare_dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let m = e.metadata().unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    m.len(),
+                    m.blocks() * 512,
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let keys: Vec<BlockKey> = (700..703).map(key).collect();
+    {
+        let r = rig(cfg.clone(), 16, 64 << 10);
+        let made = spares();
+        assert_eq!(made.len(), 4);
+        for (name, len, allocated) in &made {
+            assert_eq!(*len, FILE_LEN, "{name}: one block's file");
+            assert!(
+                *allocated >= FILE_LEN,
+                "{name}: {allocated} bytes allocated"
+            );
+        }
+        assert!(r.store(&keys[..2], BLOCK).is_ok(), "{engine}");
+        assert_eq!(r.files.spare_files_ready(), vec![2]);
+        // Oldest first: the two made first are the ones gone.
+        let left: Vec<String> = spares().into_iter().map(|s| s.0).collect();
+        let mut by_age: Vec<String> = made.iter().map(|s| s.0.clone()).collect();
+        by_age.sort_by_key(|n| n.rsplit('-').next().unwrap().parse::<u64>().unwrap());
+        assert_eq!(left, by_age[2..].to_vec(), "{engine}");
+        // Another size does not fit a spare: the store creates its own file.
+        assert!(r.store(&keys[2..], 20_000).is_ok(), "{engine}");
+        assert_eq!(r.files.spare_files_ready(), vec![2]);
+        let rep = r.load(&keys);
+        assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
+        for (b, (k, len)) in rep
+            .blocks
+            .iter()
+            .zip(keys.iter().zip([BLOCK, BLOCK, 20_000]))
+        {
+            assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, len)[..]);
+        }
+        assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
+    }
+    // Mark what this run left, as a process that died mid-write would have.
+    for (name, _, _) in spares() {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(spare_dir.join(name))
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"left by an earlier run").unwrap();
+    }
+    let r = rig(cfg, 16, 64 << 10);
+    assert_eq!(r.files.spare_files_ready(), vec![4]);
+    let after = spares();
+    assert_eq!(after.len(), 4);
+    for (name, len, _) in &after {
+        assert_eq!(*len, FILE_LEN, "{name}");
+        let head = std::fs::read(spare_dir.join(name)).unwrap();
+        assert!(
+            head[..64].iter().all(|b| *b == 0),
+            "{name}: made anew, not reused"
+        );
+    }
+    assert_eq!(r.files.lookup(&keys), 3, "the blocks are still there");
+}
+
 /// Whether a store in a temporary directory gets inline I/O (a local block file system).
 fn temp_dir_is_local() -> bool {
     let dir = tempfile::tempdir().unwrap();
@@ -436,7 +523,7 @@ fn main() {
     let local = temp_dir_is_local();
     if !local {
         println!(
-            "skip: spare_files_take_the_create_off_the_store_path: the temporary directory is not on a local block file system (spares live only there)"
+            "skip: spare_files_take_the_create_off_the_store_path, preallocated_spares_fit_one_block_size: the temporary directory is not on a local block file system (spares live only there)"
         );
     }
     let direct = disk_takes_direct();
@@ -458,6 +545,16 @@ fn main() {
                 format!("spare_files_take_the_create_off_the_store_path_{e}"),
                 move || {
                     spare_files_take_the_create_off_the_store_path(e);
+                    Ok(())
+                },
+            )
+            .with_ignored_flag(!local),
+        );
+        trials.push(
+            Trial::test(
+                format!("preallocated_spares_fit_one_block_size_{e}"),
+                move || {
+                    preallocated_spares_fit_one_block_size(e);
                     Ok(())
                 },
             )

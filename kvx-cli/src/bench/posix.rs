@@ -198,6 +198,7 @@ fn one_round(
     cfg.inline_io = !args.no_inline_io;
     cfg.fdatasync = args.fdatasync;
     cfg.spare_files = spare_files(args);
+    cfg.spare_block_bytes = args.block_size;
     cfg.spare_refill = false;
     let mut rig = BenchRig::new(cfg, args.block_size, backlog(args)).map_err(|e| e.to_string())?;
     let direct = rig.handle().capabilities().direct;

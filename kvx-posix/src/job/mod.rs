@@ -261,6 +261,11 @@ impl BlockJob {
         self.step == Step::Load(load::LoadStep::Close)
     }
 
+    /// Write this store into the spare file `spare` instead of creating its temporary file.
+    pub(crate) fn use_spare(&mut self, spare: std::ffi::CString) {
+        self.paths.use_spare(spare);
+    }
+
     /// True when the job is a store whose data is written and that now only closes (and
     /// renames, or unlinks) its file: the rest touches no block device.
     pub(crate) fn is_closing_store(&self) -> bool {

@@ -53,12 +53,29 @@ impl BlockJob {
         self.call(Step::Store(StoreStep::Mkdir), Syscall::Mkdir { path })
     }
 
+    /// Whether this store writes with O_DIRECT: the root allows it and the buffer is aligned.
+    fn writes_direct(&self) -> bool {
+        self.p.direct
+            && self
+                .buf
+                .as_ref()
+                .is_some_and(|b| (b.as_slice().as_ptr() as usize) % HEADER_LEN == 0)
+    }
+
+    /// The length of the block file this store writes: the header, then the payload (rounded
+    /// up to whole sectors with O_DIRECT); `None` for a job that is not a store.
+    pub(crate) fn store_file_len(&self) -> Option<u64> {
+        let len = self.buf.as_ref()?.as_slice().len();
+        let body = if self.writes_direct() {
+            super::round_up(len)
+        } else {
+            len
+        };
+        Some((HEADER_LEN + body) as u64)
+    }
+
     fn open_temp(&mut self) -> Next {
-        let aligned = self
-            .buf
-            .as_ref()
-            .is_some_and(|b| (b.as_slice().as_ptr() as usize) % HEADER_LEN == 0);
-        self.direct_now = self.p.direct && aligned;
+        self.direct_now = self.writes_direct();
         let flags = if self.paths.writes_spare() {
             self.open_flags(libc::O_WRONLY)
         } else {
