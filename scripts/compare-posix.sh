@@ -24,11 +24,14 @@
 #   --peer     the peer script; default ../shared/peers/nixl_posix.py next to the repository
 #
 # What is timed: every tool makes its files before its clock starts (fio lays out its file, the
-# peer opens one file per block, kvx makes one spare file per block and its 256 fan-out
-# directories when the store opens); kvx's timed store still writes a header and checksum,
-# renames each block into place and verifies every load. On ext4 without a journal a create
-# skips the inodes deleted in the last minutes one by one, so the cleanup of one run slows the
-# file making of the next: the rotation spreads that over all tools.
+# peer opens one empty file per block, kvx makes one spare file per block, preallocated to the
+# block's file as its file tier does, and its 256 fan-out directories when the store opens);
+# kvx's timed store still writes a header and checksum, renames each block into place and
+# verifies every load. Queue depth is I/Os in flight for every tool (fio's iodepth, the peer's
+# descriptors per request, kvx's store queue depth); kvx bench posix also keeps as many ops
+# again waiting in the store (its --backlog), as an engine's step of blocks does. On ext4
+# without a journal a create skips the inodes deleted in the last minutes one by one, so the
+# cleanup of one run slows the file making of the next: the rotation spreads that over all tools.
 #
 # Needs bash, python3 (stdlib only, for JSON and medians) and fio. The per-run figures go to
 # stderr as they come; stdout gets the table and, last, one JSON line. Exit status: 0 when every
