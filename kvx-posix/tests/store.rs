@@ -330,16 +330,23 @@ fn newer_format_version_is_a_miss_and_stays(engine: EngineKind) {
     );
 }
 
-/// Stores write into spare files made at open (no create on the store's path); a spare found
-/// gone falls back to a fresh temporary file; a reopened store takes over the empty spares and
-/// removes a half-written one; a store of a shared mount makes none.
-fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
+/// A fresh directory, its spare folder, and a store config on it with 4 spares made at open
+/// and none topped up.
+fn four_spares_no_refill(engine: EngineKind) -> (tempfile::TempDir, PathBuf, PosixConfig) {
     let dir = tempfile::tempdir().unwrap();
     let spare_dir = dir.path().join(".kvx-spare");
     let mut cfg = PosixConfig::new(dir.path());
     cfg.engine = engine;
     cfg.spare_files = 4;
     cfg.spare_refill = false;
+    (dir, spare_dir, cfg)
+}
+
+/// Stores write into spare files made at open (no create on the store's path); a spare found
+/// gone falls back to a fresh temporary file; a reopened store takes over the empty spares and
+/// removes a half-written one; a store of a shared mount makes none.
+fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
+    let (dir, spare_dir, mut cfg) = four_spares_no_refill(engine);
     let keys: Vec<BlockKey> = (500..503).map(key).collect();
     {
         let r = rig(cfg.clone(), 16, 64 << 10);
@@ -411,12 +418,7 @@ fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
     use std::os::unix::fs::MetadataExt;
     const BLOCK: usize = 12_288;
     const FILE_LEN: u64 = 4096 + BLOCK as u64;
-    let dir = tempfile::tempdir().unwrap();
-    let spare_dir = dir.path().join(".kvx-spare");
-    let mut cfg = PosixConfig::new(dir.path());
-    cfg.engine = engine;
-    cfg.spare_files = 4;
-    cfg.spare_refill = false;
+    let (dir, spare_dir, mut cfg) = four_spares_no_refill(engine);
     cfg.spare_block_bytes = BLOCK;
     let spares = || -> Vec<(String, u64, u64)> {
         let mut v: Vec<(String, u64, u64)> = std::fs::read_dir(&spare_dir)
