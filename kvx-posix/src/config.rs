@@ -195,8 +195,7 @@ impl PosixConfig {
         if self.spare_block_bytes == 0 {
             return 0;
         }
-        let sector = crate::format::HEADER_LEN;
-        (sector + self.spare_block_bytes.div_ceil(sector) * sector) as u64
+        (crate::format::HEADER_LEN + crate::job::round_up(self.spare_block_bytes)) as u64
     }
 
     /// Check the settings.

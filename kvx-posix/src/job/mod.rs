@@ -153,7 +153,8 @@ fn errno_name(res: i64) -> String {
     std::io::Error::from_raw_os_error((-res) as i32).to_string()
 }
 
-fn round_up(n: usize) -> usize {
+/// `n` rounded up to whole sectors ([`HEADER_LEN`]), as O_DIRECT writes a payload.
+pub(crate) fn round_up(n: usize) -> usize {
     n.div_ceil(HEADER_LEN) * HEADER_LEN
 }
 
