@@ -13,7 +13,7 @@
 
 use kvx_core::BlockError;
 
-use super::{BlockJob, Next, Step, Syscall, aligned_sector, errno_name};
+use super::{BlockJob, FileOp, Next, Step, Syscall, aligned_sector, errno_name};
 use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +65,9 @@ impl BlockJob {
     /// The length of the block file this store writes: the header, then the payload (rounded
     /// up to whole sectors with O_DIRECT); `None` for a job that is not a store.
     pub(crate) fn store_file_len(&self) -> Option<u64> {
+        if self.action != FileOp::Store {
+            return None;
+        }
         let len = self.buf.as_ref()?.as_slice().len();
         let body = if self.writes_direct() {
             super::round_up(len)
