@@ -90,8 +90,10 @@ fn collector_under_readers(engine: EngineKind) {
     );
     let v = c.answer("collect");
     assert!(v[0] >= 1, "C's collector ran beside A's: {v:?}");
-    // Once the collector has run on a quiet store, the root is under its quota.
+    // Once the collector has run on a quiet store and its removes (queued, not awaited) have
+    // landed, the root is under its quota.
     let r = a.files.collect(&quota, &stop).expect("collect");
+    assert!(r.removed.iter().all(|k| wait_gone(&a, *k)), "{r:?}");
     let after = a.files.collect(&quota, &stop).expect("collect");
     assert!(after.bytes <= quota.quota_bytes, "{r:?} then {after:?}");
     b.quit();
