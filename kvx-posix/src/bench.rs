@@ -247,6 +247,37 @@ impl BenchRig {
     }
 }
 
+impl BenchRig {
+    /// Remove `keys` from the store (as a full tier evicts them), then poll the store until
+    /// its maintenance lane is empty, so that their files are recycled as spare files before
+    /// the next phase; false if that took longer than `within`.
+    pub fn evict(&mut self, keys: &[BlockKey], within: Duration) -> bool {
+        let handle = self.store.handle();
+        for k in keys {
+            handle.remove(*k);
+        }
+        let until = Instant::now() + within;
+        let mut out = Vec::new();
+        loop {
+            // Read before the poll: a remove that ends in between is absorbed by this poll.
+            let idle = handle.stats().maintenance == 0;
+            self.store.poll(&mut out);
+            // Late completions of ops given up on: their buffers are back in the pool.
+            for c in out.drain(..) {
+                self.abandoned.remove(&c.op.id);
+            }
+            if idle {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return false;
+            }
+            self.park(until - now);
+        }
+    }
+}
+
 /// `n` distinct keys for a benchmark run `seed`.
 pub fn bench_keys(seed: u64, n: usize) -> Vec<BlockKey> {
     (0..n as u64)

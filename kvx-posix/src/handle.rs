@@ -34,7 +34,8 @@ pub struct PosixStats {
     pub rejected: u64,
     /// Renames undone because they landed after the deadline or a cancel.
     pub undone: u64,
-    /// Removes (evictions, cleanups) queued or running.
+    /// Removes (evictions, cleanups) queued or running; once zero, the store's next poll takes
+    /// in every one that finished.
     pub maintenance: usize,
     /// Loads and stores queued for the engine, not yet started.
     pub queued: usize,
@@ -81,9 +82,10 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// Unlink `key`'s file in the background, on the engine's maintenance lane (a cache
-    /// entry: losing it only costs a reload). With `nonce`, only the file that write made.
+    /// entry: losing it only costs a reload), or recycle it as a spare file (see
+    /// `crate::spare`). With `nonce`, only the file that write made (never recycled).
     pub(crate) fn unlink(&self, key: BlockKey, nonce: Option<u64>) {
-        let job = Box::new(BlockJob::new(
+        let mut job = Box::new(BlockJob::new(
             OpId(0),
             0,
             FileOp::Remove,
@@ -93,6 +95,11 @@ impl Shared {
             self.layout.paths(key, nonce.is_some()),
             JobParams::remove(nonce),
         ));
+        if nonce.is_none()
+            && let Some((spare, len)) = self.spares.as_ref().and_then(|s| s.recycle_name(job.root))
+        {
+            job.recycle_into(spare, len);
+        }
         if let Err(r) = self.engine.submit(job) {
             tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
         }

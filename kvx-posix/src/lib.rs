@@ -83,6 +83,7 @@ pub mod maintenance;
 mod paths;
 mod probe;
 mod probes;
+mod recycle;
 mod spare;
 mod store;
 #[cfg(test)]

@@ -56,6 +56,8 @@ pub struct PosixStore {
     ops: FxHashMap<OpId, OpState>,
     ready: Vec<OpCompletion>,
     notifier: Notifier,
+    /// Loads in flight per key, while removed block files are recycled as spares.
+    recycling: Option<crate::recycle::Recycling>,
 }
 
 impl PosixStore {
@@ -201,6 +203,8 @@ impl PosixStore {
             ops: FxHashMap::default(),
             ready: Vec::new(),
             notifier: Notifier::noop(),
+            recycling: (cfg.spare_files > 0 && cfg.spare_block_bytes > 0)
+                .then(crate::recycle::Recycling::default),
             cfg,
         })
     }
@@ -240,6 +244,9 @@ impl PosixStore {
                     t.answered(job.key, &job.result, now, &self.shared.health);
                 }
                 continue;
+            }
+            if let (Some(r), Some(spares)) = (&mut self.recycling, &self.shared.spares) {
+                r.job_returned(&mut job, spares);
             }
             if job.action == FileOp::Remove {
                 if let Err(e) = &job.result {
@@ -535,8 +542,14 @@ impl Backend for PosixStore {
         };
         for job in jobs {
             let index = job.index;
+            let key = job.key;
             match self.shared.engine.submit(job) {
-                Ok(()) => st.pending += 1,
+                Ok(()) => {
+                    st.pending += 1;
+                    if let (Some(r), Direction::Load) = (&mut self.recycling, st.op.dir) {
+                        r.load_started(key);
+                    }
+                }
                 Err(r) => {
                     let mut job = r.job;
                     st.slots[index].buf = job.buf.take();

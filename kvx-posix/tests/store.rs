@@ -412,8 +412,9 @@ fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
 
 /// With `spare_block_bytes`, spares are preallocated to one block's file (header included):
 /// stores of that size take them oldest first and load back byte-exact, a store of another
-/// size creates its own file and leaves them, and a reopened store replaces the preallocated
-/// spares an earlier run left.
+/// size creates its own file and leaves them, and a reopened store takes over the spares of
+/// that length an earlier run left (whatever they hold), hands them out first, and removes
+/// any other file there.
 fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
     use std::os::unix::fs::MetadataExt;
     const BLOCK: usize = 12_288;
@@ -469,27 +470,97 @@ fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
         }
         assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
     }
-    // Mark what this run left, as a process that died mid-write would have.
-    for (name, _, _) in spares() {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(spare_dir.join(name))
-            .unwrap();
-        std::io::Write::write_all(&mut f, b"left by an earlier run").unwrap();
-    }
+    // What this run left: its two spares, one of them written into (as a process that died
+    // mid-write leaves it), and a file of another length.
+    let left: Vec<String> = spares().into_iter().map(|s| s.0).collect();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(spare_dir.join(&left[0]))
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"left by an earlier run").unwrap();
+    std::fs::write(spare_dir.join("deadhost-1-9"), b"short").unwrap();
     let r = rig(cfg, 16, 64 << 10);
     assert_eq!(r.files.spare_files_ready(), vec![4]);
+    assert!(
+        !spare_dir.join("deadhost-1-9").exists(),
+        "a file of another length is removed"
+    );
     let after = spares();
     assert_eq!(after.len(), 4);
     for (name, len, _) in &after {
         assert_eq!(*len, FILE_LEN, "{name}");
-        let head = std::fs::read(spare_dir.join(name)).unwrap();
-        assert!(
-            head[..64].iter().all(|b| *b == 0),
-            "{name}: made anew, not reused"
-        );
     }
+    // Taken over, and handed out first: the next two stores write into them.
+    let more: Vec<BlockKey> = (710..712).map(key).collect();
+    assert!(r.store(&more, BLOCK).is_ok(), "{engine}");
+    let now: Vec<String> = spares().into_iter().map(|s| s.0).collect();
+    assert!(
+        left.iter().all(|n| !now.contains(n)),
+        "{engine}: {left:?} taken first, left {now:?}"
+    );
+    let rep = r.load(&more);
+    assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
+    for (b, k) in rep.blocks.iter().zip(&more) {
+        assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, BLOCK)[..]);
+    }
+    drop(rep);
     assert_eq!(r.files.lookup(&keys), 3, "the blocks are still there");
+}
+
+/// With preallocated spares, an evicted block's file of one block's length moves into the
+/// spare folder instead of being unlinked while the root has fewer than `spare_files` spares,
+/// and the next stores write into those very files and load back byte-exact;
+/// a file of another length, or one removed while the spares are full, is unlinked.
+fn evicted_block_files_become_spares(engine: EngineKind) {
+    use std::os::unix::fs::MetadataExt;
+    const BLOCK: usize = 12_288;
+    let (_dir, spare_dir, mut cfg) = four_spares_no_refill(engine);
+    cfg.spare_files = 2;
+    cfg.spare_block_bytes = BLOCK;
+    let r = rig(cfg, 16, 64 << 10);
+    let in_spare_dir = || std::fs::read_dir(&spare_dir).unwrap().count();
+    let keys: Vec<BlockKey> = (800..805).map(key).collect();
+    // Two into the spares, two into files of their own, one of another length.
+    assert!(r.store(&keys[..4], BLOCK).is_ok(), "{engine}");
+    assert!(r.store(&keys[4..], 20_000).is_ok(), "{engine}");
+    assert_eq!(r.files.spare_files_ready(), vec![0]);
+    let inode = |k: BlockKey| std::fs::metadata(r.files.block_path(k)).unwrap().ino();
+    let mut recycled = [inode(keys[0]), inode(keys[1])];
+    recycled.sort_unstable();
+
+    r.files.remove(keys[0]);
+    r.files.remove(keys[1]);
+    r.files.remove(keys[4]);
+    assert!(
+        wait(|| r.files.spare_files_ready() == vec![2] && r.files.stats().maintenance == 0),
+        "{engine}: {:?}",
+        r.files.spare_files_ready()
+    );
+    assert_eq!(in_spare_dir(), 2, "the other length was unlinked");
+    // The spares are full: these two are unlinked.
+    r.files.remove(keys[2]);
+    r.files.remove(keys[3]);
+    assert!(wait(|| r.files.stats().maintenance == 0));
+    assert_eq!(r.files.spare_files_ready(), vec![2]);
+    assert_eq!(in_spare_dir(), 2);
+    for k in &keys {
+        assert!(!r.files.block_path(*k).exists(), "{engine}: {k} removed");
+    }
+
+    let next: Vec<BlockKey> = (810..812).map(key).collect();
+    assert!(r.store(&next[..1], BLOCK).is_ok(), "{engine}");
+    assert!(r.store(&next[1..], BLOCK).is_ok(), "{engine}");
+    let mut reused = [inode(next[0]), inode(next[1])];
+    reused.sort_unstable();
+    assert_eq!(
+        reused, recycled,
+        "{engine}: written into the evicted blocks' files"
+    );
+    let rep = r.load(&next);
+    assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
+    for (b, k) in rep.blocks.iter().zip(&next) {
+        assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, BLOCK)[..]);
+    }
 }
 
 /// Whether a store in a temporary directory gets inline I/O (a local block file system).
@@ -525,7 +596,7 @@ fn main() {
     let local = temp_dir_is_local();
     if !local {
         println!(
-            "skip: spare_files_take_the_create_off_the_store_path, preallocated_spares_fit_one_block_size: the temporary directory is not on a local block file system (spares live only there)"
+            "skip: spare_files_take_the_create_off_the_store_path, preallocated_spares_fit_one_block_size, evicted_block_files_become_spares: the temporary directory is not on a local block file system (spares live only there)"
         );
     }
     let direct = disk_takes_direct();
@@ -547,6 +618,16 @@ fn main() {
                 format!("spare_files_take_the_create_off_the_store_path_{e}"),
                 move || {
                     spare_files_take_the_create_off_the_store_path(e);
+                    Ok(())
+                },
+            )
+            .with_ignored_flag(!local),
+        );
+        trials.push(
+            Trial::test(
+                format!("evicted_block_files_become_spares_{e}"),
+                move || {
+                    evicted_block_files_become_spares(e);
                     Ok(())
                 },
             )

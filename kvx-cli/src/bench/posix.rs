@@ -60,6 +60,11 @@ pub struct PosixArgs {
     /// their files before theirs (default: one per block; 0: every store creates its file).
     #[arg(long)]
     spare_files: Option<usize>,
+    /// Before the clock, store as many blocks again and evict them, as a full tier does to
+    /// make room: the timed stores then write into the recycled files of evicted blocks
+    /// (space written before) instead of fresh spare files.
+    #[arg(long)]
+    after_evictions: bool,
     /// Print the results as one JSON object on the last line.
     #[arg(long)]
     json: bool,
@@ -204,6 +209,24 @@ fn one_round(
     let direct = rig.handle().capabilities().direct;
     let keys = bench_keys(round as u64, args.blocks);
     let deadline = Duration::from_millis(args.deadline_ms);
+    if args.after_evictions {
+        let evicted = bench_keys(u64::MAX - round as u64, args.blocks);
+        let fill = rig.run(Direction::Store, &evicted, deadline);
+        if !fill.is_clean() {
+            return Err(format!(
+                "round {}: filling the store before the clock: {}",
+                round + 1,
+                failures("store", &fill).unwrap_or_default()
+            ));
+        }
+        if !rig.evict(&fill.ok, deadline) {
+            return Err(format!(
+                "round {}: evictions not done within {} ms",
+                round + 1,
+                args.deadline_ms
+            ));
+        }
+    }
     let store = rig.run(Direction::Store, &keys, deadline);
     eprintln!(
         "round {}: stored {} of {} blocks; loading them",
@@ -228,6 +251,10 @@ fn one_round(
     std::fs::remove_dir_all(&root).map_err(|e| format!("cleanup {}: {e}", root.display()))?;
     let size = (args.blocks * args.block_size) as u64;
     let (fio_write, fio_read) = if args.fio {
+        if args.after_evictions {
+            // fio's timed write then overwrites space written before, as kvx's stores do.
+            fio(work, "write", args.block_size, args.queue_depth, size)?;
+        }
         let w = fio(work, "write", args.block_size, args.queue_depth, size)?;
         let r = fio(work, "read", args.block_size, args.queue_depth, size)?;
         let _ = std::fs::remove_file(work.join("fio.dat"));
@@ -334,12 +361,17 @@ pub fn run(args: PosixArgs) -> i32 {
     let fio_r: Vec<f64> = rounds.iter().filter_map(|r| r.fio_read).collect();
     let (fw, fr) = (median(fio_w), median(fio_r));
     println!(
-        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {} (+ {} waiting), {} spare files, {} round(s), medians",
+        "kvx bench posix: engine {engine}, direct {direct}, block {} KiB, {} blocks, queue depth {} (+ {} waiting), {} spare files{}, {} round(s), medians",
         args.block_size >> 10,
         args.blocks,
         args.queue_depth,
         backlog(&args),
         spare_files(&args),
+        if args.after_evictions {
+            ", stores after evictions"
+        } else {
+            ""
+        },
         rounds.len()
     );
     println!(
@@ -382,6 +414,7 @@ pub fn run(args: PosixArgs) -> i32 {
             "queue_depth": args.queue_depth,
             "backlog": backlog(&args),
             "spare_files": spare_files(&args),
+            "after_evictions": args.after_evictions,
             "rounds": rounds.len(),
             "store_gib_s": store,
             "load_gib_s": load,

@@ -123,7 +123,8 @@ pub(crate) struct EngineCounters {
     pub(crate) in_flight: AtomicUsize,
     /// Of those, jobs written off as stuck.
     pub(crate) written_off: AtomicUsize,
-    /// Removes accepted and not yet finished.
+    /// Removes (and probes) accepted and not yet handed back: zero means each finished one
+    /// is in the sink for the store's next poll.
     pub(crate) maintenance: AtomicUsize,
     /// Loads and stores the engine can run at once right now (psync: live worker threads;
     /// uring: queue-depth slots free of stuck ops).

@@ -226,8 +226,9 @@ fn maintenance_worker(shared: Arc<Shared>) {
             Err(RecvTimeoutError::Disconnected) => return,
         };
         shared.run(&mut job);
-        shared.counters.maintenance.fetch_sub(1, Ordering::AcqRel);
+        // Into the sink first: once the count reads zero, every remove can be absorbed.
         shared.sink.push([job]);
+        shared.counters.maintenance.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

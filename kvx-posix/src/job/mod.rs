@@ -138,6 +138,11 @@ pub(crate) struct BlockJob {
     retried_dirs: bool,
     /// A guarded remove moved the block to the temporary name.
     moved_aside: bool,
+    /// A remove: the spare name to move the file to instead of unlinking it, and the length
+    /// the file must have for that (see `crate::spare`).
+    recycle: Option<(std::ffi::CString, u64)>,
+    /// The remove moved the file to its spare name.
+    recycled: bool,
     /// A store's payload crc32c, computed before it was queued.
     payload_crc: Option<u32>,
     /// A load read and checked its header; its payload checksum is still to be checked.
@@ -201,6 +206,8 @@ impl BlockJob {
             direct_now: false,
             retried_dirs: false,
             moved_aside: false,
+            recycle: None,
+            recycled: false,
             payload_crc: None,
             payload_unchecked: false,
             verdict: None,
@@ -265,6 +272,22 @@ impl BlockJob {
     /// Write this store into the spare file `spare` instead of creating its temporary file.
     pub(crate) fn use_spare(&mut self, spare: std::ffi::CString) {
         self.paths.use_spare(spare);
+    }
+
+    /// Make this unguarded remove move a file of exactly `len` bytes to the spare name `spare`
+    /// instead of unlinking it.
+    pub(crate) fn recycle_into(&mut self, spare: std::ffi::CString, len: u64) {
+        if self.action == FileOp::Remove && self.p.nonce.is_none() {
+            self.recycle = Some((spare, len));
+        }
+    }
+
+    /// The spare name a finished remove moved its file to, if it did.
+    pub(crate) fn take_recycled(&mut self) -> Option<std::ffi::CString> {
+        if !std::mem::take(&mut self.recycled) {
+            return None;
+        }
+        self.recycle.take().map(|(name, _)| name)
     }
 
     /// True when the job is a store whose data is written and that now only closes (and

@@ -8,6 +8,10 @@
 //! version renamed into place between the read and the unlink would be deleted; the window is
 //! one syscall long.
 //!
+//! Recycled (an unguarded remove given a spare name, see `crate::spare`): `open(block)` →
+//! `readv(header)` → `statx` → `close` → `renameat2(block, spare, RENAME_NOREPLACE)` when the
+//! file has exactly the spare length, else (or if that rename fails) `unlink(block)`.
+//!
 //! Guarded: `rename(block, aside)` → `open(aside)` → `readv(header)` → `close` → `unlink(aside)`
 //! when it is this write; otherwise `renameat2(aside, block, RENAME_NOREPLACE)` puts it back,
 //! and if a newer block took the name meanwhile (`EEXIST`) the one moved aside, superseded,
@@ -26,7 +30,9 @@ pub(super) enum RemoveStep {
     MoveAside,
     Open,
     Read,
+    Stat,
     Close,
+    Recycle,
     Unlink,
     PutBack,
     DropAside,
@@ -177,11 +183,40 @@ impl BlockJob {
             RemoveStep::Read => {
                 // A read error reads as nothing: an unguarded remove still deletes the file.
                 self.expect = if res < 0 { 0 } else { res as usize };
+                if self.recycle.is_some() {
+                    let fd = self.fd.unwrap_or(-1);
+                    let buf: *mut libc::statx = &mut *self.stx;
+                    return self.call(Step::Remove(RemoveStep::Stat), Syscall::Statx { fd, buf });
+                }
+                let fd = self.fd.take().unwrap_or(-1);
+                self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd })
+            }
+            RemoveStep::Stat => {
+                // A failed statx leaves the length unknown: the file is unlinked.
+                self.file_len = if res == 0 {
+                    self.stx.stx_size as usize
+                } else {
+                    usize::MAX
+                };
                 let fd = self.fd.take().unwrap_or(-1);
                 self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd })
             }
             RemoveStep::Close => match self.keep(self.expect) {
-                Keep::No => self.unlink_target(RemoveStep::Unlink),
+                Keep::No => match &self.recycle {
+                    Some((spare, len)) if self.file_len as u64 == *len => {
+                        let from = self.target();
+                        let to = spare.as_ptr();
+                        self.call(
+                            Step::Remove(RemoveStep::Recycle),
+                            Syscall::Rename {
+                                from,
+                                to,
+                                noreplace: true,
+                            },
+                        )
+                    }
+                    _ => self.unlink_target(RemoveStep::Unlink),
+                },
                 keep => {
                     if let Keep::OtherVersion(v) = keep {
                         tracing::info!(path = ?self.block_path(), version = v,
@@ -205,6 +240,17 @@ impl BlockJob {
                     )
                 }
             },
+            RemoveStep::Recycle => {
+                if res == 0 {
+                    self.recycled = true;
+                    return self.finish_remove(Ok(()));
+                }
+                // The block gone meanwhile, the spare folder gone, a name taken: unlink (which
+                // finds nothing in the first case).
+                tracing::debug!(path = ?self.block_path(), error = %errno_name(res),
+                    "posix: cannot recycle a block file; unlinking it");
+                self.unlink_target(RemoveStep::Unlink)
+            }
             RemoveStep::Unlink => {
                 if self.action == FileOp::Store {
                     self.undone = true;
@@ -241,6 +287,7 @@ impl BlockJob {
 
 #[cfg(test)]
 mod tests {
+    use std::ffi::CString;
     use std::path::Path;
 
     use kvx_core::{BlockKey, OpId};
@@ -260,8 +307,8 @@ mod tests {
 
     /// Run a guarded remove of `key` (nonce 7) to the end with blocking syscalls; `after` runs
     /// after each syscall, with the step it belonged to.
-    fn run(layout: &Layout, key: BlockKey, mut after: impl FnMut(RemoveStep)) {
-        let mut job = BlockJob::new(
+    fn run(layout: &Layout, key: BlockKey, after: impl FnMut(RemoveStep)) {
+        let job = BlockJob::new(
             OpId(0),
             0,
             FileOp::Remove,
@@ -270,6 +317,11 @@ mod tests {
             layout.paths(key, true),
             JobParams::remove(Some(7)),
         );
+        run_job(job, after);
+    }
+
+    /// Run `job` to the end with blocking syscalls, as the psync engine does; it must succeed.
+    fn run_job(mut job: BlockJob, mut after: impl FnMut(RemoveStep)) -> BlockJob {
         let mut next = job.start();
         while let Next::Call(call) = next {
             // SAFETY: the job is alive, in place and touched by no one else during the call.
@@ -280,6 +332,81 @@ mod tests {
             next = job.advance(res);
         }
         assert_eq!(job.result, Ok(()));
+        job
+    }
+
+    /// An unguarded remove of `key` that recycles a file of `len` bytes to `spare`, run to the
+    /// end; the spare name it moved the file to, if it did.
+    fn recycle(layout: &Layout, key: BlockKey, spare: &Path, len: u64) -> Option<CString> {
+        let mut job = BlockJob::new(
+            OpId(0),
+            0,
+            FileOp::Remove,
+            key,
+            None,
+            layout.paths(key, false),
+            JobParams::remove(None),
+        );
+        let name = CString::new(spare.as_os_str().as_encoded_bytes()).expect("no NUL");
+        job.recycle_into(name, len);
+        run_job(job, |_| {}).take_recycled()
+    }
+
+    #[test]
+    fn unguarded_remove_recycles_only_a_file_of_the_spare_length() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("dir");
+        let spares = dir.path().join(".kvx-spare");
+        std::fs::create_dir(&spares).expect("mkdir");
+        let layout = Layout::new(vec![dir.path().to_path_buf()]);
+        let key = BlockKey(5);
+        let path = layout.block_path(key);
+        block_file(&path, key, 1, 1);
+        let len = std::fs::metadata(&path).expect("stat").len();
+        let inode = std::fs::metadata(&path).expect("stat").ino();
+
+        // The spare length: moved, the same file under the spare name.
+        let spare = spares.join("h-1-0");
+        let moved = recycle(&layout, key, &spare, len);
+        assert_eq!(
+            moved.as_deref().map(CStr::to_bytes),
+            Some(spare.as_os_str().as_encoded_bytes())
+        );
+        assert!(!path.exists());
+        assert_eq!(std::fs::metadata(&spare).expect("the spare").ino(), inode);
+
+        // Another length: unlinked, nothing recycled.
+        block_file(&path, key, 2, 2);
+        assert_eq!(
+            recycle(&layout, key, &spares.join("h-1-1"), len + 4096),
+            None
+        );
+        assert!(!path.exists() && !spares.join("h-1-1").exists());
+
+        // The spare folder gone: unlinked all the same.
+        block_file(&path, key, 3, 3);
+        std::fs::remove_dir_all(&spares).expect("rm");
+        assert_eq!(recycle(&layout, key, &spares.join("h-1-2"), len), None);
+        assert!(!path.exists());
+
+        // A guarded remove never recycles.
+        std::fs::create_dir(&spares).expect("mkdir");
+        block_file(&path, key, 7, 4);
+        let mut job = BlockJob::new(
+            OpId(0),
+            0,
+            FileOp::Remove,
+            key,
+            None,
+            layout.paths(key, true),
+            JobParams::remove(Some(7)),
+        );
+        job.recycle_into(
+            CString::new(spares.join("h-1-3").as_os_str().as_encoded_bytes()).expect("no NUL"),
+            len,
+        );
+        assert_eq!(run_job(job, |_| {}).take_recycled(), None);
+        assert!(!path.exists() && !spares.join("h-1-3").exists());
     }
 
     fn temps(dir: &Path) -> usize {

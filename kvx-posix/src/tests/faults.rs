@@ -11,17 +11,6 @@ use super::{FaultRig, SOON, key, wait_until};
 use crate::io::fault::Late;
 use crate::{EngineKind, PosixStore};
 
-macro_rules! both_engines {
-    ($($name:ident),* $(,)?) => {
-        mod uring {
-            $(#[test] fn $name() { super::$name(crate::EngineKind::Uring) })*
-        }
-        mod psync {
-            $(#[test] fn $name() { super::$name(crate::EngineKind::Psync) })*
-        }
-    };
-}
-
 both_engines!(
     eviction_burst_leaves_the_tier_serving,
     stall_then_thaw_recovers_every_worker,

@@ -440,9 +440,10 @@ impl RingThread {
             }
         }
         self.counters.in_flight.fetch_sub(io, Ordering::AcqRel);
+        self.sink.push(st.done.drain(..));
+        // After the push: once the count reads zero, every remove can be absorbed.
         self.counters
             .maintenance
             .fetch_sub(maintenance, Ordering::AcqRel);
-        self.sink.push(st.done.drain(..));
     }
 }
