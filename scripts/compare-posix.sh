@@ -13,11 +13,21 @@
 #   nixl-uring  ../shared/peers/nixl_posix.py --engine uring --layout per-block
 # all in a fresh subfolder of --dir with the same block size, block count and queue depth.
 #
+# With --after-evictions every tool writes into space written before, as a full tier does once
+# it evicts to make room: kvx bench posix --after-evictions stores and evicts as many blocks
+# before its clock (its timed stores write into the recycled files of evicted blocks), fio
+# writes its file once before its timed write, and the peer's block files are written once
+# before its run (it opens them without O_TRUNC, so it overwrites them). On a file system
+# mounted with discard on a thin-provisioned virtual disk, writes into freshly freed space pay
+# for the host's allocation underneath; the default (fresh space for every tool) measures that.
+#
 # Usage:
 #   scripts/compare-posix.sh --dir DIR [--bs "256KiB 1MiB 4MiB"] [--blocks N] [--qd 32]
-#                            [--rounds 3] [--kvx PATH] [--nixl-venv DIR] [--peer PATH]
+#                            [--rounds 3] [--after-evictions] [--kvx PATH] [--nixl-venv DIR]
+#                            [--peer PATH]
 #   --bs       block sizes (KiB/MiB suffixes), space- or comma-separated; default 256KiB 1MiB 4MiB
 #   --blocks   blocks per run; default: 1 GiB worth per block size (4096, 1024, 256)
+#   --after-evictions  every tool writes into space written before (see above)
 #   --kvx      the kvx binary; default target/release/kvx (cargo build --release -p kvx-cli)
 #   --nixl-venv  a venv with nixl-cu12 and numpy; default $NIXL_VENV or ~/nixl-venv. Without it
 #              the peer rows are skipped (with the one-line setup) and kvx and fio still run.
@@ -44,11 +54,12 @@ sizes="256KiB 1MiB 4MiB"
 blocks=""
 qd=32
 rounds=3
+evicted=0
 kvx="$repo/target/release/kvx"
 venv="${NIXL_VENV:-$HOME/nixl-venv}"
 peer="$repo/../shared/peers/nixl_posix.py"
 
-usage() { sed -n '16,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '/^# Usage:/,/^#   --peer /p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dir) dir=${2:?--dir needs a value}; shift 2 ;;
@@ -56,6 +67,7 @@ while [[ $# -gt 0 ]]; do
     --blocks) blocks=${2:?--blocks needs a value}; shift 2 ;;
     --qd) qd=${2:?--qd needs a value}; shift 2 ;;
     --rounds) rounds=${2:?--rounds needs a value}; shift 2 ;;
+    --after-evictions) evicted=1; shift ;;
     --kvx) kvx=${2:?--kvx needs a value}; shift 2 ;;
     --nixl-venv) venv=${2:?--nixl-venv needs a value}; shift 2 ;;
     --peer) peer=${2:?--peer needs a value}; shift 2 ;;
@@ -111,8 +123,10 @@ print(round(float(json.loads(lines[-1])[sys.argv[1]]), 3))' "$1"; }
 
 run_kvx() { # BS BYTES BLOCKS ENGINE
   local out
+  local more=()
+  (( evicted )) && more=(--after-evictions)
   if out=$("$kvx" bench posix --dir "$work" --block-size "$2" --blocks "$3" \
-      --queue-depth "$qd" --engine "$4" --json 2>&1); then
+      --queue-depth "$qd" --engine "$4" "${more[@]}" --json 2>&1); then
     local s l
     s=$(json_field store_gib_s <<<"$out") l=$(json_field load_gib_s <<<"$out")
     record "$1" "kvx-$4" store "$s"; record "$1" "kvx-$4" load "$l"
@@ -134,6 +148,9 @@ print(round(v["jobs"][0][sys.argv[1]]["bw_bytes"] / 2**30, 3))' "$1"
 
 run_fio() { # BS BYTES BLOCKS
   local size=$(($2 * $3)) w r
+  if (( evicted )) && ! fio_bw write "$2" "$size" >/dev/null; then
+    echo "  fio FAILED (writing its file before the clock)" >&2; failed=1; return
+  fi
   if w=$(fio_bw write "$2" "$size") && r=$(fio_bw read "$2" "$size"); then
     record "$1" fio store "$w"; record "$1" fio load "$r"
     echo "  fio: write $w read $r" >&2
@@ -143,10 +160,26 @@ run_fio() { # BS BYTES BLOCKS
   rm -f -- "$work/fio.dat"
 }
 
+prewrite() { # DIR BYTES BLOCKS: the peer's block files b0.blk.., each written once, synced
+  python3 -c '
+import os, sys
+d, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.makedirs(d, exist_ok=True)
+data = os.urandom(size)
+for i in range(n):
+    fd = os.open(os.path.join(d, f"b{i}.blk"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, data)
+    os.close(fd)
+os.sync()' "$1" "$2" "$3"
+}
+
 run_nixl() { # BS BYTES BLOCKS ENGINE
   [[ -n "$py" ]] || return 0
   local out w r
   # the peer removes every file in its --dir after a round: give it its own folder
+  if (( evicted )) && ! prewrite "$work/nixl" "$2" "$3"; then
+    echo "  nixl-$4 FAILED (writing its files before the clock)" >&2; failed=1; return
+  fi
   if out=$("$py" "$peer" --dir "$work/nixl" --block-size "$2" --blocks "$3" --qd "$qd" \
       --engine "$4" --layout per-block --rounds 1 2>&1); then
     w=$(json_field write_gib_s <<<"$out") r=$(json_field read_gib_s <<<"$out")
@@ -181,11 +214,12 @@ for bs in "${size_list[@]}"; do
 done
 cut -d' ' -f1 /proc/loadavg >>"$loadlog"
 
-python3 - "$results" "$loadlog" "$qd" "$rounds" "$dir" <<'EOF'
+python3 - "$results" "$loadlog" "$qd" "$rounds" "$dir" "$evicted" <<'EOF'
 import json, statistics, sys
 from collections import defaultdict
 
-results, loadlog, qd, rounds, where = sys.argv[1:6]
+results, loadlog, qd, rounds, where, evicted = sys.argv[1:7]
+space = "space written before (--after-evictions)" if evicted == "1" else "fresh space"
 runs = defaultdict(list)  # (bs, tool, phase) -> GiB/s per round
 by_round = {}  # (bs, tool, phase, round) -> GiB/s
 order = []
@@ -208,10 +242,10 @@ def ratio(a, b):
     return None if a is None or not b else round(a / b, 3)
 
 tools = ["kvx-uring", "kvx-psync", "fio", "nixl-aio", "nixl-uring"]
-out = {"dir": where, "qd": int(qd), "rounds": int(rounds),
+out = {"dir": where, "qd": int(qd), "rounds": int(rounds), "after_evictions": evicted == "1",
        "loadavg_1m": {"min": min(loads, default=None), "max": max(loads, default=None)},
        "sizes": {}}
-print(f"medians of {rounds} alternating rounds, GiB/s, QD {qd}, in {where}; "
+print(f"medians of {rounds} alternating rounds, GiB/s, QD {qd}, writes into {space}, in {where}; "
       f"1-min load average {min(loads, default=0):.2f}-{max(loads, default=0):.2f}")
 for bs in order:
     print(f"\n{bs}")

@@ -115,9 +115,10 @@ pub struct FileTierConfig {
     /// fdatasync each block before it becomes visible (default false).
     #[serde(default)]
     pub fdatasync: bool,
-    /// Empty files kept ready per root (on a local block file system of a tier this node
-    /// owns) for stores to write into, made ahead by a thread of their own so that no store
-    /// creates its file (default 64; 0: stores create their files).
+    /// Files kept ready per root (on a local block file system of a tier this node owns) for
+    /// stores to write into: preallocated to one block's file by a thread of their own, or
+    /// the files of evicted blocks, recycled, so that no store creates its file or allocates
+    /// its blocks (default 64; 0: stores create their files and evictions unlink them).
     #[serde(default = "default_spare_files")]
     pub spare_files: usize,
     /// Health breaker of each root.

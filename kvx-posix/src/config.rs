@@ -97,7 +97,10 @@ pub struct PosixConfig {
     /// each spare file is then preallocated (`fallocate`) to exactly the file of such a block,
     /// header included, so that its store writes into allocated space, waits on no block
     /// allocation, and lands next to the block stored before it. A store of another size
-    /// creates its own file. Default 0: spares are empty and fit any store.
+    /// creates its own file. A removed block file of that length (an eviction) then becomes a
+    /// spare instead of being unlinked, while the root has fewer than `spare_files`, so stores
+    /// after evictions overwrite space written before. Default 0: spares are empty and fit
+    /// any store, and removed files are unlinked.
     pub spare_block_bytes: usize,
     /// Top the spare files up in the background when half are used (default true); false
     /// keeps only those made at open (a benchmark that makes its files before its clock
