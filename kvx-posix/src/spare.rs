@@ -195,12 +195,17 @@ impl Spares {
         spare
     }
 
+    /// Whether removed block files are recycled: the spares are preallocated to one length.
+    pub(crate) fn recycles(&self) -> bool {
+        self.inner.len > 0
+    }
+
     /// A fresh name in `root`'s spare folder to move a removed block file to instead of
     /// unlinking it, and the length that file must have to be recycled; `None` unless spares
     /// are preallocated and `root` has fewer ready than `spare_files` (removes in flight may
     /// overshoot that by their number).
     pub(crate) fn recycle_name(&self, root: usize) -> Option<(CString, u64)> {
-        if self.inner.len == 0 {
+        if !self.recycles() {
             return None;
         }
         let r = self.inner.roots.get(root)?.as_ref()?;

@@ -56,7 +56,7 @@ pub struct PosixStore {
     ops: FxHashMap<OpId, OpState>,
     ready: Vec<OpCompletion>,
     notifier: Notifier,
-    /// Loads in flight per key, while removed block files are recycled as spares.
+    /// Loads in flight per key, when removed block files are recycled as spares.
     recycling: Option<crate::recycle::Recycling>,
 }
 
@@ -102,6 +102,10 @@ impl PosixStore {
             cfg.spare_refill,
             format!("{}-{}", layout.host(), std::process::id()),
         )?;
+        let recycling = spares
+            .as_ref()
+            .is_some_and(crate::spare::Spares::recycles)
+            .then(crate::recycle::Recycling::default);
         let mut dirs: FxHashSet<(usize, u16)> = found.dirs.into_iter().collect();
         if spares.is_some() {
             // A spare is renamed into its fan-out directory: make them all now, off the
@@ -203,8 +207,7 @@ impl PosixStore {
             ops: FxHashMap::default(),
             ready: Vec::new(),
             notifier: Notifier::noop(),
-            recycling: (cfg.spare_files > 0 && cfg.spare_block_bytes > 0)
-                .then(crate::recycle::Recycling::default),
+            recycling,
             cfg,
         })
     }
