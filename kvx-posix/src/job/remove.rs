@@ -305,19 +305,23 @@ mod tests {
         std::fs::write(path, bytes).expect("write");
     }
 
-    /// Run a guarded remove of `key` (nonce 7) to the end with blocking syscalls; `after` runs
-    /// after each syscall, with the step it belonged to.
-    fn run(layout: &Layout, key: BlockKey, after: impl FnMut(RemoveStep)) {
-        let job = BlockJob::new(
+    /// A remove job of `key`, guarded by `nonce` if there is one.
+    fn remove_job(layout: &Layout, key: BlockKey, nonce: Option<u64>) -> BlockJob {
+        BlockJob::new(
             OpId(0),
             0,
             FileOp::Remove,
             key,
             None,
-            layout.paths(key, true),
-            JobParams::remove(Some(7)),
-        );
-        run_job(job, after);
+            layout.paths(key, nonce.is_some()),
+            JobParams::remove(nonce),
+        )
+    }
+
+    /// Run a guarded remove of `key` (nonce 7) to the end with blocking syscalls; `after` runs
+    /// after each syscall, with the step it belonged to.
+    fn run(layout: &Layout, key: BlockKey, after: impl FnMut(RemoveStep)) {
+        run_job(remove_job(layout, key, Some(7)), after);
     }
 
     /// Run `job` to the end with blocking syscalls, as the psync engine does; it must succeed.
@@ -335,18 +339,16 @@ mod tests {
         job
     }
 
-    /// An unguarded remove of `key` that recycles a file of `len` bytes to `spare`, run to the
-    /// end; the spare name it moved the file to, if it did.
-    fn recycle(layout: &Layout, key: BlockKey, spare: &Path, len: u64) -> Option<CString> {
-        let mut job = BlockJob::new(
-            OpId(0),
-            0,
-            FileOp::Remove,
-            key,
-            None,
-            layout.paths(key, false),
-            JobParams::remove(None),
-        );
+    /// A remove of `key` (guarded by `nonce` if there is one) given the spare name `spare` for
+    /// a file of `len` bytes, run to the end; the spare name it moved the file to, if it did.
+    fn recycle(
+        layout: &Layout,
+        key: BlockKey,
+        nonce: Option<u64>,
+        spare: &Path,
+        len: u64,
+    ) -> Option<CString> {
+        let mut job = remove_job(layout, key, nonce);
         let name = CString::new(spare.as_os_str().as_encoded_bytes()).expect("no NUL");
         job.recycle_into(name, len);
         run_job(job, |_| {}).take_recycled()
@@ -367,7 +369,7 @@ mod tests {
 
         // The spare length: moved, the same file under the spare name.
         let spare = spares.join("h-1-0");
-        let moved = recycle(&layout, key, &spare, len);
+        let moved = recycle(&layout, key, None, &spare, len);
         assert_eq!(
             moved.as_deref().map(CStr::to_bytes),
             Some(spare.as_os_str().as_encoded_bytes())
@@ -378,7 +380,7 @@ mod tests {
         // Another length: unlinked, nothing recycled.
         block_file(&path, key, 2, 2);
         assert_eq!(
-            recycle(&layout, key, &spares.join("h-1-1"), len + 4096),
+            recycle(&layout, key, None, &spares.join("h-1-1"), len + 4096),
             None
         );
         assert!(!path.exists() && !spares.join("h-1-1").exists());
@@ -386,27 +388,18 @@ mod tests {
         // The spare folder gone: unlinked all the same.
         block_file(&path, key, 3, 3);
         std::fs::remove_dir_all(&spares).expect("rm");
-        assert_eq!(recycle(&layout, key, &spares.join("h-1-2"), len), None);
+        assert_eq!(
+            recycle(&layout, key, None, &spares.join("h-1-2"), len),
+            None
+        );
         assert!(!path.exists());
 
         // A guarded remove never recycles.
         std::fs::create_dir(&spares).expect("mkdir");
         block_file(&path, key, 7, 4);
-        let mut job = BlockJob::new(
-            OpId(0),
-            0,
-            FileOp::Remove,
-            key,
-            None,
-            layout.paths(key, true),
-            JobParams::remove(Some(7)),
-        );
-        job.recycle_into(
-            CString::new(spares.join("h-1-3").as_os_str().as_encoded_bytes()).expect("no NUL"),
-            len,
-        );
-        assert_eq!(run_job(job, |_| {}).take_recycled(), None);
-        assert!(!path.exists() && !spares.join("h-1-3").exists());
+        let spare = spares.join("h-1-3");
+        assert_eq!(recycle(&layout, key, Some(7), &spare, len), None);
+        assert!(!path.exists() && !spare.exists());
     }
 
     fn temps(dir: &Path) -> usize {
