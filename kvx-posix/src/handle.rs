@@ -34,6 +34,9 @@ pub struct PosixStats {
     pub rejected: u64,
     /// Renames undone because they landed after the deadline or a cancel.
     pub undone: u64,
+    /// Removed block files recycled as spare files instead of unlinked (see
+    /// [`crate::PosixConfig::spare_block_bytes`]).
+    pub recycled: u64,
     /// Removes (evictions, cleanups) queued or running; once zero, the store's next poll takes
     /// in every one that finished.
     pub maintenance: usize,
@@ -59,6 +62,7 @@ pub(crate) struct Counters {
     pub(crate) corrupt: AtomicU64,
     pub(crate) rejected: AtomicU64,
     pub(crate) undone: AtomicU64,
+    pub(crate) recycled: AtomicU64,
     pub(crate) probes: AtomicU64,
 }
 
@@ -100,8 +104,11 @@ impl Shared {
         {
             job.recycle_into(spare, len);
         }
-        if let Err(r) = self.engine.submit(job) {
+        if let Err(mut r) = self.engine.submit(job) {
             tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
+            if let (Some(_), Some(s)) = (r.job.take_recycle(), &self.spares) {
+                s.release(r.job.root);
+            }
         }
     }
 }
@@ -272,6 +279,7 @@ impl PosixHandle {
             corrupt: c.corrupt.load(Ordering::Relaxed),
             rejected: c.rejected.load(Ordering::Relaxed),
             undone: c.undone.load(Ordering::Relaxed),
+            recycled: c.recycled.load(Ordering::Relaxed),
             probes: c.probes.load(Ordering::Relaxed),
             probe_entries: self.shared.probes.as_ref().map_or(0, ProbeTable::len),
             touches_dropped: self.shared.touch.as_ref().map_or(0, TouchLane::dropped),

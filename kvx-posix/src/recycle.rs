@@ -30,17 +30,21 @@ impl Recycling {
     }
 
     /// A job came back from the engine: a load's reads are over; a remove may have recycled
-    /// its file.
-    pub(crate) fn job_returned(&mut self, job: &mut BlockJob, spares: &Spares) {
+    /// its file (then true).
+    pub(crate) fn job_returned(&mut self, job: &mut BlockJob, spares: &Spares) -> bool {
         match job.action {
             FileOp::Load => self.load_ended(job.key, spares),
-            FileOp::Remove => {
-                if let Some(name) = job.take_recycled() {
+            FileOp::Remove => match job.take_recycle() {
+                Some((name, true)) => {
                     self.recycled(job.key, job.root, name, spares);
+                    return true;
                 }
-            }
+                Some((_, false)) => spares.release(job.root),
+                None => {}
+            },
             FileOp::Store | FileOp::Probe => {}
         }
+        false
     }
 
     /// A load job of `key` came back from the engine: its reads are over.

@@ -42,10 +42,25 @@ use crate::error::PosixError;
 /// The directory of a root's spare files.
 pub(crate) const SPARE_DIR: &str = ".kvx-spare";
 
-/// One root's spare files, ready to be written, oldest first.
+/// One root's spare files.
 struct RootSpares {
     dir: PathBuf,
-    ready: Mutex<VecDeque<CString>>,
+    pool: Mutex<Pool>,
+}
+
+/// A root's spare files ready to be written, oldest first, and the recycled files promised to
+/// it (a remove given a spare name that has not come back yet).
+#[derive(Default)]
+struct Pool {
+    ready: VecDeque<CString>,
+    promised: usize,
+}
+
+impl Pool {
+    /// Ready and promised: what the pool will hold once every remove in flight came back.
+    fn count(&self) -> usize {
+        self.ready.len() + self.promised
+    }
 }
 
 struct Inner {
@@ -79,11 +94,11 @@ impl Inner {
             return;
         };
         loop {
-            if kvx_core::lock(&r.ready).len() >= self.target {
+            if kvx_core::lock(&r.pool).count() >= self.target {
                 return;
             }
             match self.make(&r.dir) {
-                Ok(c) => kvx_core::lock(&r.ready).push_back(c),
+                Ok(c) => kvx_core::lock(&r.pool).ready.push_back(c),
                 // A name an earlier process of the same pid left: the next one is free.
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
                 Err(e) => {
@@ -142,7 +157,7 @@ impl Spares {
             let ready = take_over(&dir, len)?;
             per_root.push(Some(RootSpares {
                 dir,
-                ready: Mutex::new(ready),
+                pool: Mutex::new(Pool { ready, promised: 0 }),
             }));
         }
         let inner = Arc::new(Inner {
@@ -184,9 +199,9 @@ impl Spares {
         }
         let r = self.inner.roots.get(root)?.as_ref()?;
         let (spare, left) = {
-            let mut ready = kvx_core::lock(&r.ready);
-            let spare = ready.pop_front();
-            (spare, ready.len())
+            let mut pool = kvx_core::lock(&r.pool);
+            let spare = pool.ready.pop_front();
+            (spare, pool.ready.len())
         };
         if self.inner.refill && left < self.inner.target / 2 + 1 {
             // Full: a wake-up is already pending; disconnected: the thread is gone.
@@ -202,24 +217,37 @@ impl Spares {
 
     /// A fresh name in `root`'s spare folder to move a removed block file to instead of
     /// unlinking it, and the length that file must have to be recycled; `None` unless spares
-    /// are preallocated and `root` has fewer ready than `spare_files` (removes in flight may
-    /// overshoot that by their number).
+    /// are preallocated and `root`'s spares, ready and promised, are fewer than `spare_files`.
+    /// The name is promised to the pool until [`Spares::put`] or [`Spares::release`].
     pub(crate) fn recycle_name(&self, root: usize) -> Option<(CString, u64)> {
         if !self.recycles() {
             return None;
         }
         let r = self.inner.roots.get(root)?.as_ref()?;
-        if kvx_core::lock(&r.ready).len() >= self.inner.target {
+        let mut pool = kvx_core::lock(&r.pool);
+        if pool.count() >= self.inner.target {
             return None;
         }
         let name = CString::new(self.inner.name(&r.dir).as_os_str().as_bytes()).ok()?;
+        pool.promised += 1;
         Some((name, self.inner.len))
     }
 
-    /// A recycled file, now in `root`'s spare folder, is ready for a store (the newest spare).
+    /// A promised recycled file, now in `root`'s spare folder, is ready for a store (the
+    /// newest spare).
     pub(crate) fn put(&self, root: usize, spare: CString) {
         if let Some(r) = self.inner.roots.get(root).and_then(Option::as_ref) {
-            kvx_core::lock(&r.ready).push_back(spare);
+            let mut pool = kvx_core::lock(&r.pool);
+            pool.promised = pool.promised.saturating_sub(1);
+            pool.ready.push_back(spare);
+        }
+    }
+
+    /// A promised recycled file will not come: its remove unlinked the file, or never ran.
+    pub(crate) fn release(&self, root: usize) {
+        if let Some(r) = self.inner.roots.get(root).and_then(Option::as_ref) {
+            let mut pool = kvx_core::lock(&r.pool);
+            pool.promised = pool.promised.saturating_sub(1);
         }
     }
 
@@ -228,7 +256,10 @@ impl Spares {
         self.inner
             .roots
             .iter()
-            .map(|r| r.as_ref().map_or(0, |r| kvx_core::lock(&r.ready).len()))
+            .map(|r| {
+                r.as_ref()
+                    .map_or(0, |r| kvx_core::lock(&r.pool).ready.len())
+            })
             .collect()
     }
 }

@@ -508,9 +508,10 @@ fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
 }
 
 /// With preallocated spares, an evicted block's file of one block's length moves into the
-/// spare folder instead of being unlinked while the root has fewer than `spare_files` spares,
-/// and the next stores write into those very files and load back byte-exact;
-/// a file of another length, or one removed while the spares are full, is unlinked.
+/// spare folder instead of being unlinked while the root's spares, ready and promised to
+/// removes in flight, are fewer than `spare_files`: of a burst of six removes, two are
+/// recycled and four unlinked. The next stores write into those very files and load back
+/// byte-exact. A file of another length is unlinked and its promise given back.
 fn evicted_block_files_become_spares(engine: EngineKind) {
     use std::os::unix::fs::MetadataExt;
     const BLOCK: usize = 12_288;
@@ -519,30 +520,24 @@ fn evicted_block_files_become_spares(engine: EngineKind) {
     cfg.spare_block_bytes = BLOCK;
     let r = rig(cfg, 16, 64 << 10);
     let in_spare_dir = || std::fs::read_dir(&spare_dir).unwrap().count();
-    let keys: Vec<BlockKey> = (800..805).map(key).collect();
-    // Two into the spares, two into files of their own, one of another length.
-    assert!(r.store(&keys[..4], BLOCK).is_ok(), "{engine}");
-    assert!(r.store(&keys[4..], 20_000).is_ok(), "{engine}");
-    assert_eq!(r.files.spare_files_ready(), vec![0]);
     let inode = |k: BlockKey| std::fs::metadata(r.files.block_path(k)).unwrap().ino();
+    // Two into the spares, four into files of their own.
+    let keys: Vec<BlockKey> = (800..806).map(key).collect();
+    assert!(r.store(&keys, BLOCK).is_ok(), "{engine}");
+    assert_eq!(r.files.spare_files_ready(), vec![0]);
     let mut recycled = [inode(keys[0]), inode(keys[1])];
     recycled.sort_unstable();
 
-    r.files.remove(keys[0]);
-    r.files.remove(keys[1]);
-    r.files.remove(keys[4]);
+    for k in &keys {
+        r.files.remove(*k);
+    }
     assert!(
         wait(|| r.files.spare_files_ready() == vec![2] && r.files.stats().maintenance == 0),
         "{engine}: {:?}",
         r.files.spare_files_ready()
     );
-    assert_eq!(in_spare_dir(), 2, "the other length was unlinked");
-    // The spares are full: these two are unlinked.
-    r.files.remove(keys[2]);
-    r.files.remove(keys[3]);
-    assert!(wait(|| r.files.stats().maintenance == 0));
-    assert_eq!(r.files.spare_files_ready(), vec![2]);
-    assert_eq!(in_spare_dir(), 2);
+    assert_eq!(in_spare_dir(), 2, "{engine}: four unlinked");
+    assert_eq!(r.files.stats().recycled, 2);
     for k in &keys {
         assert!(!r.files.block_path(*k).exists(), "{engine}: {k} removed");
     }
@@ -561,6 +556,27 @@ fn evicted_block_files_become_spares(engine: EngineKind) {
     for (b, k) in rep.blocks.iter().zip(&next) {
         assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, BLOCK)[..]);
     }
+    drop(rep);
+
+    // Another length: promised a spare name, unlinked, and the promise given back (taken in
+    // by the poll that ends the next op), so both blocks removed next are recycled.
+    let other = key(820);
+    assert!(r.store(&[other], 20_000).is_ok(), "{engine}");
+    r.files.remove(other);
+    assert!(wait(|| r.files.stats().maintenance == 0));
+    assert_eq!(
+        r.load(&[key(821)]).blocks[0].result,
+        Err(BlockError::NotFound)
+    );
+    assert!(!r.files.block_path(other).exists());
+    r.files.remove(next[0]);
+    r.files.remove(next[1]);
+    assert!(
+        wait(|| r.files.spare_files_ready() == vec![2] && r.files.stats().maintenance == 0),
+        "{engine}: {:?}",
+        r.files.spare_files_ready()
+    );
+    assert_eq!(r.files.stats().recycled, 4, "{engine}");
 }
 
 /// Whether a store in a temporary directory gets inline I/O (a local block file system).

@@ -226,6 +226,14 @@ fn one_round(
                 args.deadline_ms
             ));
         }
+        let recycled = rig.handle().stats().recycled;
+        if recycled < fill.ok.len() as u64 {
+            eprintln!(
+                "round {}: {recycled} of {} evicted files recycled (the rest were unlinked: spare files full, or not on a local block file system)",
+                round + 1,
+                fill.ok.len()
+            );
+        }
     }
     let store = rig.run(Direction::Store, &keys, deadline);
     eprintln!(

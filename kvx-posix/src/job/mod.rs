@@ -282,12 +282,10 @@ impl BlockJob {
         }
     }
 
-    /// The spare name a finished remove moved its file to, if it did.
-    pub(crate) fn take_recycled(&mut self) -> Option<std::ffi::CString> {
-        if !std::mem::take(&mut self.recycled) {
-            return None;
-        }
-        self.recycle.take().map(|(name, _)| name)
+    /// The spare name this remove was given, and whether it moved its file there.
+    pub(crate) fn take_recycle(&mut self) -> Option<(std::ffi::CString, bool)> {
+        let moved = std::mem::take(&mut self.recycled);
+        self.recycle.take().map(|(name, _)| (name, moved))
     }
 
     /// True when the job is a store whose data is written and that now only closes (and

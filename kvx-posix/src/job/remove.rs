@@ -351,7 +351,9 @@ mod tests {
         let mut job = remove_job(layout, key, nonce);
         let name = CString::new(spare.as_os_str().as_encoded_bytes()).expect("no NUL");
         job.recycle_into(name, len);
-        run_job(job, |_| {}).take_recycled()
+        run_job(job, |_| {})
+            .take_recycle()
+            .and_then(|(name, moved)| moved.then_some(name))
     }
 
     #[test]
