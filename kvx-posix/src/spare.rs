@@ -264,6 +264,23 @@ impl Spares {
     }
 }
 
+/// Every fan-out directory (`ab`) of each root marked in `with_spares`, made now: a spare is
+/// renamed into one, so none is made on a store's path (256 per root); (root, `0xab`) of each.
+pub(crate) fn make_fan_out_dirs(
+    roots: &[PathBuf],
+    with_spares: &[bool],
+) -> Result<Vec<(usize, u16)>, PosixError> {
+    let mut made = Vec::new();
+    for (root, _) in with_spares.iter().enumerate().filter(|(_, s)| **s) {
+        for ab in 0..=255u8 {
+            let d = roots[root].join(format!("{ab:02x}"));
+            std::fs::create_dir_all(&d).map_err(|e| io_err(&d, e))?;
+            made.push((root, u16::from(ab)));
+        }
+    }
+    Ok(made)
+}
+
 /// The files of exactly `len` bytes in `dir`, kept as spares (in name order, so a run's own
 /// spares go oldest first); any other file there is removed.
 fn take_over(dir: &Path, len: u64) -> Result<VecDeque<CString>, PosixError> {

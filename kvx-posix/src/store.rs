@@ -108,18 +108,7 @@ impl PosixStore {
             .then(crate::recycle::Recycling::default);
         let mut dirs: FxHashSet<(usize, u16)> = found.dirs.into_iter().collect();
         if spares.is_some() {
-            // A spare is renamed into its fan-out directory: make them all now, off the
-            // stores' path (256 per root).
-            for (root, _) in with_spares.iter().enumerate().filter(|(_, s)| **s) {
-                for ab in 0..=255u8 {
-                    let d = cfg.roots[root].join(format!("{ab:02x}"));
-                    std::fs::create_dir_all(&d).map_err(|e| PosixError::Root {
-                        path: d.clone(),
-                        source: e,
-                    })?;
-                    dirs.insert((root, u16::from(ab)));
-                }
-            }
+            dirs.extend(crate::spare::make_fan_out_dirs(&cfg.roots, &with_spares)?);
         }
         let sink = Arc::new(Sink::default());
         if cfg.engine == EngineKind::Uring {
