@@ -8,6 +8,7 @@
 //! back from the spares until the last of them has returned.
 
 use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvx_core::BlockKey;
 use rustc_hash::FxHashMap;
@@ -30,21 +31,25 @@ impl Recycling {
     }
 
     /// A job came back from the engine: a load's reads are over; a remove may have recycled
-    /// its file (then true).
-    pub(crate) fn job_returned(&mut self, job: &mut BlockJob, spares: &Spares) -> bool {
+    /// its file (counted in `recycled` before it can show among the spares).
+    pub(crate) fn job_returned(
+        &mut self,
+        job: &mut BlockJob,
+        spares: &Spares,
+        recycled: &AtomicU64,
+    ) {
         match job.action {
             FileOp::Load => self.load_ended(job.key, spares),
             FileOp::Remove => match job.take_recycle() {
                 Some((name, true)) => {
+                    recycled.fetch_add(1, Ordering::Relaxed);
                     self.recycled(job.key, job.root, name, spares);
-                    return true;
                 }
                 Some((_, false)) => spares.release(job.root),
                 None => {}
             },
             FileOp::Store | FileOp::Probe => {}
         }
-        false
     }
 
     /// A load job of `key` came back from the engine: its reads are over.

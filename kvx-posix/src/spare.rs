@@ -160,13 +160,25 @@ impl Spares {
                 pool: Mutex::new(Pool { ready, promised: 0 }),
             }));
         }
+        // A run of the same host and pid (a restarted container) numbers its names after the
+        // spares it took over, so no new name is one of theirs.
+        let next = per_root
+            .iter()
+            .flatten()
+            .flat_map(|r| kvx_core::lock(&r.pool).ready.clone())
+            .filter_map(|c| {
+                let (t, seq) = spare_order(Path::new(std::ffi::OsStr::from_bytes(c.as_bytes())));
+                (t == tag && seq != u64::MAX).then_some(seq + 1)
+            })
+            .max()
+            .unwrap_or(0);
         let inner = Arc::new(Inner {
             roots: per_root,
             target,
             len,
             refill,
             tag,
-            seq: AtomicU64::new(0),
+            seq: AtomicU64::new(next),
         });
         for root in 0..inner.roots.len() {
             inner.fill(root);
@@ -329,5 +341,55 @@ fn preallocate(file: &std::fs::File, len: u64) -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store of the same host and pid as the run that left spares (a restarted container)
+    /// takes them over, oldest first, and names its own after them.
+    #[test]
+    fn names_follow_the_spares_taken_over() {
+        let dir = tempfile::tempdir().expect("dir");
+        let spare_dir = dir.path().join(SPARE_DIR);
+        std::fs::create_dir_all(&spare_dir).expect("mkdir");
+        for name in ["h-1-7", "h-1-3", "other-2-9"] {
+            std::fs::write(spare_dir.join(name), [0u8; 16]).expect("write");
+        }
+        std::fs::write(spare_dir.join("h-1-12"), [0u8; 5]).expect("write");
+        let roots = [dir.path().to_path_buf()];
+        let s = Spares::open(&roots, &[true], 4, 16, false, "h-1".into())
+            .expect("open")
+            .expect("spares");
+        assert!(
+            !spare_dir.join("h-1-12").exists(),
+            "another length is removed"
+        );
+        assert_eq!(s.ready(), vec![4], "three taken over, one made");
+        let names: Vec<String> = kvx_core::lock(&s.inner.roots[0].as_ref().expect("root").pool)
+            .ready
+            .iter()
+            .map(|c| {
+                c.to_string_lossy()
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(names, ["h-1-3", "h-1-7", "other-2-9", "h-1-8"]);
+        let (recycle, len) = s.recycle_name(0).map_or((None, 0), |(n, l)| (Some(n), l));
+        assert_eq!(recycle, None, "the pool is full: no name promised");
+        assert_eq!(len, 0);
+        drop(
+            kvx_core::lock(&s.inner.roots[0].as_ref().expect("root").pool)
+                .ready
+                .pop_front(),
+        );
+        let (name, len) = s.recycle_name(0).expect("a name, now that one was taken");
+        assert_eq!(len, 16);
+        assert!(name.to_string_lossy().ends_with("/h-1-9"), "{name:?}");
     }
 }

@@ -237,13 +237,8 @@ impl PosixStore {
                 }
                 continue;
             }
-            if let (Some(r), Some(spares)) = (&mut self.recycling, &self.shared.spares)
-                && r.job_returned(&mut job, spares)
-            {
-                self.shared
-                    .counters
-                    .recycled
-                    .fetch_add(1, Ordering::Relaxed);
+            if let (Some(r), Some(spares)) = (&mut self.recycling, &self.shared.spares) {
+                r.job_returned(&mut job, spares, &self.shared.counters.recycled);
             }
             if job.action == FileOp::Remove {
                 if let Err(e) = &job.result {

@@ -203,7 +203,11 @@ impl BlockJob {
             }
             RemoveStep::Close => match self.keep(self.expect) {
                 Keep::No => match &self.recycle {
-                    Some((spare, len)) if self.file_len as u64 == *len => {
+                    // Only a file whose header read back whole: one that fails to read may sit
+                    // on failing sectors, which no store should write into again.
+                    Some((spare, len))
+                        if self.file_len as u64 == *len && self.expect == HEADER_LEN =>
+                    {
                         let from = self.target();
                         let to = spare.as_ptr();
                         self.call(
