@@ -88,6 +88,20 @@ impl Rig {
         self.run(Direction::Load, blocks)
     }
 
+    /// Load `keys` and check each comes back whole with the bytes `store` wrote for it at its
+    /// length in `lens`.
+    fn assert_loads_back(&self, keys: &[BlockKey], lens: &[usize], engine: EngineKind) {
+        let rep = self.load(keys);
+        assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
+        for ((b, k), len) in rep.blocks.iter().zip(keys).zip(lens) {
+            assert_eq!(
+                b.buf.as_ref().unwrap().as_slice(),
+                &expected(*k, *len)[..],
+                "{engine}: {k}"
+            );
+        }
+    }
+
     fn run(&self, dir: Direction, blocks: Vec<OpBlock>) -> TaskReport {
         let t = self
             .driver
@@ -132,16 +146,7 @@ fn round_trip_lookup_remove_both_engines() {
         assert!(r.store(&keys, 10_000).is_ok(), "{engine}");
         assert_eq!(r.files.lookup(&keys), 6);
         assert_eq!(r.files.lookup(&[keys[0], key(99), keys[1]]), 1);
-        {
-            let rep = r.load(&keys);
-            assert!(rep.is_ok(), "{engine}: {:?}", rep.blocks[0].result);
-            for (b, k) in rep.blocks.iter().zip(&keys) {
-                assert_eq!(
-                    b.buf.as_ref().unwrap().as_slice(),
-                    &expected(*k, 10_000)[..]
-                );
-            }
-        }
+        r.assert_loads_back(&keys, &[10_000; 6], engine);
         assert!(r.files.remove(keys[2]));
         assert!(!r.files.remove(keys[2]));
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -363,14 +368,7 @@ fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
         }
         assert!(r.store(&keys[2..], 10_000).is_ok(), "{engine}");
         assert_eq!(r.files.spare_files_ready(), vec![1]);
-        let rep = r.load(&keys);
-        assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
-        for (b, k) in rep.blocks.iter().zip(&keys) {
-            assert_eq!(
-                b.buf.as_ref().unwrap().as_slice(),
-                &expected(*k, 10_000)[..]
-            );
-        }
+        r.assert_loads_back(&keys, &[10_000; 3], engine);
         assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
     }
     // A spare that was being written when its process died, and an empty one it left.
@@ -459,15 +457,7 @@ fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
         // Another size does not fit a spare: the store creates its own file.
         assert!(r.store(&keys[2..], 20_000).is_ok(), "{engine}");
         assert_eq!(r.files.spare_files_ready(), vec![2]);
-        let rep = r.load(&keys);
-        assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
-        for (b, (k, len)) in rep
-            .blocks
-            .iter()
-            .zip(keys.iter().zip([BLOCK, BLOCK, 20_000]))
-        {
-            assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, len)[..]);
-        }
+        r.assert_loads_back(&keys, &[BLOCK, BLOCK, 20_000], engine);
         assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
     }
     // What this run left: its two spares, one of them written into (as a process that died
@@ -498,12 +488,7 @@ fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
         left.iter().all(|n| !now.contains(n)),
         "{engine}: {left:?} taken first, left {now:?}"
     );
-    let rep = r.load(&more);
-    assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
-    for (b, k) in rep.blocks.iter().zip(&more) {
-        assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, BLOCK)[..]);
-    }
-    drop(rep);
+    r.assert_loads_back(&more, &[BLOCK; 2], engine);
     assert_eq!(r.files.lookup(&keys), 3, "the blocks are still there");
 }
 
@@ -551,12 +536,7 @@ fn evicted_block_files_become_spares(engine: EngineKind) {
         reused, recycled,
         "{engine}: written into the evicted blocks' files"
     );
-    let rep = r.load(&next);
-    assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
-    for (b, k) in rep.blocks.iter().zip(&next) {
-        assert_eq!(b.buf.as_ref().unwrap().as_slice(), &expected(*k, BLOCK)[..]);
-    }
-    drop(rep);
+    r.assert_loads_back(&next, &[BLOCK; 2], engine);
 
     // Another length: promised a spare name, unlinked, and the promise given back (taken in
     // by the poll that ends the next op), so both blocks removed next are recycled.
