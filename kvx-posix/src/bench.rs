@@ -245,9 +245,7 @@ impl BenchRig {
         phase.bytes = (phase.ok.len() * self.block_size) as u64;
         phase
     }
-}
 
-impl BenchRig {
     /// Remove `keys` from the store (as a full tier evicts them), then poll the store until
     /// its maintenance lane is empty, so that their files are recycled as spare files before
     /// the next phase; false if that took longer than `within`.

@@ -62,14 +62,15 @@ impl Recycling {
             return;
         }
         self.loading.remove(&key);
-        let mut i = 0;
-        while i < self.held.len() {
-            if self.held[i].0 == key {
-                let (_, root, name) = self.held.swap_remove(i);
-                spares.put(root, name);
-            } else {
-                i += 1;
-            }
+        if self.held.is_empty() {
+            return;
+        }
+        let (free, held) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|h| h.0 == key);
+        self.held = held;
+        for (_, root, name) in free {
+            spares.put(root, name);
         }
     }
 
