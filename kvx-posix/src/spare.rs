@@ -147,6 +147,7 @@ impl Spares {
             return Ok(None);
         }
         let mut per_root = Vec::with_capacity(roots.len());
+        let mut next = 0;
         for (root, on) in roots.iter().zip(with_spares) {
             if !*on {
                 per_root.push(None);
@@ -154,24 +155,15 @@ impl Spares {
             }
             let dir = root.join(SPARE_DIR);
             std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
-            let ready = take_over(&dir, len)?;
+            let (ready, after) = take_over(&dir, len, &tag)?;
+            // A run of the same host and pid (a restarted container) numbers its names after
+            // the spares it took over, so no new name is one of theirs.
+            next = next.max(after);
             per_root.push(Some(RootSpares {
                 dir,
                 pool: Mutex::new(Pool { ready, promised: 0 }),
             }));
         }
-        // A run of the same host and pid (a restarted container) numbers its names after the
-        // spares it took over, so no new name is one of theirs.
-        let next = per_root
-            .iter()
-            .flatten()
-            .flat_map(|r| kvx_core::lock(&r.pool).ready.clone())
-            .filter_map(|c| {
-                let (t, seq) = spare_order(Path::new(std::ffi::OsStr::from_bytes(c.as_bytes())));
-                (t == tag && seq != u64::MAX).then_some(seq + 1)
-            })
-            .max()
-            .unwrap_or(0);
         let inner = Arc::new(Inner {
             roots: per_root,
             target,
@@ -294,8 +286,9 @@ pub(crate) fn make_fan_out_dirs(
 }
 
 /// The files of exactly `len` bytes in `dir`, kept as spares (in name order, so a run's own
-/// spares go oldest first); any other file there is removed.
-fn take_over(dir: &Path, len: u64) -> Result<VecDeque<CString>, PosixError> {
+/// spares go oldest first), and the number after the highest of those named with `tag`; any
+/// other file there is removed.
+fn take_over(dir: &Path, len: u64, tag: &str) -> Result<(VecDeque<CString>, u64), PosixError> {
     let mut kept = Vec::new();
     for e in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
         let e = e.map_err(|e| io_err(dir, e))?;
@@ -312,11 +305,20 @@ fn take_over(dir: &Path, len: u64) -> Result<VecDeque<CString>, PosixError> {
             _ => {}
         }
     }
-    kept.sort_by_cached_key(|p| spare_order(p));
-    Ok(kept
+    let mut kept: Vec<((String, u64), PathBuf)> =
+        kept.into_iter().map(|p| (spare_order(&p), p)).collect();
+    kept.sort_unstable();
+    let after = kept
+        .iter()
+        .filter(|((t, seq), _)| t == tag && *seq != u64::MAX)
+        .map(|((_, seq), _)| seq + 1)
+        .max()
+        .unwrap_or(0);
+    let ready = kept
         .into_iter()
-        .filter_map(|p| CString::new(p.as_os_str().as_bytes()).ok())
-        .collect())
+        .filter_map(|(_, p)| CString::new(p.as_os_str().as_bytes()).ok())
+        .collect();
+    Ok((ready, after))
 }
 
 /// A spare's place in the order it was made: its tag (`host-pid`), then its number.
