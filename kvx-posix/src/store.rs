@@ -17,8 +17,6 @@ use crate::handle::{Counters, PosixHandle, Shared};
 use crate::health::Health;
 use crate::index::{Index, scan};
 use crate::io::fault::Faults;
-use crate::io::psync::PsyncEngine;
-use crate::io::{IoEngine, Sink};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
 use crate::probe::probe_root;
@@ -110,40 +108,7 @@ impl PosixStore {
         if spares.is_some() {
             dirs.extend(crate::spare::make_fan_out_dirs(&cfg.roots, &with_spares)?);
         }
-        let sink = Arc::new(Sink::default());
-        if cfg.engine == EngineKind::Uring {
-            let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
-            sink.start_verify_lane(threads)
-                .map_err(|e| PosixError::Engine {
-                    engine: "verify",
-                    msg: format!("cannot start the verify threads: {e}"),
-                })?;
-        }
-        let engine: Box<dyn IoEngine> = match cfg.engine {
-            EngineKind::Psync => Box::new(PsyncEngine::new(
-                cfg.queue_depth,
-                cfg.max_stuck,
-                cfg.max_queued,
-                sink.clone(),
-                faults,
-            )?),
-            #[cfg(target_os = "linux")]
-            EngineKind::Uring => Box::new(crate::io::uring::UringEngine::new(
-                cfg.rings,
-                cfg.queue_depth,
-                cfg.max_stuck,
-                cfg.max_queued,
-                sink.clone(),
-                faults,
-            )?),
-            #[cfg(not(target_os = "linux"))]
-            EngineKind::Uring => {
-                return Err(PosixError::Engine {
-                    engine: "uring",
-                    msg: "io_uring needs Linux".into(),
-                });
-            }
-        };
+        let (sink, engine) = crate::io::start(&cfg, faults)?;
         let caps = Capabilities {
             engine: cfg.engine,
             direct: direct.iter().all(|d| *d),

@@ -18,11 +18,13 @@ pub(crate) mod uring;
 pub(crate) mod verify;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_core::Notifier;
 
+use crate::config::{EngineKind, PosixConfig};
+use crate::error::PosixError;
 use crate::job::BlockJob;
 
 /// Removes in flight at once per engine (per ring for uring): maintenance never takes more.
@@ -159,6 +161,49 @@ pub(crate) struct Refused {
     pub(crate) job: Box<BlockJob>,
     /// Why.
     pub(crate) reason: String,
+}
+
+/// The sink and the engine `cfg` names (with its verify lane for uring), faults injected
+/// around the engine when given (tests).
+pub(crate) fn start(
+    cfg: &PosixConfig,
+    faults: Option<Arc<fault::Faults>>,
+) -> Result<(Arc<Sink>, Box<dyn IoEngine>), PosixError> {
+    let sink = Arc::new(Sink::default());
+    if cfg.engine == EngineKind::Uring {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
+        sink.start_verify_lane(threads)
+            .map_err(|e| PosixError::Engine {
+                engine: "verify",
+                msg: format!("cannot start the verify threads: {e}"),
+            })?;
+    }
+    let engine: Box<dyn IoEngine> = match cfg.engine {
+        EngineKind::Psync => Box::new(psync::PsyncEngine::new(
+            cfg.queue_depth,
+            cfg.max_stuck,
+            cfg.max_queued,
+            sink.clone(),
+            faults,
+        )?),
+        #[cfg(target_os = "linux")]
+        EngineKind::Uring => Box::new(uring::UringEngine::new(
+            cfg.rings,
+            cfg.queue_depth,
+            cfg.max_stuck,
+            cfg.max_queued,
+            sink.clone(),
+            faults,
+        )?),
+        #[cfg(not(target_os = "linux"))]
+        EngineKind::Uring => {
+            return Err(PosixError::Engine {
+                engine: "uring",
+                msg: "io_uring needs Linux".into(),
+            });
+        }
+    };
+    Ok((sink, engine))
 }
 
 /// A way to run block jobs. Every method returns promptly, whatever the filesystem does.
