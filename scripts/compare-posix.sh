@@ -9,6 +9,7 @@
 #   kvx-uring   kvx bench posix --engine uring   (one file per block, header, checksum, rename)
 #   kvx-psync   kvx bench posix --engine psync
 #   fio         fio io_uring, O_DIRECT, one file of blocks*bs, write then read, same bs and QD
+#   fio-huge    the same fio run with its buffers in huge pages (--iomem=shmhuge)
 #   nixl-aio    ../shared/peers/nixl_posix.py --engine aio   --layout per-block
 #   nixl-uring  ../shared/peers/nixl_posix.py --engine uring --layout per-block
 # all in a fresh subfolder of --dir with the same block size, block count and queue depth.
@@ -20,6 +21,14 @@
 # before its run (it opens them without O_TRUNC, so it overwrites them). On a file system
 # mounted with discard on a thin-provisioned virtual disk, writes into freshly freed space pay
 # for the host's allocation underneath; the default (fresh space for every tool) measures that.
+#
+# Why fio twice: fio's own buffers are 4 KiB pages scattered in memory, and a disk that takes at
+# most max_segments pieces per request (254 on a virtio disk) splits a 1 MiB I/O from them into
+# two requests or more. On a disk that costs per request (a virtual one) that halves fio's reads.
+# kvx's buffers sit in huge pages, as NIXL users' registered buffers usually do, so fio-huge is
+# the physical path to hold kvx against. It needs huge pages: when fewer are free than fio's
+# buffers need and /proc/sys/vm/nr_hugepages is writable (root), the script raises it for the
+# run and puts it back at exit; otherwise the fio-huge row is skipped with a line saying so.
 #
 # Usage:
 #   scripts/compare-posix.sh --dir DIR [--bs "256KiB 1MiB 4MiB"] [--blocks N] [--qd 32]
@@ -109,9 +118,32 @@ results=$(mktemp "${TMPDIR:-/tmp}/compare-posix.XXXXXX")
 loadlog=$(mktemp "${TMPDIR:-/tmp}/compare-posix-load.XXXXXX")
 work="$dir/compare-posix-$$"
 # shellcheck disable=SC2329  # run by the EXIT trap
-cleanup() { rm -rf -- "$work"; rm -f -- "$results" "$loadlog"; }
+cleanup() {
+  rm -rf -- "$work"; rm -f -- "$results" "$loadlog"
+  [[ -z "$hp_old" ]] || echo "$hp_old" >/proc/sys/vm/nr_hugepages || true
+}
 trap cleanup EXIT
 failed=0
+
+# fio-huge: huge pages for fio's buffers, QD x the largest block size, reserved for the run
+huge=0
+hp_kib=$(awk '/^Hugepagesize:/ {print $2}' /proc/meminfo 2>/dev/null || true)
+hp_old=""
+if [[ -n "$hp_kib" ]]; then
+  max_bytes=0
+  read -ra size_list <<<"${sizes//,/ }"
+  for bs in "${size_list[@]}"; do b=$(to_bytes "$bs"); (( b > max_bytes )) && max_bytes=$b; done
+  hp_need=$(( (qd * max_bytes + hp_kib * 1024 - 1) / (hp_kib * 1024) + 2 ))  # fio asks for two more
+  hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
+  if (( hp_free < hp_need )) && [[ -w /proc/sys/vm/nr_hugepages ]]; then
+    hp_old=$(cat /proc/sys/vm/nr_hugepages)
+    echo $(( hp_old + hp_need - hp_free )) >/proc/sys/vm/nr_hugepages || true
+    hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
+    echo "compare-posix: vm.nr_hugepages $hp_old -> $(cat /proc/sys/vm/nr_hugepages) for fio-huge's buffers (put back at exit)" >&2
+  fi
+  (( hp_free >= hp_need )) && huge=1
+fi
+(( huge )) || echo "compare-posix: fio-huge skipped: it needs ${hp_need:-some} free huge pages (as root: echo ${hp_need:-N} > /proc/sys/vm/nr_hugepages)" >&2
 
 # record BS TOOL PHASE GIB_S (of the round under way)
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$round" >>"$results"; }
@@ -136,9 +168,9 @@ run_kvx() { # BS BYTES BLOCKS ENGINE
   fi
 }
 
-fio_bw() { # RW BYTES SIZE -> GiB/s
+fio_bw() { # RW BYTES SIZE [FIO OPTION] -> GiB/s
   fio --name="compare-$1" --filename="$work/fio.dat" --rw="$1" --bs="$2" --iodepth="$qd" \
-    --size="$3" --direct=1 --ioengine=io_uring --output-format=json 2>&1 |
+    --size="$3" --direct=1 --ioengine=io_uring --output-format=json ${4:+"$4"} 2>&1 |
     python3 -c '
 import json, sys
 t = sys.stdin.read()
@@ -146,16 +178,16 @@ v = json.loads(t[t.index("{"):])
 print(round(v["jobs"][0][sys.argv[1]]["bw_bytes"] / 2**30, 3))' "$1"
 }
 
-run_fio() { # BS BYTES BLOCKS
+run_fio() { # BS BYTES BLOCKS TOOL [FIO OPTION]
   local size=$(($2 * $3)) w r
-  if (( evicted )) && ! fio_bw write "$2" "$size" >/dev/null; then
-    echo "  fio FAILED (writing its file before the clock)" >&2; failed=1; return
+  if (( evicted )) && ! fio_bw write "$2" "$size" "${5:-}" >/dev/null; then
+    echo "  $4 FAILED (writing its file before the clock)" >&2; failed=1; return
   fi
-  if w=$(fio_bw write "$2" "$size") && r=$(fio_bw read "$2" "$size"); then
-    record "$1" fio store "$w"; record "$1" fio load "$r"
-    echo "  fio: write $w read $r" >&2
+  if w=$(fio_bw write "$2" "$size" "${5:-}") && r=$(fio_bw read "$2" "$size" "${5:-}"); then
+    record "$1" "$4" store "$w"; record "$1" "$4" load "$r"
+    echo "  $4: write $w read $r" >&2
   else
-    echo "  fio FAILED" >&2; failed=1
+    echo "  $4 FAILED" >&2; failed=1
   fi
   rm -f -- "$work/fio.dat"
 }
@@ -192,6 +224,7 @@ run_nixl() { # BS BYTES BLOCKS ENGINE
 }
 
 tools=(kvx-uring kvx-psync fio nixl-aio nixl-uring)
+(( huge )) && tools+=(fio-huge)
 read -ra size_list <<<"${sizes//,/ }"
 for bs in "${size_list[@]}"; do
   bytes=$(to_bytes "$bs")
@@ -206,7 +239,8 @@ for bs in "${size_list[@]}"; do
       sync
       case "$tool" in
         kvx-*) run_kvx "$bs" "$bytes" "$n" "${tool#kvx-}" ;;
-        fio) run_fio "$bs" "$bytes" "$n" ;;
+        fio) run_fio "$bs" "$bytes" "$n" fio ;;
+        fio-huge) run_fio "$bs" "$bytes" "$n" fio-huge --iomem=shmhuge ;;
         nixl-*) run_nixl "$bs" "$bytes" "$n" "${tool#nixl-}" ;;
       esac
     done
@@ -241,7 +275,7 @@ def fmt(x, d=2):
 def ratio(a, b):
     return None if a is None or not b else round(a / b, 3)
 
-tools = ["kvx-uring", "kvx-psync", "fio", "nixl-aio", "nixl-uring"]
+tools = ["kvx-uring", "kvx-psync", "fio", "fio-huge", "nixl-aio", "nixl-uring"]
 out = {"dir": where, "qd": int(qd), "rounds": int(rounds), "after_evictions": evicted == "1",
        "loadavg_1m": {"min": min(loads, default=None), "max": max(loads, default=None)},
        "sizes": {}}
@@ -265,9 +299,12 @@ for bs in order:
         vals = [v for v in vals if v is not None]
         peer[ph] = max(vals) if vals else None
     fio = {ph: med(bs, "fio", ph) for ph in ("store", "load")}
+    fio_huge = {ph: med(bs, "fio-huge", ph) for ph in ("store", "load")}
     print(f"  {'ratio':22} {'store':>7} {'load':>7}")
     for t in ("kvx-uring", "kvx-psync"):
-        for name, base in (("peer-best", peer), ("fio", fio)):
+        for name, base in (("peer-best", peer), ("fio", fio), ("fio-huge", fio_huge)):
+            if base["store"] is None and base["load"] is None:
+                continue
             rs, rl = ratio(med(bs, t, "store"), base["store"]), ratio(med(bs, t, "load"), base["load"])
             print(f"  {t + '/' + name:22} {fmt(rs):>7} {fmt(rl):>7}")
             entry[f"{t}_vs_{name}"] = {"store": rs, "load": rl}
