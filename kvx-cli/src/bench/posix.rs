@@ -53,6 +53,11 @@ pub struct PosixArgs {
     /// Also run fio (io_uring, O_DIRECT, same block size and queue depth) for kvx/fio ratios.
     #[arg(long)]
     fio: bool,
+    /// fio's buffers in huge pages (`--iomem=shmhuge`), as kvx's are: from 4 KiB pages a disk
+    /// that takes few segments per request (a virtio disk: 254) splits each 1 MiB I/O in two.
+    /// Needs free huge pages (`vm.nr_hugepages`): queue depth x block size in them, plus two.
+    #[arg(long, requires = "fio")]
+    fio_huge_pages: bool,
     /// fdatasync each block before its rename.
     #[arg(long)]
     fdatasync: bool,
@@ -143,17 +148,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Run fio once; returns GiB/s.
-fn fio(dir: &Path, rw: &str, bs: usize, qd: usize, size: u64) -> Result<f64, String> {
+/// Run fio once at the bench's block size and queue depth; returns GiB/s.
+fn fio(dir: &Path, rw: &str, args: &PosixArgs, size: u64) -> Result<f64, String> {
     let file = dir.join("fio.dat");
-    let out = Command::new("fio")
-        .arg(format!("--name=kvx-{rw}"))
+    let mut cmd = Command::new("fio");
+    cmd.arg(format!("--name=kvx-{rw}"))
         .arg(format!("--filename={}", file.display()))
         .arg(format!("--rw={rw}"))
-        .arg(format!("--bs={bs}"))
-        .arg(format!("--iodepth={qd}"))
+        .arg(format!("--bs={}", args.block_size))
+        .arg(format!("--iodepth={}", args.queue_depth))
         .arg(format!("--size={size}"))
-        .args(["--direct=1", "--ioengine=io_uring", "--output-format=json"])
+        .args(["--direct=1", "--ioengine=io_uring", "--output-format=json"]);
+    if args.fio_huge_pages {
+        cmd.arg("--iomem=shmhuge");
+    }
+    let out = cmd
         .output()
         .map_err(|e| format!("cannot run fio: {e} (apt-get install fio)"))?;
     if !out.status.success() {
@@ -261,10 +270,10 @@ fn one_round(
     let (fio_write, fio_read) = if args.fio {
         if args.after_evictions {
             // fio's timed write then overwrites space written before, as kvx's stores do.
-            fio(work, "write", args.block_size, args.queue_depth, size)?;
+            fio(work, "write", args, size)?;
         }
-        let w = fio(work, "write", args.block_size, args.queue_depth, size)?;
-        let r = fio(work, "read", args.block_size, args.queue_depth, size)?;
+        let w = fio(work, "write", args, size)?;
+        let r = fio(work, "read", args, size)?;
         let _ = std::fs::remove_file(work.join("fio.dat"));
         (Some(w), Some(r))
     } else {
@@ -432,6 +441,7 @@ pub fn run(args: PosixArgs) -> i32 {
             "load_p99_us": p99,
         });
         if args.fio {
+            v["fio_huge_pages"] = args.fio_huge_pages.into();
             v["fio_write_gib_s"] = fw.into();
             v["fio_read_gib_s"] = fr.into();
             v["store_vs_fio"] = (store / fw.max(1e-9)).into();
