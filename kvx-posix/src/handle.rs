@@ -85,6 +85,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// A store's spare file it never opened goes back to the spares (else it would sit in the
+    /// spare folder, nobody's, until the store is reopened).
+    pub(crate) fn give_back_spare(&self, job: &mut BlockJob) {
+        if let (Some(spares), Some(spare)) = (&self.spares, job.take_unused_spare()) {
+            spares.give_back(job.root, spare);
+        }
+    }
+
     /// Unlink `key`'s file in the background, on the engine's maintenance lane (a cache
     /// entry: losing it only costs a reload), or recycle it as a spare file (see
     /// `crate::spare`). With `nonce`, only the file that write made (never recycled).

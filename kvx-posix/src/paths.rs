@@ -82,6 +82,12 @@ impl BlockPaths {
         self.fallback_temp.is_some()
     }
 
+    /// Take the spare file back out (the store creates the fresh temporary name instead).
+    pub(crate) fn take_spare(&mut self) -> Option<CString> {
+        let fresh = self.fallback_temp.take()?;
+        self.temp.replace(fresh)
+    }
+
     /// The spare file is gone: create the fresh temporary name instead; false if there is none.
     pub(crate) fn drop_spare(&mut self) -> bool {
         match self.fallback_temp.take() {

@@ -21,7 +21,9 @@
 //! load that may have opened it is in flight (see `crate::recycle`).
 //!
 //! A store opens its spare (no create), writes, closes and renames it into place, exactly as it
-//! would a fresh temporary file; a spare found gone falls back to a fresh temporary file. At
+//! would a fresh temporary file; a spare found gone falls back to a fresh temporary file. A
+//! store that ends before it opens its spare (at its deadline, cancelled, refused by the
+//! engine) gives the spare back, first in line. At
 //! open, the spares an earlier run left (files of exactly the spare length: empty ones, or
 //! preallocated or recycled ones) are taken over, oldest name first, and any other file there
 //! is removed. A store writes the whole file of a spare it takes, so what a spare held before
@@ -244,6 +246,13 @@ impl Spares {
             let mut pool = kvx_core::lock(&r.pool);
             pool.promised = pool.promised.saturating_sub(1);
             pool.ready.push_back(spare);
+        }
+    }
+
+    /// A spare taken by a store that never opened it, back in front (it is the oldest).
+    pub(crate) fn give_back(&self, root: usize, spare: CString) {
+        if let Some(r) = self.inner.roots.get(root).and_then(Option::as_ref) {
+            kvx_core::lock(&r.pool).ready.push_front(spare);
         }
     }
 

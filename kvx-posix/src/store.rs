@@ -202,6 +202,7 @@ impl PosixStore {
                 }
                 continue;
             }
+            self.shared.give_back_spare(&mut job);
             if let (Some(r), Some(spares)) = (&mut self.recycling, &self.shared.spares) {
                 r.job_returned(&mut job, spares, &self.shared.counters.recycled);
             }
@@ -509,6 +510,7 @@ impl Backend for PosixStore {
                 }
                 Err(r) => {
                     let mut job = r.job;
+                    self.shared.give_back_spare(&mut job);
                     st.slots[index].buf = job.buf.take();
                     st.slots[index].result = Some(Err(BlockError::Unavailable(r.reason)));
                 }

@@ -138,6 +138,9 @@ pub(crate) struct BlockJob {
     retried_dirs: bool,
     /// A guarded remove moved the block to the temporary name.
     moved_aside: bool,
+    /// A store asked to open its spare file (from then on the file is the store's to write,
+    /// close and rename, or unlink).
+    spare_opened: bool,
     /// A remove: the spare name to move the file to instead of unlinking it, and the length
     /// the file must have for that (see `crate::spare`).
     recycle: Option<(std::ffi::CString, u64)>,
@@ -206,6 +209,7 @@ impl BlockJob {
             direct_now: false,
             retried_dirs: false,
             moved_aside: false,
+            spare_opened: false,
             recycle: None,
             recycled: false,
             payload_crc: None,
@@ -272,6 +276,15 @@ impl BlockJob {
     /// Write this store into the spare file `spare` instead of creating its temporary file.
     pub(crate) fn use_spare(&mut self, spare: std::ffi::CString) {
         self.paths.use_spare(spare);
+    }
+
+    /// The spare file of a store that never opened it (it ended before, or an engine refused
+    /// it): untouched, so it can go back to the spares.
+    pub(crate) fn take_unused_spare(&mut self) -> Option<std::ffi::CString> {
+        if self.action != FileOp::Store || self.spare_opened {
+            return None;
+        }
+        self.paths.take_spare()
     }
 
     /// Make this unguarded remove move a file of exactly `len` bytes to the spare name `spare`

@@ -80,6 +80,7 @@ impl BlockJob {
     fn open_temp(&mut self) -> Next {
         self.direct_now = self.writes_direct();
         let flags = if self.paths.writes_spare() {
+            self.spare_opened = true;
             self.open_flags(libc::O_WRONLY)
         } else {
             self.open_flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)

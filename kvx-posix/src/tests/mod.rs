@@ -17,6 +17,7 @@ macro_rules! both_engines {
 
 mod faults;
 mod recycle;
+mod unused_spare;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
