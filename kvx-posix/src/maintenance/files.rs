@@ -24,6 +24,8 @@ pub(super) struct Stat {
     pub(super) id: FileId,
     pub(super) len: u64,
     pub(super) modified: SystemTime,
+    /// Status change time (seconds, nanoseconds): a rename or a write moves it.
+    changed: (i64, i64),
 }
 
 fn stat_of(m: &std::fs::Metadata) -> Stat {
@@ -34,6 +36,7 @@ fn stat_of(m: &std::fs::Metadata) -> Stat {
         },
         len: m.len(),
         modified: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+        changed: (m.ctime(), m.ctime_nsec()),
     }
 }
 
@@ -71,6 +74,9 @@ pub(super) fn list_files(dir: &Path) -> io::Result<Vec<(PathBuf, Option<Stat>)>>
 #[derive(Debug)]
 pub(super) struct BlockBytes {
     pub(super) stat: Stat,
+    /// The file was renamed, written or replaced while it was read (a live store recycled an
+    /// evicted block's file, say): the bytes may mix two blocks, and say nothing of either.
+    pub(super) changed: bool,
     /// The first [`HEADER_LEN`] bytes (fewer when the file is shorter).
     pub(super) header: Vec<u8>,
     /// The payload, as many bytes as the header asks for and the file holds (empty when the
@@ -96,11 +102,27 @@ pub(super) fn read_block(path: &Path) -> io::Result<BlockBytes> {
         }
         Err(_) => Vec::new(),
     };
+    let changed = !unchanged_since(&f, path, &stat)?;
     Ok(BlockBytes {
         stat,
+        changed,
         header,
         payload,
     })
+}
+
+/// Whether open file `f` is still as `before` described it (no rename, write or truncate since:
+/// the same length, mtime and ctime) and `path` still names it.
+fn unchanged_since(f: &std::fs::File, path: &Path, before: &Stat) -> io::Result<bool> {
+    let now = stat_of(&f.metadata()?);
+    if now.len != before.len || now.modified != before.modified || now.changed != before.changed {
+        return Ok(false);
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) => Ok(stat_of(&m).id == before.id),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// What happened to a file that was to be removed.
@@ -133,5 +155,70 @@ pub(super) fn remove_if_unchanged(
         Ok(()) => Ok(Removal::Removed),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Removal::AlreadyGone),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    /// `path` opened, with the `Stat` a read starts from.
+    fn opened(path: &Path) -> (std::fs::File, Stat) {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let st = stat_of(&f.metadata().unwrap());
+        (f, st)
+    }
+
+    /// File times move with the kernel's coarse clock (a tick of up to 10 ms): wait one out so
+    /// that a change made next shows in them.
+    fn tick() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    /// A file renamed away, written in place, or replaced at its path after it was opened is
+    /// changed; one left alone is not.
+    #[test]
+    fn a_file_moved_or_rewritten_under_a_read_is_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.kvb");
+        let other = dir.path().join("elsewhere");
+        let fresh = || std::fs::write(&path, vec![7u8; 8192]).unwrap();
+
+        fresh();
+        let (f, st) = opened(&path);
+        assert!(unchanged_since(&f, &path, &st).unwrap(), "left alone");
+        assert!(!read_block(&path).unwrap().changed);
+
+        tick();
+        std::fs::rename(&path, &other).unwrap();
+        assert!(!unchanged_since(&f, &path, &st).unwrap(), "renamed away");
+        std::fs::rename(&other, &path).unwrap();
+        assert!(
+            !unchanged_since(&f, &path, &st).unwrap(),
+            "renamed away and back: its ctime moved"
+        );
+
+        fresh();
+        let (mut f, st) = opened(&path);
+        tick();
+        f.write_all(&[9u8; 4096]).unwrap();
+        assert!(
+            !unchanged_since(&f, &path, &st).unwrap(),
+            "written in place"
+        );
+
+        let (f, st) = opened(&path);
+        std::fs::write(&other, vec![1u8; 8192]).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        assert!(
+            !unchanged_since(&f, &path, &st).unwrap(),
+            "another file renamed over its path"
+        );
     }
 }

@@ -129,7 +129,8 @@ pub struct VerifyReport {
     pub bytes_ok: u64,
     /// Temporary files younger than the stale age (writes in flight), left alone.
     pub temps_in_flight: u64,
-    /// Block files removed by someone else between the walk and their check.
+    /// Block files removed, replaced or rewritten by someone else between the walk and the
+    /// end of their check (a live store evicting, overwriting or recycling them): not checked.
     pub vanished: u64,
     /// Every problem and note, in walk order.
     pub findings: Vec<Finding>,
@@ -254,6 +255,10 @@ fn check_block(
             });
         }
     };
+    if bytes.changed {
+        // Moved or rewritten under the read: what was read may mix two blocks.
+        return Ok(Checked::Gone);
+    }
     let id = Some(bytes.stat.id);
     let file_len = usize::try_from(bytes.stat.len).unwrap_or(usize::MAX);
     let checked = check_header(
