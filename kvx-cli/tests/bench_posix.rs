@@ -1,8 +1,9 @@
 //! `kvx bench posix --deadline-ms 2000` on a FUSE mount that freezes mid-store or mid-load, for
 //! both engines: the report (how many ops timed out) is printed within the bench's stated bound
-//! of the freeze — the ops' deadline, then [`STARVED`] for each phase left to run with every
-//! buffer quarantined, plus one tick and the 50 ms allowance — and the process exits promptly
-//! once the mount thaws. Ignored, with one `skip:` line, where FUSE cannot be mounted.
+//! of the freeze — the ops' deadline, after which the phase starts nothing more (at most
+//! [`STARVED`] more when it is out of buffers) and a round whose stores timed out loads
+//! nothing, plus one tick and the 50 ms allowance — and the process exits promptly once the
+//! mount thaws. Ignored, with one `skip:` line, where FUSE cannot be mounted.
 //!
 //! Rerun alone: `cargo test -p kvx-cli --test bench_posix`.
 
@@ -30,15 +31,11 @@ enum When {
 }
 
 impl When {
-    /// The report's bound, from the freeze: every op in flight times out by its deadline, then
-    /// each phase still to run (the store's, then the load's, when frozen mid-store) waits
-    /// [`STARVED`] for a buffer before it gives up.
+    /// The report's bound, from the freeze: every op in flight times out by its deadline; the
+    /// frozen phase then starts nothing more (or, out of buffers, waits [`STARVED`] for one),
+    /// and no phase runs after it (frozen mid-store, the round loads nothing).
     fn report_within(self) -> Duration {
-        let starved_phases = match self {
-            When::MidStore => 2,
-            When::MidLoad => 1,
-        };
-        Duration::from_millis(DEADLINE_MS) + STARVED * starved_phases + TICK + ALLOWANCE
+        Duration::from_millis(DEADLINE_MS) + STARVED + TICK + ALLOWANCE
     }
 }
 
@@ -152,7 +149,7 @@ fn frozen_bench(engine: &str, when: When) -> Result<(), Failed> {
         report_after.ok_or_else(|| format!("{engine} {when:?}: no report line: {lines:#?}"))?;
     if report_after > when.report_within() {
         return Err(format!(
-            "{engine} {when:?}: report {report_after:?} after the freeze (bound {:?})",
+            "{engine} {when:?}: report {report_after:?} after the freeze (bound {:?}): {lines:#?}",
             when.report_within()
         )
         .into());
@@ -176,6 +173,15 @@ fn frozen_bench(engine: &str, when: When) -> Result<(), Failed> {
         .ok_or_else(|| format!("{engine} {when:?}: no {phase} line: {lines:#?}"))?;
     if timed_out == 0 {
         return Err(format!("{engine} {when:?}: no op timed out: {lines:#?}").into());
+    }
+    if when == When::MidStore
+        && !lines
+            .iter()
+            .any(|l| l.starts_with("load: 0 ok, 0 timed out, 0 failed, 0 refused"))
+    {
+        return Err(
+            format!("{engine} {when:?}: stores timed out, yet loads ran: {lines:#?}").into(),
+        );
     }
     println!(
         "{engine} {when:?}: report {report_after:?} after the freeze (bound {:?}; {timed_out} timed out), exit {exited_after:?} after the thaw",

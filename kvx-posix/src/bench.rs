@@ -7,17 +7,20 @@
 //! per-op latency (submit to verdict, so with a backlog it includes the wait in the store).
 //!
 //! Every op has a deadline. An op past it is cancelled, counted as timed out and never waited
-//! for again (its buffer comes back whenever the filesystem answers); when no buffer is left
-//! for the next op and none comes back within [`STARVED`], the phase ends and the keys it could
-//! not start are reported as not started. So a phase on a frozen mount ends within its deadline
-//! plus [`STARVED`] of the freeze.
+//! for again (its buffer comes back whenever the filesystem answers). Once an op of a phase
+//! timed out (by this loop's clock or by the store's verdict) the phase starts no new op: the
+//! mount is stuck or too slow for the deadline, a new op would only wait out a deadline of its
+//! own (a breaker that lets a probe through, say), and a run with a timeout measures nothing.
+//! The keys it did not start are reported as not started. When no buffer is left for the next
+//! op and none comes back within [`STARVED`], the phase ends the same way. So a phase on a
+//! frozen mount ends within its deadline (plus [`STARVED`]) of the freeze.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    Backend, BlockKey, Buf, BufferPool, DEFAULT_ALIGN, Direction, Notifier, Op, OpBlock,
-    OpCompletion, OpId, RequestId, TaskId,
+    Backend, BlockError, BlockKey, Buf, BufferPool, DEFAULT_ALIGN, Direction, Notifier, Op,
+    OpBlock, OpCompletion, OpId, RequestId, TaskId,
 };
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -47,10 +50,13 @@ pub struct Phase {
     pub failed: usize,
     /// Ops the store refused at submit (busy, breaker open).
     pub refused: usize,
-    /// Keys never started: no staging buffer came back from timed-out ops.
+    /// Keys never started: an op of the phase timed out, or no staging buffer came back from
+    /// timed-out ops.
     pub not_started: usize,
     /// The first error seen, for the report.
     pub first_error: Option<String>,
+    /// An op timed out, and the phase started no new op after it.
+    pub gave_up: bool,
 }
 
 impl Phase {
@@ -149,9 +155,11 @@ impl BenchRig {
         let mut out: Vec<OpCompletion> = Vec::new();
         let mut next = 0;
         let mut starved_since: Option<Instant> = None;
+        // An op timed out: start no more (see the module docs).
+        let mut timed_out = false;
         let t0 = Instant::now();
         loop {
-            while inflight.len() < self.window && next < keys.len() {
+            while !timed_out && inflight.len() < self.window && next < keys.len() {
                 let Some(mut buf) = self.pool.take() else {
                     break;
                 };
@@ -200,6 +208,7 @@ impl BenchRig {
                         phase.ok.push(key);
                     }
                     Some(e) => {
+                        timed_out |= *e == BlockError::TimedOut;
                         phase.failed += 1;
                         phase
                             .first_error
@@ -217,8 +226,11 @@ impl BenchRig {
                 self.store.cancel(id);
                 self.abandoned.insert(id);
                 phase.timed_out += 1;
+                timed_out = true;
             }
-            if next >= keys.len() && inflight.is_empty() {
+            if (next >= keys.len() || timed_out) && inflight.is_empty() {
+                phase.not_started = keys.len() - next;
+                phase.gave_up = timed_out;
                 break;
             }
             if inflight.is_empty() && self.pool.available() == 0 {

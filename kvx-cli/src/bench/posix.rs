@@ -245,14 +245,28 @@ fn one_round(
         }
     }
     let store = rig.run(Direction::Store, &keys, deadline);
-    eprintln!(
-        "round {}: stored {} of {} blocks; loading them",
-        round + 1,
-        store.ok.len(),
-        keys.len()
-    );
-    // Load what was stored.
-    let load = rig.run(Direction::Load, &store.ok, deadline);
+    // Load what was stored, unless a store timed out: on a stuck mount every load would wait
+    // out its deadline too.
+    let load = if store.gave_up {
+        eprintln!(
+            "round {}: stored {} of {} blocks; a store timed out, so no loads",
+            round + 1,
+            store.ok.len(),
+            keys.len()
+        );
+        Phase {
+            not_started: store.ok.len(),
+            ..Phase::default()
+        }
+    } else {
+        eprintln!(
+            "round {}: stored {} of {} blocks; loading them",
+            round + 1,
+            store.ok.len(),
+            keys.len()
+        );
+        rig.run(Direction::Load, &store.ok, deadline)
+    };
     drop(rig);
     if !store.is_clean() || !load.is_clean() {
         return Ok((
