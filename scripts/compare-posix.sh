@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # compare-posix: kvx's file tier next to fio and NVIDIA NIXL's POSIX backend on the same disk,
 # run alternately round by round (these disks swing 2x between back-to-back runs), printing
-# medians (GiB/s), the ratios kvx/peer-best and kvx/fio of those medians, and the median of the
-# per-round ratios kvx/peer-best (each round's kvx run against the peer's better engine of the same
-# round), then one JSON line.
+# medians (GiB/s), the ratios kvx/peer-best, kvx/fio and kvx/fio-huge of those medians, and the
+# median of the per-round ratios kvx/peer-best (each round's kvx run against the peer's better
+# engine of the same round), then one JSON line.
 #
 # Each round runs, in an order rotated by one each round (so no tool always goes first):
 #   kvx-uring   kvx bench posix --engine uring   (one file per block, header, checksum, rename)
@@ -117,6 +117,7 @@ to_bytes() {
 results=$(mktemp "${TMPDIR:-/tmp}/compare-posix.XXXXXX")
 loadlog=$(mktemp "${TMPDIR:-/tmp}/compare-posix-load.XXXXXX")
 work="$dir/compare-posix-$$"
+hp_old=""
 # shellcheck disable=SC2329  # run by the EXIT trap
 cleanup() {
   rm -rf -- "$work"; rm -f -- "$results" "$loadlog"
@@ -128,22 +129,29 @@ failed=0
 # fio-huge: huge pages for fio's buffers, QD x the largest block size, reserved for the run
 huge=0
 hp_kib=$(awk '/^Hugepagesize:/ {print $2}' /proc/meminfo 2>/dev/null || true)
-hp_old=""
+hp_free() { awk '/^HugePages_Free:/ {f=$2} /^HugePages_Rsvd:/ {r=$2} END {print f-r}' /proc/meminfo; }
 if [[ -n "$hp_kib" ]]; then
   max_bytes=0
   read -ra size_list <<<"${sizes//,/ }"
   for bs in "${size_list[@]}"; do b=$(to_bytes "$bs"); (( b > max_bytes )) && max_bytes=$b; done
   hp_need=$(( (qd * max_bytes + hp_kib * 1024 - 1) / (hp_kib * 1024) + 2 ))  # fio asks for two more
-  hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
-  if (( hp_free < hp_need )) && [[ -w /proc/sys/vm/nr_hugepages ]]; then
+  free_pages=$(hp_free)
+  if (( free_pages < hp_need )) && [[ -w /proc/sys/vm/nr_hugepages ]]; then
     hp_old=$(cat /proc/sys/vm/nr_hugepages)
-    echo $(( hp_old + hp_need - hp_free )) >/proc/sys/vm/nr_hugepages || true
-    hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
+    echo $(( hp_old + hp_need - free_pages )) >/proc/sys/vm/nr_hugepages || true
+    free_pages=$(hp_free)
     echo "compare-posix: vm.nr_hugepages $hp_old -> $(cat /proc/sys/vm/nr_hugepages) for fio-huge's buffers (put back at exit)" >&2
   fi
-  (( hp_free >= hp_need )) && huge=1
+  # Enough pages, and fio may map them (without root that takes vm.hugetlb_shm_group or a
+  # large memlock limit): a 1 MiB write through them tells.
+  if (( free_pages >= hp_need )) && mkdir -p "$work" &&
+    fio --name=probe --filename="$work/probe" --rw=write --bs=1M --size=1M --direct=1 \
+      --iomem=shmhuge >/dev/null 2>&1; then
+    huge=1
+  fi
+  rm -f -- "$work/probe"
 fi
-(( huge )) || echo "compare-posix: fio-huge skipped: it needs ${hp_need:-some} free huge pages (as root: echo ${hp_need:-N} > /proc/sys/vm/nr_hugepages)" >&2
+(( huge )) || echo "compare-posix: fio-huge skipped: it needs ${hp_need:-some} free huge pages it may map (as root: echo ${hp_need:-N} > /proc/sys/vm/nr_hugepages)" >&2
 
 # record BS TOOL PHASE GIB_S (of the round under way)
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$round" >>"$results"; }
@@ -303,7 +311,7 @@ for bs in order:
     print(f"  {'ratio':22} {'store':>7} {'load':>7}")
     for t in ("kvx-uring", "kvx-psync"):
         for name, base in (("peer-best", peer), ("fio", fio), ("fio-huge", fio_huge)):
-            if base["store"] is None and base["load"] is None:
+            if name == "fio-huge" and base["store"] is None and base["load"] is None:
                 continue
             rs, rl = ratio(med(bs, t, "store"), base["store"]), ratio(med(bs, t, "load"), base["load"])
             print(f"  {t + '/' + name:22} {fmt(rs):>7} {fmt(rl):>7}")

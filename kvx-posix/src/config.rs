@@ -92,6 +92,8 @@ pub struct PosixConfig {
     /// thread of their own), so that a store does not create its file: on ext4 an inode
     /// allocation can cost as much as writing a MiB. Only on roots with inline I/O of a store
     /// that owns its roots (not on a shared mount); default 0 (stores create their files).
+    /// A store that ends before it opens its spare gives it back, so a root may hold a few
+    /// more for a while (at most one per store queued or in flight).
     pub spare_files: usize,
     /// Payload bytes of the blocks this store holds (an engine's blocks are all one size):
     /// each spare file is then preallocated (`fallocate`) to exactly the file of such a block,

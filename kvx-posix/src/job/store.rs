@@ -224,6 +224,8 @@ impl BlockJob {
                     return self.mkdirs();
                 }
                 if res < 0 {
+                    // The spare (if this was one) is untouched: it goes back to the spares.
+                    self.spare_opened = false;
                     let msg = format!(
                         "create {:?}: {}",
                         self.paths.temp.as_deref().unwrap_or_default(),

@@ -94,6 +94,15 @@ fn read_up_to(f: &mut std::fs::File, want: usize) -> io::Result<Vec<u8>> {
 pub(super) fn read_block(path: &Path) -> io::Result<BlockBytes> {
     let mut f = std::fs::File::open(path)?;
     let stat = stat_of(&f.metadata()?);
+    if !unchanged_since(&f, path, &stat)? {
+        // Moved away between the open and its stat: not the file the path names.
+        return Ok(BlockBytes {
+            stat,
+            changed: true,
+            header: Vec::new(),
+            payload: Vec::new(),
+        });
+    }
     let header = read_up_to(&mut f, HEADER_LEN)?;
     let payload = match parse_header(&header) {
         Ok(h) => {

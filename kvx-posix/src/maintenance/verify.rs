@@ -129,8 +129,9 @@ pub struct VerifyReport {
     pub bytes_ok: u64,
     /// Temporary files younger than the stale age (writes in flight), left alone.
     pub temps_in_flight: u64,
-    /// Block files removed, replaced or rewritten by someone else between the walk and the
-    /// end of their check (a live store evicting, overwriting or recycling them): not checked.
+    /// Block files removed, replaced, rewritten or renamed by someone else between the walk
+    /// and the end of their check (a live store evicting, overwriting or recycling them, or
+    /// touching them on a load): not checked.
     pub vanished: u64,
     /// Every problem and note, in walk order.
     pub findings: Vec<Finding>,
@@ -245,8 +246,13 @@ fn check_block(
     let owned = path.to_path_buf();
     let bytes = match worker.run("read", path, move || files::read_block(&owned))? {
         Ok(b) => b,
-        // Removed by someone else since the walk: nothing to check.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Checked::Gone),
+        // Removed (or, on NFS, replaced) by someone else since the walk: nothing to check.
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                || e.raw_os_error() == Some(libc::ESTALE) =>
+        {
+            return Ok(Checked::Gone);
+        }
         Err(e) => {
             return Ok(Checked::Bad {
                 kind: FindingKind::Unreadable,
@@ -320,8 +326,9 @@ fn act(
     let Some(id) = id.filter(|_| repair && kind.is_removable()) else {
         return Ok(Action::Reported);
     };
-    // A temporary file is removed only if nobody wrote to it since the walk.
-    let modified = (kind == FindingKind::StaleTemp).then_some(e.modified);
+    // A file is removed only if nobody wrote to it since the walk (a live store may have
+    // recycled a corrupt block's file into a new, good block meanwhile).
+    let modified = Some(e.modified);
     let path = e.path.clone();
     Ok(
         match worker.run("remove", &e.path, move || {
