@@ -136,26 +136,41 @@ impl PsyncEngine {
 }
 
 fn spawn_worker(shared: &Arc<Shared>) -> std::io::Result<()> {
-    let id = {
-        let mut p = shared.lock();
-        let id = p.next_id;
-        p.next_id += 1;
-        p.workers.insert(id, None);
-        p.live += 1;
-        shared.set_live(&p);
-        id
-    };
+    let id = reserve_worker(shared, &mut shared.lock());
+    start_worker(shared, id)
+}
+
+/// Count a worker about to start as live, under the pool's lock: a written-off worker that
+/// comes back meanwhile then sees the pool at target and exits, instead of rejoining it next
+/// to its replacement (which left the pool above target for good).
+fn reserve_worker(shared: &Shared, p: &mut Pool) -> u64 {
+    let id = p.next_id;
+    p.next_id += 1;
+    p.workers.insert(id, None);
+    p.live += 1;
+    shared.set_live(p);
+    id
+}
+
+/// Start the thread of reserved worker `id`; if it cannot start, its reservation is undone.
+fn start_worker(shared: &Arc<Shared>, id: u64) -> std::io::Result<()> {
     let s = shared.clone();
     let r = std::thread::Builder::new()
         .name(format!("kvx-psync-{id}"))
         .spawn(move || worker(s, id));
     if r.is_err() {
-        let mut p = shared.lock();
-        p.workers.remove(&id);
-        p.live -= 1;
-        shared.set_live(&p);
+        remove_worker(shared, id);
     }
     r.map(drop)
+}
+
+/// Worker `id` is gone (or never started): it no longer counts as live.
+fn remove_worker(shared: &Shared, id: u64) {
+    let mut p = shared.lock();
+    if p.workers.remove(&id).is_some() {
+        p.live = p.live.saturating_sub(1);
+        shared.set_live(&p);
+    }
 }
 
 fn worker(shared: Arc<Shared>, id: u64) {
@@ -203,11 +218,7 @@ fn worker(shared: Arc<Shared>, id: u64) {
             return;
         }
     }
-    let mut p = shared.lock();
-    if p.workers.remove(&id).is_some() {
-        p.live = p.live.saturating_sub(1);
-        shared.set_live(&p);
-    }
+    remove_worker(&shared, id);
 }
 
 fn maintenance_worker(shared: Arc<Shared>) {
@@ -261,7 +272,7 @@ impl IoEngine for PsyncEngine {
 
     fn write_off_overdue(&self) {
         let now = Instant::now();
-        let (newly, spawn) = {
+        let (newly, replacements) = {
             let mut p = self.shared.lock();
             let mut newly = 0;
             for r in p.workers.values_mut().flatten() {
@@ -279,13 +290,21 @@ impl IoEngine for PsyncEngine {
                 .fetch_add(newly, Ordering::AcqRel);
             let room = self.shared.bound.saturating_sub(p.live + p.stuck);
             let short = self.shared.target.saturating_sub(p.live);
-            (newly, short.min(room))
+            let replacements: Vec<u64> = (0..short.min(room))
+                .map(|_| reserve_worker(&self.shared, &mut p))
+                .collect();
+            (newly, replacements)
         };
-        for _ in 0..spawn {
-            if let Err(e) = spawn_worker(&self.shared) {
+        let spawn = replacements.len();
+        let mut ids = replacements.into_iter();
+        for id in ids.by_ref() {
+            if let Err(e) = start_worker(&self.shared, id) {
                 tracing::error!(error = %e, "psync: cannot replace a stuck worker");
                 break;
             }
+        }
+        for id in ids {
+            remove_worker(&self.shared, id);
         }
         if newly > 0 {
             tracing::warn!(
