@@ -23,6 +23,8 @@ struct State {
     late: Option<Late>,
     late_left: usize,
     late_by: Duration,
+    /// psync's replacements for written-off workers wait before their threads start.
+    replacements_held: bool,
 }
 
 /// The faults a store's engine applies (shared with the test that drives them).
@@ -57,6 +59,22 @@ impl Faults {
     pub(crate) fn thaw(&self) {
         self.lock().frozen = false;
         self.cv.notify_all();
+    }
+
+    /// Hold (or let go) the start of psync's replacement workers, after the pool has counted
+    /// them: the window in which a written-off worker may come back.
+    pub(crate) fn hold_replacements(&self, on: bool) {
+        self.lock().replacements_held = on;
+        self.cv.notify_all();
+    }
+
+    /// Block the calling thread (psync, about to start replacement workers) while
+    /// [`Faults::hold_replacements`] is on.
+    pub(crate) fn replacements_may_start(&self) {
+        let mut s = self.lock();
+        while s.replacements_held {
+            s = kvx_core::sync::wait(&self.cv, s);
+        }
     }
 
     /// Completions held right now.

@@ -296,6 +296,11 @@ impl IoEngine for PsyncEngine {
             (newly, replacements)
         };
         let spawn = replacements.len();
+        if spawn > 0
+            && let Some(f) = &self.shared.faults
+        {
+            f.replacements_may_start();
+        }
         let mut ids = replacements.into_iter();
         for id in ids.by_ref() {
             if let Err(e) = start_worker(&self.shared, id) {

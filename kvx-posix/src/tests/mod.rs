@@ -16,6 +16,7 @@ macro_rules! both_engines {
 }
 
 mod faults;
+mod psync_pool;
 mod recycle;
 mod unused_spare;
 
