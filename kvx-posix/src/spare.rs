@@ -23,8 +23,7 @@
 //! A store opens its spare (no create), writes, closes and renames it into place, exactly as it
 //! would a fresh temporary file; a spare found gone falls back to a fresh temporary file. A
 //! store that ends before it opens its spare (at its deadline, cancelled, refused by the
-//! engine) gives the spare back, first in line. At
-//! open, the spares an earlier run left (files of exactly the spare length: empty ones, or
+//! engine) gives the spare back, first in line. At open, the spares an earlier run left (files of exactly the spare length: empty ones, or
 //! preallocated or recycled ones) are taken over, oldest name first, and any other file there
 //! is removed. A store writes the whole file of a spare it takes, so what a spare held before
 //! never shows.
@@ -203,7 +202,7 @@ impl Spares {
         if self.inner.len != 0 && self.inner.len != file_len {
             return None;
         }
-        let r = self.inner.roots.get(root)?.as_ref()?;
+        let r = self.root(root)?;
         let (spare, left) = {
             let mut pool = kvx_core::lock(&r.pool);
             let spare = pool.ready.pop_front();
@@ -214,6 +213,11 @@ impl Spares {
             let _ = self.wake.try_send(());
         }
         spare
+    }
+
+    /// `root`'s spares, if it has any.
+    fn root(&self, root: usize) -> Option<&RootSpares> {
+        self.inner.roots.get(root)?.as_ref()
     }
 
     /// Whether removed block files are recycled: the spares are preallocated to one length.
@@ -229,7 +233,7 @@ impl Spares {
         if !self.recycles() {
             return None;
         }
-        let r = self.inner.roots.get(root)?.as_ref()?;
+        let r = self.root(root)?;
         let mut pool = kvx_core::lock(&r.pool);
         if pool.count() >= self.inner.target {
             return None;
@@ -242,7 +246,7 @@ impl Spares {
     /// A promised recycled file, now in `root`'s spare folder, is ready for a store (the
     /// newest spare).
     pub(crate) fn put(&self, root: usize, spare: CString) {
-        if let Some(r) = self.inner.roots.get(root).and_then(Option::as_ref) {
+        if let Some(r) = self.root(root) {
             let mut pool = kvx_core::lock(&r.pool);
             pool.promised = pool.promised.saturating_sub(1);
             pool.ready.push_back(spare);
@@ -251,14 +255,14 @@ impl Spares {
 
     /// A spare taken by a store that never opened it, back in front (it is the oldest).
     pub(crate) fn give_back(&self, root: usize, spare: CString) {
-        if let Some(r) = self.inner.roots.get(root).and_then(Option::as_ref) {
+        if let Some(r) = self.root(root) {
             kvx_core::lock(&r.pool).ready.push_front(spare);
         }
     }
 
     /// A promised recycled file will not come: its remove unlinked the file, or never ran.
     pub(crate) fn release(&self, root: usize) {
-        if let Some(r) = self.inner.roots.get(root).and_then(Option::as_ref) {
+        if let Some(r) = self.root(root) {
             let mut pool = kvx_core::lock(&r.pool);
             pool.promised = pool.promised.saturating_sub(1);
         }

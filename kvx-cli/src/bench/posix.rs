@@ -247,24 +247,23 @@ fn one_round(
     let store = rig.run(Direction::Store, &keys, deadline);
     // Load what was stored, unless a store timed out: on a stuck mount every load would wait
     // out its deadline too.
+    eprintln!(
+        "round {}: stored {} of {} blocks; {}",
+        round + 1,
+        store.ok.len(),
+        keys.len(),
+        if store.gave_up {
+            "a store timed out, so no loads"
+        } else {
+            "loading them"
+        }
+    );
     let load = if store.gave_up {
-        eprintln!(
-            "round {}: stored {} of {} blocks; a store timed out, so no loads",
-            round + 1,
-            store.ok.len(),
-            keys.len()
-        );
         Phase {
             not_started: store.ok.len(),
             ..Phase::default()
         }
     } else {
-        eprintln!(
-            "round {}: stored {} of {} blocks; loading them",
-            round + 1,
-            store.ok.len(),
-            keys.len()
-        );
         rig.run(Direction::Load, &store.ok, deadline)
     };
     drop(rig);

@@ -94,7 +94,7 @@ fn read_up_to(f: &mut std::fs::File, want: usize) -> io::Result<Vec<u8>> {
 pub(super) fn read_block(path: &Path) -> io::Result<BlockBytes> {
     let mut f = std::fs::File::open(path)?;
     let stat = stat_of(&f.metadata()?);
-    if !unchanged_since(&f, path, &stat)? {
+    if !names(path, stat.id)? {
         // Moved away between the open and its stat: not the file the path names.
         return Ok(BlockBytes {
             stat,
@@ -127,8 +127,13 @@ fn unchanged_since(f: &std::fs::File, path: &Path, before: &Stat) -> io::Result<
     if now.len != before.len || now.modified != before.modified || now.changed != before.changed {
         return Ok(false);
     }
+    names(path, before.id)
+}
+
+/// Whether `path` names file `id` right now.
+fn names(path: &Path, id: FileId) -> io::Result<bool> {
     match std::fs::symlink_metadata(path) {
-        Ok(m) => Ok(stat_of(&m).id == before.id),
+        Ok(m) => Ok(stat_of(&m).id == id),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(e),
     }
