@@ -75,6 +75,31 @@ impl FaultRig {
         }
     }
 
+    /// A store with `spares` spare files made at open and none topped up; panics unless the
+    /// temporary directory is on a local block file system (spares live only there).
+    fn with_spares(
+        engine: EngineKind,
+        spares: usize,
+        tune: impl FnOnce(&mut PosixConfig),
+    ) -> FaultRig {
+        let r = FaultRig::new(engine, 8, |c| {
+            c.spare_files = spares;
+            c.spare_refill = false;
+            tune(c);
+        });
+        assert_eq!(
+            r.files.spare_files_ready(),
+            vec![spares],
+            "this test needs its temporary directory on a local block file system"
+        );
+        r
+    }
+
+    /// The store's spare folder.
+    fn spare_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join(crate::spare::SPARE_DIR)
+    }
+
     fn engine(&self) -> EngineSnapshot {
         self.files.engine_snapshot()
     }

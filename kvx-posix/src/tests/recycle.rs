@@ -17,17 +17,8 @@ both_engines!(recycled_file_waits_for_the_loads_of_its_block);
 /// next store writes into that very file.
 fn recycled_file_waits_for_the_loads_of_its_block(engine: EngineKind) {
     const HOLD: Duration = Duration::from_millis(600);
-    let r = FaultRig::new(engine, 8, |c| {
-        c.spare_files = 2;
-        c.spare_block_bytes = 8192;
-        c.spare_refill = false;
-    });
-    assert_eq!(
-        r.files.spare_files_ready(),
-        vec![2],
-        "this test needs its temporary directory on a local block file system"
-    );
-    let spare_dir = r.dir.path().join(".kvx-spare");
+    let r = FaultRig::with_spares(engine, 2, |c| c.spare_block_bytes = 8192);
+    let spare_dir = r.spare_dir();
     let in_spare_dir = || std::fs::read_dir(&spare_dir).expect("spare folder").count();
     let (k, absent, a, b) = (key(1), key(2), key(3), key(4));
     assert!(r.store(k, 0x5A, SOON).is_ok());

@@ -17,18 +17,11 @@ both_engines!(a_store_that_never_opens_its_spare_gives_it_back);
 /// folder, none creating a file of its own.
 fn a_store_that_never_opens_its_spare_gives_it_back(engine: EngineKind) {
     const FREEZE: Duration = Duration::from_millis(400);
-    let r = FaultRig::new(engine, 8, |c| {
+    let r = FaultRig::with_spares(engine, 4, |c| {
         c.queue_depth = 1;
         c.max_queued = 1;
-        c.spare_files = 4;
-        c.spare_refill = false;
     });
-    assert_eq!(
-        r.files.spare_files_ready(),
-        vec![4],
-        "this test needs its temporary directory on a local block file system"
-    );
-    let spare_dir = r.dir.path().join(".kvx-spare");
+    let spare_dir = r.spare_dir();
     let spare_names = || {
         let mut v: Vec<_> = std::fs::read_dir(&spare_dir)
             .expect("spare folder")
