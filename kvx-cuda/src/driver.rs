@@ -184,8 +184,7 @@ impl Ctx {
         if let Some(symbol) = REQUIRED_SYMBOLS.iter().find(|s| !has_symbol(s)) {
             return Err(CudaError::MissingSymbol { symbol });
         }
-        // SAFETY (all calls below): the library is loaded and every symbol resolved (checked
-        // just above), and every pointer argument is a live local.
+        // SAFETY: the library is loaded and every symbol resolved (checked just above).
         let r = unsafe { sys::cuInit(0) };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(CudaError::NoDevice {
@@ -194,10 +193,12 @@ impl Ctx {
             });
         }
         let mut driver_version: c_int = 0;
+        // SAFETY: the symbol is resolved (checked above); every pointer argument is a live local.
         check("cuDriverGetVersion", unsafe {
             sys::cuDriverGetVersion(&mut driver_version)
         })?;
         let mut count: c_int = 0;
+        // SAFETY: the symbol is resolved (checked above); every pointer argument is a live local.
         check("cuDeviceGetCount", unsafe {
             sys::cuDeviceGetCount(&mut count)
         })?;
@@ -208,10 +209,12 @@ impl Ctx {
             });
         }
         let mut dev: sys::CUdevice = 0;
+        // SAFETY: the symbol is resolved (checked above); every pointer argument is a live local.
         check("cuDeviceGet", unsafe {
             sys::cuDeviceGet(&mut dev, ordinal as c_int)
         })?;
         let mut buf = [0 as c_char; 256];
+        // SAFETY: the symbol is resolved (checked above); every pointer argument is a live local.
         check("cuDeviceGetName", unsafe {
             sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, dev)
         })?;
@@ -221,6 +224,7 @@ impl Ctx {
             .to_string_lossy()
             .into_owned();
         let mut raw: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: the symbol is resolved (checked above); every pointer argument is a live local.
         check("cuDevicePrimaryCtxRetain", unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut raw, dev)
         })?;
