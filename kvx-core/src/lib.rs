@@ -65,6 +65,7 @@ mod op;
 mod slab;
 pub mod sync;
 mod task;
+mod tensor_layout;
 mod tracker;
 
 pub use arena::HostArena;
@@ -83,4 +84,5 @@ pub use layout::{KvLayout, MemoryKind, Region};
 pub use op::{BlockError, Op, OpBlock, OpCompletion};
 pub use sync::{lock, wait_timeout};
 pub use task::{BlockReport, FailReason, TaskReport, TaskSpec, TaskState};
+pub use tensor_layout::{TensorLayoutError, TensorView};
 pub use tracker::{BackendCommand, Event, Fence, Tracker, TrackerConfig, TrackerStats};
