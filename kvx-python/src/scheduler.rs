@@ -1,10 +1,10 @@
-//! `SchedulerHalf`: kvx-offload's scheduler side for Python (vLLM's scheduler process).
+//! `SchedulerSide`: kvx-offload's scheduler side for Python (vLLM's scheduler process).
 
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{EvictionKind, Lookup, SchedulerConfig, SchedulerSide, Tier};
+use kvx_offload::{EvictionKind, Lookup, SchedulerConfig, Tier};
 use kvx_posix::{EngineKind, PosixConfig, PosixStore};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -55,22 +55,22 @@ fn scan_file_tier(dirs: Vec<PathBuf>) -> PyResult<Vec<BlockKey>> {
     Ok(store.handle().keys())
 }
 
-/// The scheduler half: decides per step what to load and store, keeps the tier index.
+/// The scheduler side: decides per step what to load and store, keeps the tier index.
 #[pyclass(module = "kvx._native")]
-pub struct SchedulerHalf {
-    inner: Mutex<SchedulerSide>,
+pub struct SchedulerSide {
+    inner: Mutex<kvx_offload::SchedulerSide>,
     block_tokens: u64,
 }
 
-impl SchedulerHalf {
-    fn side(&self) -> std::sync::MutexGuard<'_, SchedulerSide> {
+impl SchedulerSide {
+    fn side(&self) -> std::sync::MutexGuard<'_, kvx_offload::SchedulerSide> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 #[pymethods]
-impl SchedulerHalf {
-    /// A scheduler half. `file_dirs` (with `file_blocks`) adds a file tier whose existing
+impl SchedulerSide {
+    /// A scheduler side. `file_dirs` (with `file_blocks`) adds a file tier whose existing
     /// blocks are adopted into the index.
     #[new]
     #[pyo3(signature = (block_tokens, host_blocks, eviction, file_dirs=None, file_blocks=None))]
@@ -80,13 +80,13 @@ impl SchedulerHalf {
         eviction: &str,
         file_dirs: Option<Vec<PathBuf>>,
         file_blocks: Option<usize>,
-    ) -> PyResult<SchedulerHalf> {
+    ) -> PyResult<SchedulerSide> {
         let eviction = eviction_kind(eviction)?;
         let found = match &file_dirs {
             Some(d) => scan_file_tier(d.clone())?,
             None => Vec::new(),
         };
-        let mut side = SchedulerSide::new(SchedulerConfig {
+        let mut side = kvx_offload::SchedulerSide::new(SchedulerConfig {
             block_tokens,
             host_blocks,
             file_blocks: file_dirs.as_ref().and(file_blocks),
@@ -95,7 +95,7 @@ impl SchedulerHalf {
         })
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
         side.adopt_file_blocks(found);
-        Ok(SchedulerHalf {
+        Ok(SchedulerSide {
             inner: Mutex::new(side),
             block_tokens: u64::from(block_tokens),
         })

@@ -1,4 +1,4 @@
-//! `WorkerHalf`: kvx-offload's worker side for Python (each vLLM worker), built by
+//! `WorkerSide`: kvx-offload's worker side for Python (each vLLM worker), built by
 //! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host backend), a host tier and
 //! an optional file tier (kvx-posix).
 
@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use kvx_core::KvLayout;
 use kvx_offload::{
     FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadError, OffloadRuntime,
-    WorkerSide,
 };
 use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
 use pyo3::exceptions::PyValueError;
@@ -21,10 +20,10 @@ use crate::memory::{self, TensorDesc};
 use crate::scheduler::{check_file_dirs, eviction_kind};
 use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes};
 
-/// The running parts. Field order is drop order: the worker half, then the runtime (its driver
+/// The running parts. Field order is drop order: the worker side, then the runtime (its driver
 /// joins the backends' threads).
 struct Running {
-    worker: WorkerSide,
+    worker: kvx_offload::WorkerSide,
     runtime: OffloadRuntime,
     store_timeout: Duration,
     /// Engine blocks of each request's load in flight.
@@ -44,9 +43,9 @@ struct Parked {
     to_engine: bool,
 }
 
-/// The worker half over the engine's KV tensors.
+/// The worker side over the engine's KV tensors.
 #[pyclass(module = "kvx._native")]
-pub struct WorkerHalf {
+pub struct WorkerSide {
     /// Declared before `tensors`: dropped (driver stopped) before the tensors are let go.
     running: Mutex<Option<Running>>,
     /// The tensor objects described at construction, kept alive while kvx may copy into them.
@@ -54,7 +53,7 @@ pub struct WorkerHalf {
     layout: KvLayout,
 }
 
-impl WorkerHalf {
+impl WorkerSide {
     fn lock(&self) -> MutexGuard<'_, Option<Running>> {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -62,7 +61,7 @@ impl WorkerHalf {
     fn with<T>(&self, f: impl FnOnce(&mut Running) -> PyResult<T>) -> PyResult<T> {
         match self.lock().as_mut() {
             Some(r) => f(r),
-            None => Err(KvxError::new_err("the kvx worker half is closed")),
+            None => Err(KvxError::new_err("the kvx worker side is closed")),
         }
     }
 }
@@ -78,8 +77,8 @@ type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);
 type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>);
 
 #[pymethods]
-impl WorkerHalf {
-    /// A worker half. `tensors` describes each KV tensor as (name, data pointer, shape,
+impl WorkerSide {
+    /// A worker side. `tensors` describes each KV tensor as (name, data pointer, shape,
     /// strides in elements, element size, device); `owners` are the tensor objects themselves,
     /// held until `close`.
     #[new]
@@ -99,7 +98,7 @@ impl WorkerHalf {
         eviction: &str,
         file_dirs: Option<Vec<PathBuf>>,
         file_blocks: Option<usize>,
-    ) -> PyResult<WorkerHalf> {
+    ) -> PyResult<WorkerSide> {
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
             .map(
@@ -148,14 +147,14 @@ impl WorkerHalf {
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let lay = layout.clone();
         let built = py.detach(move || {
-            // SAFETY: the layout describes the tensors `WorkerHalf` holds in `tensors` until
+            // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
             // after this runtime is dropped (see `memory::engine_memory`).
             let memory = unsafe { memory::engine_memory(lay) };
             OffloadBuilder::new(cfg, memory).build()
         });
         let built = built.map_err(|e| PyValueError::new_err(e.to_string()))?;
-        drop(built.scheduler); // the scheduler half lives in vLLM's scheduler process
-        Ok(WorkerHalf {
+        drop(built.scheduler); // the scheduler side lives in vLLM's scheduler process
+        Ok(WorkerSide {
             running: Mutex::new(Some(Running {
                 worker: built.worker,
                 runtime: built.runtime,
@@ -169,7 +168,7 @@ impl WorkerHalf {
         })
     }
 
-    /// Start a step with the scheduler half's encoded instructions: drop evicted blocks, start
+    /// Start a step with the scheduler side's encoded instructions: drop evicted blocks, start
     /// loads, queue stores, flush and fence preempted requests (waiting at most the store
     /// deadline for that fence), pass finished requests on.
     fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {

@@ -337,8 +337,8 @@ class Engine:
 
     def keys_of(self, req_id: str) -> bytes:
         """kvx block keys of a request's full blocks (16 bytes each)."""
-        part = self.conn._sched
-        return part._keys(part._req(self.tracked[req_id].request))
+        side = self.conn._sched
+        return side._keys(side._req(self.tracked[req_id].request))
 
     def close(self) -> None:
         self.scheduler.shutdown()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from harness import BLOCK, HEAD, KV_HEADS, LAYERS, Engine, prompt
 
-from kvx import KvxConfig, KvxError, WorkerHalf
+from kvx import KvxConfig, KvxError, WorkerSide
 
 
 @pytest.mark.parametrize(
@@ -52,10 +52,10 @@ def test_read_only_file_dir_fails_at_construction(tmp_path):
         with pytest.raises(ValueError) as e:
             Engine(tmp_path, {"file_dirs": [str(ro)]})
         assert "'file_dirs'" in str(e.value) and str(ro) in str(e.value) and "not writable" in str(e.value)
-        # The native half checks for itself too (the store's write probe), naming the root.
+        # The native side checks for itself too (the store's write probe), naming the root.
         with pytest.raises(ValueError) as e:
             t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
-            WorkerHalf(
+            WorkerSide(
                 [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")],
                 [t], 8, BLOCK, 4, 100, 100, "psync", file_dirs=[str(ro)], file_blocks=16,
             )
@@ -90,7 +90,7 @@ def test_undescribable_tensor_layout_fails_at_registration(tmp_path, make, words
 
 def test_cuda_tensor_is_a_clear_error():
     with pytest.raises(ValueError) as e:
-        WorkerHalf(
+        WorkerSide(
             [("layer0", 0x7F0000000000, [2, 8, BLOCK, KV_HEADS, HEAD], [8 * BLOCK * KV_HEADS * HEAD, BLOCK * KV_HEADS * HEAD, KV_HEADS * HEAD, HEAD, 1], 2, "cuda:0")],
             [], 8, BLOCK, 4, 100, 100, "psync",
         )
@@ -99,7 +99,7 @@ def test_cuda_tensor_is_a_clear_error():
 
 def test_malformed_step_metadata_is_an_error_not_a_crash():
     t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
-    w = WorkerHalf(
+    w = WorkerSide(
         [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")], [t], 8, BLOCK, 4, 100, 100, "psync"
     )
     try:
@@ -116,10 +116,10 @@ def test_malformed_step_metadata_is_an_error_not_a_crash():
 def test_cross_layer_tensor_is_one_contiguous_region_and_round_trips(tmp_path):
     e = Engine(tmp_path, {"host_blocks": 16}, cross_layer=True)
     try:
-        half = e.worker._worker.half
+        native = e.worker._worker.native
         block_bytes = LAYERS * 2 * BLOCK * KV_HEADS * HEAD * 2
-        assert half.block_bytes() == block_bytes
-        (base, stride, seg), = half.regions()
+        assert native.block_bytes() == block_bytes
+        (base, stride, seg), = native.regions()
         assert (base, stride, seg) == (e.kv["layer0"].data_ptr(), block_bytes, block_bytes)
         p = prompt(40, 3 * BLOCK + 1)
         e.add("a", p)
@@ -135,7 +135,7 @@ def test_cross_layer_tensor_is_one_contiguous_region_and_round_trips(tmp_path):
 def test_per_layer_tensors_are_strided_regions_in_layer_then_kv_order(tmp_path):
     e = Engine(tmp_path, {"host_blocks": 8})
     try:
-        regions = e.worker._worker.half.regions()
+        regions = e.worker._worker.native.regions()
         seg = BLOCK * KV_HEADS * HEAD * 2
         want = []
         for i in range(LAYERS):

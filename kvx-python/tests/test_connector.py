@@ -51,7 +51,7 @@ def test_file_tier_hit_after_restart(tmp_path, io_engine):
     try:
         e.add("a", p)
         e.run()
-        assert e.worker._worker.half.file_blocks() == 5
+        assert e.worker._worker.native.file_blocks() == 5
     finally:
         e.close()
     # A new engine: empty host tier, the file tier's blocks adopted from disk.
@@ -78,7 +78,7 @@ def corrupt_one_block(tmp_path, d, p, index):
         e.add("writer", p)
         e.run()
         keys = e.keys_of("writer")
-        path = e.worker._worker.half.file_block_path(keys[index * 16 : (index + 1) * 16])
+        path = e.worker._worker.native.file_block_path(keys[index * 16 : (index + 1) * 16])
     finally:
         e.close()
     raw = bytearray(path.read_bytes())

@@ -26,8 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvx.config import KvxConfig
 from kvx.vllm.meta import KvxConnectorMetadata
-from kvx.vllm.scheduler_part import SchedulerPart
-from kvx.vllm.worker_part import WorkerPart
+from kvx.vllm.scheduler_side import SchedulerSide
+from kvx.vllm.worker_side import WorkerSide
 
 
 def _namespace(vllm_config) -> bytes:
@@ -68,12 +68,12 @@ class KvxConnector(KVConnectorBase_V1):
             )
         block_size = groups[0].kv_cache_spec.block_size
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
-        self._sched: SchedulerPart | None = None
-        self._worker: WorkerPart | None = None
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerPart(self.config, block_size, hash_block_size, _namespace(vllm_config))
+            self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config))
         else:
-            self._worker = WorkerPart(self.config, block_size, kv_cache_config.num_blocks)
+            self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
 
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]):
@@ -141,10 +141,10 @@ class KvxConnector(KVConnectorBase_V1):
         bytes, timeouts, late completions), host-tier blocks, and the file tier's counters."""
         if self._sched is not None:
             return dict(vars(self._sched.stats))
-        half = self._worker.half
-        return dict(half.stats()) if half is not None else {}
+        native = self._worker.native
+        return dict(native.stats()) if native is not None else {}
 
     def state_counts(self) -> dict[str, int]:
         """Everything this side still tracks about requests and transfers (zeros when idle)."""
-        part = self._sched if self._sched is not None else self._worker
-        return part.state_counts()
+        side = self._sched if self._sched is not None else self._worker
+        return side.state_counts()

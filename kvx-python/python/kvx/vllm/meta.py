@@ -34,7 +34,7 @@ class KvxConnectorMetadata(KVConnectorMetadata):
 
 
 class KvxWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler, once per step: encoded job outcomes for the scheduler half."""
+    """Worker → scheduler, once per step: encoded job outcomes for the scheduler side."""
 
     __slots__ = ("jobs",)
 
