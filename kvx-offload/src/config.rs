@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvx_policy::{BreakerConfig, LoadFailurePolicy, TimeoutConfig};
+use kvx_posix::{IoEngine, SharedMount};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OffloadError;
@@ -75,26 +76,6 @@ impl Default for OffloadConfig {
     }
 }
 
-/// Which I/O engine runs the file tier's operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum IoEngine {
-    /// io_uring (Linux; the default there).
-    Uring,
-    /// A thread pool doing blocking syscalls, stuck threads written off.
-    Psync,
-}
-
-impl Default for IoEngine {
-    fn default() -> Self {
-        if cfg!(target_os = "linux") {
-            IoEngine::Uring
-        } else {
-            IoEngine::Psync
-        }
-    }
-}
-
 /// The file tier: one verified file per block, spread over the roots.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -124,108 +105,20 @@ pub struct FileTierConfig {
     /// Health breaker of each root.
     #[serde(default)]
     pub breaker: BreakerConfig,
-    /// The roots are shared with other engine nodes (`None`, the default: this node owns them).
-    #[serde(default)]
-    pub shared: Option<SharedMountConfig>,
-}
-
-/// A file tier whose roots many engine nodes share (NFS, Lustre, CephFS, a local disk shared by
-/// processes). A lookup that misses this node's index probes the mount (never waited for: the
-/// lookup answers "ask again later" while the probe runs); an eviction from this node's index
-/// only forgets the block; capacity is the collector's quota, which any node may enforce.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SharedMountConfig {
-    /// A probe not answered within this many ms is a miss and a breaker failure (default 200).
-    #[serde(default = "default_probe_deadline_ms")]
-    pub probe_deadline_ms: u64,
-    /// How long a probe's answer, present or absent, is reused, in ms (default 1000).
-    #[serde(default = "default_probe_ttl_ms")]
-    pub probe_ttl_ms: u64,
-    /// Most probe answers remembered (default 65536).
-    #[serde(default = "default_probe_entries")]
-    pub probe_entries: usize,
-    /// Run a collector on this node keeping each root under this many bytes of block files
-    /// (default `None`: another node, or `kvx gc`, enforces the quota).
-    #[serde(default)]
-    pub quota_bytes: Option<u64>,
-    /// Time between two collector passes, in ms (default 5000).
-    #[serde(default = "default_collect_interval_ms")]
-    pub collect_interval_ms: u64,
-    /// Another node's temporary file older than this many seconds is a leftover (default 600).
+    /// A temporary file of another process older than this many seconds is a leftover the
+    /// startup scan (and a shared mount's collector) removes (default 600).
     #[serde(default = "default_stale_temp_s")]
     pub stale_temp_s: u64,
-    /// Write a block into the shared tier when it leaves this node's host tier, with its last
-    /// use there as its recency, instead of writing it through when it is stored (default
-    /// false). The nodes' host tiers and the mount then hold different blocks, so their
-    /// capacities add up; another node sees a block only once its node's host tier lets it go.
+    /// The roots are shared with other engine nodes (`None`, the default: this node owns them).
+    /// A lookup that misses this node's index probes the mount (never waited for: the lookup
+    /// answers "ask again later" while the probe runs); an eviction from this node's index only
+    /// forgets the block; capacity is the collector's quota, which any node may enforce.
     #[serde(default)]
-    pub write_back: bool,
-}
-
-fn default_probe_deadline_ms() -> u64 {
-    200
-}
-
-fn default_probe_ttl_ms() -> u64 {
-    1000
-}
-
-fn default_probe_entries() -> usize {
-    65536
-}
-
-fn default_collect_interval_ms() -> u64 {
-    5000
+    pub shared: Option<SharedMount>,
 }
 
 fn default_stale_temp_s() -> u64 {
     600
-}
-
-impl Default for SharedMountConfig {
-    fn default() -> Self {
-        SharedMountConfig {
-            probe_deadline_ms: default_probe_deadline_ms(),
-            probe_ttl_ms: default_probe_ttl_ms(),
-            probe_entries: default_probe_entries(),
-            quota_bytes: None,
-            collect_interval_ms: default_collect_interval_ms(),
-            stale_temp_s: default_stale_temp_s(),
-            write_back: false,
-        }
-    }
-}
-
-impl SharedMountConfig {
-    /// Check the settings; the error names the bad field.
-    pub fn validate(&self) -> Result<(), OffloadError> {
-        if self.probe_deadline_ms == 0 {
-            return Err(OffloadError::config(
-                "file.shared.probe_deadline_ms",
-                "must be positive",
-            ));
-        }
-        if !(1..=1 << 24).contains(&self.probe_entries) {
-            return Err(OffloadError::config(
-                "file.shared.probe_entries",
-                format!("must be 1..=16777216, got {}", self.probe_entries),
-            ));
-        }
-        if self.collect_interval_ms == 0 {
-            return Err(OffloadError::config(
-                "file.shared.collect_interval_ms",
-                "must be positive",
-            ));
-        }
-        if self.quota_bytes == Some(0) {
-            return Err(OffloadError::config(
-                "file.shared.quota_bytes",
-                "Some(0) would remove every block; use None for no collector on this node",
-            ));
-        }
-        Ok(())
-    }
 }
 
 fn default_direct() -> bool {
@@ -252,6 +145,7 @@ impl FileTierConfig {
             fdatasync: false,
             spare_files: default_spare_files(),
             breaker: BreakerConfig::default(),
+            stale_temp_s: default_stale_temp_s(),
             shared: None,
         }
     }
@@ -329,7 +223,9 @@ impl OffloadConfig {
                 .validate()
                 .map_err(|e| OffloadError::config("file.breaker", e))?;
             if let Some(m) = &f.shared {
-                m.validate()?;
+                m.validate().map_err(|e| {
+                    OffloadError::config(format!("file.shared.{}", e.key), e.reason)
+                })?;
             }
         }
         Ok(())
