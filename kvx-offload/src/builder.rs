@@ -233,6 +233,34 @@ impl OffloadBuilder {
     }
 }
 
+/// The scheduler side alone, for an engine whose scheduler runs in a process of its own (vLLM's
+/// scheduler process; the worker process builds the rest with [`OffloadBuilder::build`]): `cfg`
+/// validated, and the blocks the file tier's startup scan finds adopted into its index. The
+/// scan opens the tier with one psync thread and no spare files, and closes it again.
+///
+/// A shared mount is refused: a scheduler side of its own has no store to probe the mount with.
+pub fn scheduler_side(cfg: &OffloadConfig) -> Result<SchedulerSide, OffloadError> {
+    cfg.validate()?;
+    let mut side = SchedulerSide::new(cfg.scheduler())?;
+    if let Some(f) = &cfg.file {
+        if f.shared.is_some() {
+            return Err(OffloadError::config(
+                "file.shared",
+                "a scheduler side built on its own cannot probe a shared mount (build both \
+                 sides in one process with OffloadBuilder)",
+            ));
+        }
+        let mut p = posix_config(f, 0);
+        p.engine = kvx_posix::IoEngine::Psync;
+        p.queue_depth = 1;
+        p.spare_files = 0;
+        let store =
+            kvx_posix::PosixStore::open(p).map_err(|e| setup("file tier")(e.to_string()))?;
+        side.adopt_file_blocks(store.handle().keys());
+    }
+    Ok(side)
+}
+
 /// The file tier as the builder set it up (all empty without one).
 #[derive(Default)]
 struct FileTier {

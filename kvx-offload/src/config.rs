@@ -160,12 +160,31 @@ impl OffloadConfig {
         Ok(cfg)
     }
 
-    /// Read a JSON config and validate it.
+    /// Read a JSON config and validate it. A key or value serde refuses is named by its dotted
+    /// path (`file.io_engine`), as [`OffloadConfig::validate`] names the settings it refuses.
     pub fn from_json(text: &str) -> Result<OffloadConfig, OffloadError> {
-        let cfg: OffloadConfig =
+        let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| OffloadError::config("(json)", e))?;
+        Self::from_json_value(value)
+    }
+
+    /// [`OffloadConfig::from_json`] of an already parsed JSON value.
+    pub fn from_json_value(value: serde_json::Value) -> Result<OffloadConfig, OffloadError> {
+        // One key per line, so that the line serde stops at names the key.
+        let pretty =
+            serde_json::to_string_pretty(&value).map_err(|e| OffloadError::config("(json)", e))?;
+        let cfg: OffloadConfig = serde_json::from_str(&pretty).map_err(|e| {
+            let msg = e.to_string();
+            let msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+            OffloadError::config(key_at_line(&pretty, e.line()), msg)
+        })?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// This config as JSON (every key, defaults included).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an OffloadConfig is plain data")
     }
 
     /// Check every setting; the error names the first bad one.
@@ -252,6 +271,25 @@ impl OffloadConfig {
     }
 }
 
+/// The dotted key path of the value on line `line` (from 1) of pretty-printed JSON (two spaces
+/// of indent per level, one key per line); `(json)` when the line holds no key.
+fn key_at_line(pretty: &str, line: usize) -> String {
+    let mut path: Vec<&str> = Vec::new();
+    for l in pretty.lines().take(line) {
+        let body = l.trim_start();
+        let depth = (l.len() - body.len()) / 2;
+        if let Some(key) = body.strip_prefix('"').and_then(|b| b.split_once("\":")) {
+            path.truncate(depth.saturating_sub(1));
+            path.push(key.0);
+        }
+    }
+    if path.is_empty() {
+        "(json)".to_string()
+    } else {
+        path.join(".")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,6 +358,49 @@ direct = true
         assert!(e.contains("odirect"), "{e}");
         let e = field_of(OffloadConfig::from_json(r#"{"timeouts": {"load": 5}}"#));
         assert!(e.contains("load"), "{e}");
+    }
+
+    #[test]
+    fn json_values_serde_refuses_are_named_by_their_path() {
+        for (text, field, words) in [
+            (r#"{"host_blocks": "8"}"#, "host_blocks", "invalid type"),
+            (r#"{"eviction": "fifo"}"#, "eviction", "fifo"),
+            (
+                r#"{"file": {"roots": ["/x"], "blocks": 3, "io_engine": "aio"}}"#,
+                "file.io_engine",
+                "aio",
+            ),
+            (
+                r#"{"file": {"roots": ["/x"], "blocks": 3, "shared": {"probe_ttl_ms": -1}}}"#,
+                "file.shared.probe_ttl_ms",
+                "-1",
+            ),
+            (
+                r#"{"timeouts": {"load_ms": 1.5}}"#,
+                "timeouts.load_ms",
+                "1.5",
+            ),
+            (
+                r#"{"file": {"roots": "/x", "blocks": 3}}"#,
+                "file.roots",
+                "sequence",
+            ),
+            (r#"{"hots_blocks": 3}"#, "hots_blocks", "unknown field"),
+        ] {
+            let e = field_of(OffloadConfig::from_json(text));
+            assert!(e.starts_with(&format!("{field}: ")), "{text}: {e}");
+            assert!(e.contains(words), "{text}: {e}");
+            assert!(!e.contains(" at line "), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn to_json_reads_back_the_same_config() {
+        let mut c = OffloadConfig::default();
+        let mut f = FileTierConfig::new("/x", 7);
+        f.shared = Some(SharedMount::default());
+        c.file = Some(f);
+        assert_eq!(OffloadConfig::from_json(&c.to_json()).unwrap(), c);
     }
 
     #[test]

@@ -88,7 +88,7 @@ mod scheduler;
 mod tier;
 mod worker;
 
-pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime};
+pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime, scheduler_side};
 pub use config::{FileTierConfig, OffloadConfig};
 pub use error::OffloadError;
 pub use eviction::EvictionKind;

@@ -21,6 +21,7 @@
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
 mod codec;
+mod config;
 mod memory;
 mod scheduler;
 mod stall;
@@ -79,5 +80,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::WorkerSide>()?;
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
     Ok(())
 }

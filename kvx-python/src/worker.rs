@@ -8,16 +8,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_core::KvLayout;
-use kvx_offload::{
-    FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadError, OffloadRuntime,
-};
-use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
+use kvx_offload::{JobPart, OffloadBuilder, OffloadError, OffloadRuntime};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::config::connector_config;
 use crate::memory::{self, TensorDesc};
-use crate::scheduler::{check_file_dirs, eviction_kind};
 use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes};
 
 /// The running parts. Field order is drop order: the worker side, then the runtime (its driver
@@ -78,27 +75,20 @@ type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64
 
 #[pymethods]
 impl WorkerSide {
-    /// A worker side. `tensors` describes each KV tensor as (name, data pointer, shape,
-    /// strides in elements, element size, device); `owners` are the tensor objects themselves,
-    /// held until `close`.
+    /// A worker side with the connector's settings `config` (vLLM's extra config, as JSON) and
+    /// vLLM's `block_tokens`, over `num_blocks` engine blocks. `tensors` describes each KV
+    /// tensor as (name, data pointer, shape, strides in elements, element size, device);
+    /// `owners` are the tensor objects themselves, held until `close`.
     #[new]
-    #[pyo3(signature = (tensors, owners, num_blocks, block_tokens, host_blocks, load_ms, store_ms,
-                        io_engine, eviction="lru", file_dirs=None, file_blocks=None))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
+        config: &str,
+        block_tokens: u32,
         tensors: Vec<TensorTuple>,
         owners: Vec<Py<PyAny>>,
         num_blocks: u32,
-        block_tokens: u32,
-        host_blocks: usize,
-        load_ms: u64,
-        store_ms: u64,
-        io_engine: &str,
-        eviction: &str,
-        file_dirs: Option<Vec<PathBuf>>,
-        file_blocks: Option<usize>,
     ) -> PyResult<WorkerSide> {
+        let cfg = connector_config(config, block_tokens)?;
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
             .map(
@@ -114,37 +104,7 @@ impl WorkerSide {
             .collect();
         let layout = memory::describe(&descs, num_blocks)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let io_engine = match io_engine {
-            "uring" => IoEngine::Uring,
-            "psync" => IoEngine::Psync,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "io_engine: unknown engine {other:?} (expected \"uring\" or \"psync\")"
-                )));
-            }
-        };
-        let file = match file_dirs {
-            Some(dirs) => {
-                check_file_dirs(&dirs)?;
-                let mut f = FileTierConfig::new(dirs[0].clone(), file_blocks.unwrap_or(0));
-                f.roots = dirs;
-                f.io_engine = io_engine;
-                Some(f)
-            }
-            None => None,
-        };
-        let cfg = OffloadConfig {
-            block_tokens,
-            host_blocks,
-            eviction: eviction_kind(eviction)?,
-            timeouts: TimeoutConfig { load_ms, store_ms },
-            // The exact failed blocks go to the engine; its own policy decides.
-            load_failure: LoadFailurePolicy::Fail,
-            file,
-            ..OffloadConfig::default()
-        };
-        cfg.validate()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let store_timeout = Duration::from_millis(cfg.timeouts.store_ms);
         let lay = layout.clone();
         let built = py.detach(move || {
             // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
@@ -158,7 +118,7 @@ impl WorkerSide {
             running: Mutex::new(Some(Running {
                 worker: built.worker,
                 runtime: built.runtime,
-                store_timeout: Duration::from_millis(store_ms),
+                store_timeout,
                 loading: HashMap::new(),
                 in_use: HashSet::new(),
                 parked: Vec::new(),

@@ -2,42 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 import torch
+from cases import BAD_EXTRA
 from harness import BLOCK, HEAD, KV_HEADS, LAYERS, Engine, prompt
 
-from kvx import KvxConfig, KvxError, WorkerSide
+from kvx import KvxError, WorkerSide
+
+SMALL = json.dumps({"host_blocks": 4, "timeouts": {"load_ms": 100, "store_ms": 100}})
 
 
-@pytest.mark.parametrize(
-    "extra, words",
-    [
-        ({"host_blocks": 8, "hots_blocks": 8}, ["unknown key", "'hots_blocks'"]),
-        ({"host_blocks": "8"}, ["'host_blocks'", "positive integer", "'8'"]),
-        ({"host_blocks": 0}, ["'host_blocks'", "positive integer"]),
-        ({"host_blocks": True}, ["'host_blocks'", "positive integer"]),
-        ({"load_deadline_ms": -5}, ["'load_deadline_ms'"]),
-        ({"store_deadline_ms": 1.5}, ["'store_deadline_ms'"]),
-        ({"io_engine": "aio"}, ["'io_engine'", "'uring' or 'psync'", "'aio'"]),
-        ({"eviction": "fifo"}, ["'eviction'", "'lru' or 'arc'", "'fifo'"]),
-        ({"file_dirs": "/tmp"}, ["'file_dirs'", "list"]),
-        ({"file_dirs": []}, ["'file_dirs'", "list"]),
-        ({"file_dirs": ["/nonexistent/kvx-dir"]}, ["'file_dirs'", "/nonexistent/kvx-dir", "does not exist"]),
-    ],
-)
+@pytest.mark.parametrize("extra, words", BAD_EXTRA)
 def test_bad_extra_config_fails_at_construction(tmp_path, extra, words):
     with pytest.raises(ValueError) as e:
         Engine(tmp_path, extra)
     for w in words:
         assert w in str(e.value), str(e.value)
-
-
-def test_defaults_are_documented_values():
-    c = KvxConfig.from_extra(None)
-    assert (c.host_blocks, c.file_dirs, c.file_blocks, c.io_engine) == (1024, None, 16384, "uring")
-    assert (c.load_deadline_ms, c.store_deadline_ms, c.eviction) == (10_000, 30_000, "lru")
 
 
 def test_read_only_file_dir_fails_at_construction(tmp_path):
@@ -48,16 +31,16 @@ def test_read_only_file_dir_fails_at_construction(tmp_path):
         reason = f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}"
         print(f"skip: test_read_only_file_dir_fails_at_construction: {reason}")
         pytest.skip(reason)
+    extra = {"host_blocks": 4, "file": {"roots": [str(ro)], "blocks": 16, "io_engine": "psync"}}
     try:
         with pytest.raises(ValueError) as e:
-            Engine(tmp_path, {"file_dirs": [str(ro)]})
-        assert "'file_dirs'" in str(e.value) and str(ro) in str(e.value) and "not writable" in str(e.value)
-        # The native side checks for itself too (the store's write probe), naming the root.
+            Engine(tmp_path, extra)
+        assert "file tier" in str(e.value) and str(ro) in str(e.value), str(e.value)
+        # The native worker side checks for itself too (the store's write probe), naming the root.
         with pytest.raises(ValueError) as e:
             t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
             WorkerSide(
-                [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")],
-                [t], 8, BLOCK, 4, 100, 100, "psync", file_dirs=[str(ro)], file_blocks=16,
+                json.dumps(extra), BLOCK, [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")], [t], 8
             )
         assert str(ro) in str(e.value)
     finally:
@@ -91,17 +74,16 @@ def test_undescribable_tensor_layout_fails_at_registration(tmp_path, make, words
 def test_cuda_tensor_is_a_clear_error():
     with pytest.raises(ValueError) as e:
         WorkerSide(
+            SMALL, BLOCK,
             [("layer0", 0x7F0000000000, [2, 8, BLOCK, KV_HEADS, HEAD], [8 * BLOCK * KV_HEADS * HEAD, BLOCK * KV_HEADS * HEAD, KV_HEADS * HEAD, HEAD, 1], 2, "cuda:0")],
-            [], 8, BLOCK, 4, 100, 100, "psync",
+            [], 8,
         )
     assert "CUDA tensors need the kvx-cuda backend: not wired in this build" in str(e.value)
 
 
 def test_malformed_step_metadata_is_an_error_not_a_crash():
     t = torch.zeros((2, 8, BLOCK, KV_HEADS, HEAD), dtype=torch.float16)
-    w = WorkerSide(
-        [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")], [t], 8, BLOCK, 4, 100, 100, "psync"
-    )
+    w = WorkerSide(SMALL, BLOCK, [("layer0", t.data_ptr(), list(t.shape), list(t.stride()), 2, "cpu")], [t], 8)
     try:
         for bad in (b"", b"\x07", b"\x01\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x01" + bytes(40)):
             with pytest.raises(KvxError):

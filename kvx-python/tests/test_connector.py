@@ -46,7 +46,7 @@ def test_host_tier_hit(tmp_path):
 def test_file_tier_hit_after_restart(tmp_path, io_engine):
     d = file_dir(tmp_path)
     p = prompt(2, 5 * BLOCK + 3)
-    extra = {"host_blocks": 32, "file_dirs": [str(d)], "io_engine": io_engine}
+    extra = {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384, "io_engine": io_engine}}
     e = Engine(tmp_path, extra)
     try:
         e.add("a", p)
@@ -73,7 +73,7 @@ def test_file_tier_hit_after_restart(tmp_path, io_engine):
 
 def corrupt_one_block(tmp_path, d, p, index):
     """Store ``p`` in the file tier, then flip a payload byte of block ``index``'s file."""
-    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    e = Engine(tmp_path, {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384}})
     try:
         e.add("writer", p)
         e.run()
@@ -91,7 +91,7 @@ def test_corrupt_block_file(tmp_path, policy):
     d = file_dir(tmp_path)
     p = prompt(3, 5 * BLOCK + 1)
     corrupt_one_block(tmp_path, d, p, index=2)
-    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]}, policy=policy)
+    e = Engine(tmp_path, {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384}}, policy=policy)
     try:
         t = e.add("r", p)
         e.run()
@@ -124,9 +124,8 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
     deadline_ms = 300
     extra = {
         "host_blocks": 64,
-        "file_dirs": [str(mnt)],
-        "load_deadline_ms": deadline_ms,
-        "store_deadline_ms": 400,
+        "file": {"roots": [str(mnt)], "blocks": 16384},
+        "timeouts": {"load_ms": deadline_ms, "store_ms": 400},
     }
     prompts = [prompt(10 + i, 3 * BLOCK + 5) for i in range(4)]
     try:
@@ -170,7 +169,11 @@ def test_abort_while_loading_frees_blocks_once_the_load_ends(tmp_path):
     backing = file_dir(tmp_path, "backing")
     mnt = file_dir(tmp_path, "mnt")
     mount = FrozenMount(str(mnt), str(backing))
-    extra = {"host_blocks": 16, "file_dirs": [str(mnt)], "load_deadline_ms": 200, "store_deadline_ms": 200}
+    extra = {
+        "host_blocks": 16,
+        "file": {"roots": [str(mnt)], "blocks": 16384},
+        "timeouts": {"load_ms": 200, "store_ms": 200},
+    }
     p = prompt(50, 3 * BLOCK + 2)
     try:
         e = Engine(tmp_path, extra)
@@ -277,7 +280,7 @@ def test_200_requests_over_shared_prefixes_leave_no_state(tmp_path):
     d = file_dir(tmp_path)
     e = Engine(
         tmp_path,
-        {"host_blocks": 32, "file_dirs": [str(d)], "file_blocks": 400, "eviction": "arc"},
+        {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 400}, "eviction": "arc"},
         num_blocks=40,
         prefix_caching=True,
         max_num_seqs=8,

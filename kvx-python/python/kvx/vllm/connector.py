@@ -5,7 +5,7 @@ Enable it with::
     --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
-(keys and defaults: ``kvx.config``). Loads are asynchronous: a request waits in
+(keys and defaults: kvx-python/README.md; kvx-offload reads them, as JSON). Loads are asynchronous: a request waits in
 ``WAITING_FOR_REMOTE_KVS`` at most one load deadline; blocks that fail to load (missing,
 corrupt, timed out) are reported exactly through ``get_block_ids_with_load_errors`` in the step
 in which the request appears in ``finished_recving``, and vLLM's ``kv_load_failure_policy``
@@ -16,6 +16,7 @@ request's blocks only while they are in flight.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvx.config import KvxConfig
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.worker_side import WorkerSide
@@ -51,7 +51,11 @@ class KvxConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.config = KvxConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        try:
+            self.config = json.dumps(dict(extra or {}))
+        except TypeError as e:
+            raise ValueError(f"kv_connector_extra_config: not JSON data: {e}") from e
         par = vllm_config.parallel_config
         world = par.tensor_parallel_size * par.pipeline_parallel_size
         if world != 1:

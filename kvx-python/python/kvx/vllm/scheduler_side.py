@@ -8,7 +8,6 @@ from typing import Any
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
-from kvx.config import KvxConfig
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
 
@@ -44,7 +43,7 @@ class SchedulerStats:
 class SchedulerSide:
     """Maps vLLM's scheduler calls onto kvx's native ``SchedulerSide``."""
 
-    def __init__(self, cfg: KvxConfig, block_size: int, hash_block_size: int, namespace: bytes):
+    def __init__(self, config: str, block_size: int, hash_block_size: int, namespace: bytes):
         if block_size % hash_block_size:
             raise ValueError(
                 f"KV block size {block_size} is not a multiple of the hash block size {hash_block_size}"
@@ -52,13 +51,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.ratio = block_size // hash_block_size
         self.namespace = namespace
-        self.native = _native.SchedulerSide(
-            block_size,
-            cfg.host_blocks,
-            cfg.eviction,
-            cfg.file_dirs,
-            cfg.file_blocks if cfg.file_dirs else None,
-        )
+        self.native = _native.SchedulerSide(config, block_size)
         self.cache_manager = None
         self._next = 1
         self.reqs: dict[str, _Req] = {}

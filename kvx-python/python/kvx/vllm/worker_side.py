@@ -6,7 +6,6 @@ import logging
 
 from kvx import _native
 from kvx._native import FenceNotHeldError, KvxError
-from kvx.config import KvxConfig
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
 logger = logging.getLogger("kvx.vllm")
@@ -27,8 +26,9 @@ class WorkerSide:
     as long as a load or a delayed free of it may still be reported.
     """
 
-    def __init__(self, cfg: KvxConfig, block_size: int, num_blocks: int):
-        self.cfg = cfg
+    def __init__(self, config: str, block_size: int, num_blocks: int):
+        _native.parse_config(config, block_size)  # a bad config fails here, not at registration
+        self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.native: _native.WorkerSide | None = None
@@ -43,17 +43,7 @@ class WorkerSide:
     def register(self, kv_caches: dict) -> None:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
         self.native = _native.WorkerSide(
-            describe_tensors(kv_caches),
-            list(kv_caches.values()),
-            self.num_blocks,
-            self.block_size,
-            self.cfg.host_blocks,
-            self.cfg.load_deadline_ms,
-            self.cfg.store_deadline_ms,
-            self.cfg.io_engine,
-            self.cfg.eviction,
-            self.cfg.file_dirs,
-            self.cfg.file_blocks if self.cfg.file_dirs else None,
+            self.config, self.block_size, describe_tensors(kv_caches), list(kv_caches.values()), self.num_blocks
         )
 
     def start(self, meta: KvxConnectorMetadata) -> None:
