@@ -67,3 +67,12 @@ pub fn connector_config(extra: &str, block_tokens: u32) -> PyResult<OffloadConfi
 pub fn parse_config(extra: &str, block_tokens: u32) -> PyResult<String> {
     connector_config(extra, block_tokens).map(|c| c.to_json())
 }
+
+/// kvx-offload's `OffloadConfig` read from `text` (JSON) and written back with every key
+/// (defaults filled in): what serde makes of a config, without the connector's own rules.
+#[pyfunction]
+pub fn offload_config(text: &str) -> PyResult<String> {
+    OffloadConfig::from_json(text)
+        .map(|c| c.to_json())
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}

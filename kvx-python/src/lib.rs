@@ -81,5 +81,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
     m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::offload_config, m)?)?;
     Ok(())
 }

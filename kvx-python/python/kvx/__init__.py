@@ -5,6 +5,22 @@
 settings (vLLM's ``kv_connector_extra_config``, as JSON; keys and defaults: kvx-python/README.md).
 """
 
-from kvx._native import FenceNotHeldError, KvxError, SchedulerSide, WorkerSide, block_keys, parse_config
+from kvx._native import (
+    FenceNotHeldError,
+    KvxError,
+    SchedulerSide,
+    WorkerSide,
+    block_keys,
+    offload_config,
+    parse_config,
+)
 
-__all__ = ["FenceNotHeldError", "KvxError", "SchedulerSide", "WorkerSide", "block_keys", "parse_config"]
+__all__ = [
+    "FenceNotHeldError",
+    "KvxError",
+    "SchedulerSide",
+    "WorkerSide",
+    "block_keys",
+    "offload_config",
+    "parse_config",
+]
