@@ -11,7 +11,10 @@ BAD_EXTRA = [
     ({"eviction": "fifo"}, ["eviction", "`lru` or `arc`", "fifo"]),
     ({"file": {"roots": "/tmp", "blocks": 8}}, ["file.roots", "sequence"]),
     ({"file": {"roots": [], "blocks": 8}}, ["file.roots", "names no directory"]),
-    ({"file": {"roots": ["/nonexistent/kvx-dir"], "blocks": 8}}, ["file.roots", "/nonexistent/kvx-dir", "does not exist"]),
+    (
+        {"file": {"roots": ["/nonexistent/kvx-dir"], "blocks": 8}},
+        ["file.roots", "/nonexistent/kvx-dir", "does not exist"],
+    ),
     ({"block_tokens": 32}, ["block_tokens", "vLLM's KV block size"]),
     ({"load_failure": "fail"}, ["load_failure", "kv_load_failure_policy"]),
     ({"file": {"roots": ["/tmp"], "blocks": 8, "shared": {}}}, ["file.shared", "no shared mount"]),

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cases import BAD_EXTRA
 
 from kvx import offload_config, parse_config
+
+from cases import BAD_EXTRA
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 FROM_VLLM = {"block_tokens", "load_failure"}

@@ -25,12 +25,9 @@ def kv_tensor(num_blocks: int) -> tuple[tuple, ctypes.Array]:
 
 
 def test_cuda_tensor_is_a_clear_error():
+    (_, _, shape, strides, _, _), _ = kv_tensor(8)
     with pytest.raises(ValueError) as e:
-        WorkerSide(
-            SMALL, BLOCK,
-            [("layer0", 0x7F0000000000, [2, 8, BLOCK, KV_HEADS, HEAD], [8 * BLOCK * KV_HEADS * HEAD, BLOCK * KV_HEADS * HEAD, KV_HEADS * HEAD, HEAD, 1], 2, "cuda:0")],
-            [], 8,
-        )
+        WorkerSide(SMALL, BLOCK, [("layer0", 0x7F0000000000, shape, strides, 2, "cuda:0")], [], 8)
     assert "CUDA tensors need the kvx-cuda backend: not wired in this build" in str(e.value)
 
 

@@ -7,10 +7,11 @@ import subprocess
 
 import pytest
 import torch
-from cases import BAD_EXTRA
-from harness import BLOCK, HEAD, KV_HEADS, LAYERS, Engine, prompt
 
 from kvx import KvxError, WorkerSide
+
+from cases import BAD_EXTRA
+from harness import BLOCK, HEAD, KV_HEADS, LAYERS, Engine, prompt
 
 
 @pytest.mark.parametrize("extra, words", BAD_EXTRA)
@@ -24,7 +25,7 @@ def test_bad_extra_config_fails_at_construction(tmp_path, extra, words):
 def test_read_only_file_dir_fails_at_construction(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True, check=False)
     if r.returncode != 0:
         reason = f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}"
         print(f"skip: test_read_only_file_dir_fails_at_construction: {reason}")
@@ -53,13 +54,19 @@ def layers(make):
     "make, words",
     [
         # No dimension holds the blocks (vLLM's num_blocks is 64 here).
-        (lambda: torch.zeros((2, 63, BLOCK, KV_HEADS, HEAD), dtype=torch.float16), ["no dimension of size num_blocks=64"]),
+        (
+            lambda: torch.zeros((2, 63, BLOCK, KV_HEADS, HEAD), dtype=torch.float16),
+            ["no dimension of size num_blocks=64"],
+        ),
         # Heads and positions swapped by a view: a block is not one run per plane.
         (
             lambda: torch.zeros((2, 64, KV_HEADS, BLOCK, HEAD), dtype=torch.float16).transpose(2, 3),
             ["not contiguous", "layer0"],
         ),
-        (lambda: torch.zeros((2, 64, BLOCK, KV_HEADS, HEAD), dtype=torch.float16, device="meta"), ["unsupported device", "meta"]),
+        (
+            lambda: torch.zeros((2, 64, BLOCK, KV_HEADS, HEAD), dtype=torch.float16, device="meta"),
+            ["unsupported device", "meta"],
+        ),
     ],
 )
 def test_undescribable_tensor_layout_fails_at_registration(tmp_path, make, words):

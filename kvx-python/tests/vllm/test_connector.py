@@ -6,10 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import BLOCK, Engine, prompt
 from vllm.v1.request import RequestStatus
 
 from kvx.testing import FrozenMount
+
+from harness import BLOCK, Engine, prompt
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -141,7 +142,10 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
             mount.freeze()
             for i, p in enumerate(prompts):
                 e.add(f"r{i}", p)
-            finished = lambda: all(e.tracked[f"r{i}"].finished_status for i in range(4))  # noqa: E731
+
+            def finished() -> bool:
+                return all(e.tracked[f"r{i}"].finished_status for i in range(4))
+
             e.run(timeout=20, until=finished)
             assert mount.blocked_requests() > 0
             waits = [w for i in range(4) for w in e.tracked[f"r{i}"].waits]

@@ -79,18 +79,30 @@ class KvxConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
 
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("KvxConnector: a worker call on the scheduler's connector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._sched is None:
+            raise RuntimeError("KvxConnector: a scheduler call on a worker's connector")
+        return self._sched
+
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]):
-        self._worker.register(kv_caches)
+        self._worker_side().register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         # Before the forward may overwrite a preempted request's blocks: the whole step starts
         # here (stores of preempted requests flushed and waited for, their loads fenced).
         assert isinstance(kv_connector_metadata, KvxConnectorMetadata)
-        self._worker.start(kv_connector_metadata)
+        self._worker_side().start(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxConnectorMetadata)
+        self._worker_side().start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous, between steps
@@ -100,43 +112,45 @@ class KvxConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         if self.has_connector_metadata():
-            self._worker.start(self._get_connector_metadata())
+            meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxConnectorMetadata)
+        self._worker_side().start(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished()
+        return self._worker_side().get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_invalid()
+        return self._worker_side().take_invalid()
 
     def build_connector_worker_meta(self):
-        return self._worker.take_worker_meta()
+        return self._worker_side().take_worker_meta()
 
     def shutdown(self):
         if self._worker is not None:
-            self._worker.close()
+            self._worker_side().close()
 
     # -- scheduler side ------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched.cache_manager = kv_cache_manager
+        self._scheduler_side().cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
-        return self._sched.hit_sources(request, num_external_tokens)
+        return self._scheduler_side().hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output):
-        self._sched.update_connector_output(connector_output)
+        self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)
 
     # -- kvx -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -144,11 +158,11 @@ class KvxConnector(KVConnectorBase_V1):
         store jobs, preemptions, failed loads. Worker: kvx's tracker (live tasks, zombie ops and
         bytes, timeouts, late completions), host-tier blocks, and the file tier's counters."""
         if self._sched is not None:
-            return dict(vars(self._sched.stats))
-        native = self._worker.native
+            return dict(vars(self._scheduler_side().stats))
+        native = self._worker_side().native
         return dict(native.stats()) if native is not None else {}
 
     def state_counts(self) -> dict[str, int]:
         """Everything this side still tracks about requests and transfers (zeros when idle)."""
-        side = self._sched if self._sched is not None else self._worker
+        side = self._sched if self._sched is not None else self._worker_side()
         return side.state_counts()

@@ -52,7 +52,7 @@ class SchedulerSide:
         self.ratio = block_size // hash_block_size
         self.namespace = namespace
         self.native = _native.SchedulerSide(config, block_size)
-        self.cache_manager = None
+        self.cache_manager: Any = None
         self._next = 1
         self.reqs: dict[str, _Req] = {}
         # vLLM request id of every request number still in use.
@@ -117,7 +117,7 @@ class SchedulerSide:
         r = self.reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             return {}
-        host, file = r.hit
+        file = r.hit[1]
         out = {}
         if file:
             out[CacheHitSource.DISK] = file * self.block_size
