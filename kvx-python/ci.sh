@@ -33,7 +33,8 @@ stamp "vllm 0.32.0, maturin, pytest, ruff and mypy installed"
 stamp "ruff and mypy clean"
 
 rm -rf "$root/target/wheels/kvx-"*.whl
-VIRTUAL_ENV="$venv" "$venv/bin/maturin" build --release --quiet \
+# The test wheel: with the FUSE fixture kvx.testing.FrozenMount (cargo feature `testing`).
+VIRTUAL_ENV="$venv" "$venv/bin/maturin" build --release --quiet --features testing \
     --manifest-path "$root/kvx-python/Cargo.toml" --interpreter "$venv/bin/python" \
     --out "$root/target/wheels"
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$root/target/wheels/"kvx-*.whl

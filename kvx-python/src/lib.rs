@@ -7,10 +7,10 @@
 //!
 //! ```text
 //! from kvx import _native
-//! sched = _native.SchedulerSide(16, 1024, "lru")
-//! worker = _native.WorkerSide([(name, t.data_ptr(), list(t.shape), list(t.stride()),
-//!                               t.element_size(), str(t.device))], [t], num_blocks, 16, 1024,
-//!                             10_000, 30_000, "uring", "lru")
+//! config = json.dumps({"host_blocks": 1024, "file": {"roots": ["/mnt/nvme/kvx"], "blocks": 100000}})
+//! sched = _native.SchedulerSide(config, 16)
+//! worker = _native.WorkerSide(config, 16, [(name, t.data_ptr(), list(t.shape), list(t.stride()),
+//!                                          t.element_size(), str(t.device))], [t], num_blocks)
 //! meta, loads, delayed = sched.build_meta([])
 //! worker.start_step(meta)
 //! sending, recving, invalid, jobs, ended = worker.get_finished()
@@ -24,6 +24,7 @@ mod codec;
 mod config;
 mod memory;
 mod scheduler;
+#[cfg(feature = "testing")]
 mod stall;
 mod worker;
 
@@ -78,6 +79,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
     m.add_class::<scheduler::SchedulerSide>()?;
     m.add_class::<worker::WorkerSide>()?;
+    #[cfg(feature = "testing")]
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
     m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
