@@ -25,11 +25,16 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet "vllm==0.32.0" "maturin>=1.5,<2" pytest
-stamp "vllm 0.32.0, maturin and pytest installed"
+"$venv/bin/python" -m pip install --quiet "vllm==0.32.0" "maturin>=1.5,<2" pytest ruff mypy
+stamp "vllm 0.32.0, maturin, pytest, ruff and mypy installed"
+
+# Lint and type-check the package and the unit tests (settings in kvx-python/pyproject.toml).
+(cd "$root/kvx-python" && "$venv/bin/ruff" check . && "$venv/bin/mypy")
+stamp "ruff and mypy clean"
 
 rm -rf "$root/target/wheels/kvx-"*.whl
-VIRTUAL_ENV="$venv" "$venv/bin/maturin" build --release --quiet \
+# The test wheel: with the FUSE fixture kvx.testing.FrozenMount (cargo feature `testing`).
+VIRTUAL_ENV="$venv" "$venv/bin/maturin" build --release --quiet --features testing \
     --manifest-path "$root/kvx-python/Cargo.toml" --interpreter "$venv/bin/python" \
     --out "$root/target/wheels"
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$root/target/wheels/"kvx-*.whl
@@ -41,5 +46,6 @@ empty="$(mktemp -d)"
 rmdir "$empty"
 
 cd "$root/kvx-python"
-"$venv/bin/python" -m pytest tests -q -rs -p no:cacheprovider
+# tests/unit needs no vLLM; tests/vllm drives vLLM's real scheduler.
+"$venv/bin/python" -m pytest tests/unit tests/vllm -q -rs -p no:cacheprovider
 stamp "python tests done"

@@ -1,4 +1,4 @@
-//! One call that sets kvx up for an engine: driver, backends, pools, file tier, both halves.
+//! One call that sets kvx up for an engine: driver, backends, pools, file tier, both sides.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,24 +78,22 @@ pub struct OffloadBuilder {
     driver: DriverConfig,
 }
 
-/// What [`OffloadBuilder::build`] returns: both halves of the connector and the runtime.
+/// What [`OffloadBuilder::build`] returns: both sides of the connector and the runtime.
 pub struct Offload {
-    /// The scheduler half.
+    /// The scheduler side.
     pub scheduler: SchedulerSide,
-    /// The worker half.
+    /// The worker side.
     pub worker: WorkerSide,
     /// The driver thread and the file tier; shut it down after the last engine step.
     pub runtime: OffloadRuntime,
 }
 
-/// The running parts behind the two halves: the driver thread (which owns the backends) and
+/// The running parts behind the two sides: the driver thread (which owns the backends) and
 /// the file tier's handle.
 pub struct OffloadRuntime {
     driver: Option<Driver>,
-    #[cfg(feature = "file")]
     files: Option<kvx_posix::PosixHandle>,
     /// The shared mount's collector on this node, stopped when the runtime drops.
-    #[cfg(feature = "file")]
     _collector: Option<kvx_posix::Collector>,
     #[cfg(feature = "cuda")]
     _pinned: Option<kvx_cuda::PinnedPool>,
@@ -124,7 +122,7 @@ impl OffloadBuilder {
     }
 
     /// Validate the config, open the file tier (its startup scan), start the driver with the
-    /// engine and file backends, size the pool, build both halves, adopt the blocks the scan
+    /// engine and file backends, size the pool, build both sides, adopt the blocks the scan
     /// found, and install the file-tier hook that removes evicted and corrupt block files.
     pub fn build(self) -> Result<Offload, OffloadError> {
         let OffloadBuilder {
@@ -224,9 +222,7 @@ impl OffloadBuilder {
             worker,
             runtime: OffloadRuntime {
                 driver: Some(driver),
-                #[cfg(feature = "file")]
                 files: files.handle,
-                #[cfg(feature = "file")]
                 _collector: files.collector,
                 #[cfg(feature = "cuda")]
                 _pinned: pinned,
@@ -237,6 +233,34 @@ impl OffloadBuilder {
     }
 }
 
+/// The scheduler side alone, for an engine whose scheduler runs in a process of its own (vLLM's
+/// scheduler process; the worker process builds the rest with [`OffloadBuilder::build`]): `cfg`
+/// validated, and the blocks the file tier's startup scan finds adopted into its index. The
+/// scan opens the tier with one psync thread and no spare files, and closes it again.
+///
+/// A shared mount is refused: a scheduler side of its own has no store to probe the mount with.
+pub fn scheduler_side(cfg: &OffloadConfig) -> Result<SchedulerSide, OffloadError> {
+    cfg.validate()?;
+    let mut side = SchedulerSide::new(cfg.scheduler())?;
+    if let Some(f) = &cfg.file {
+        if f.shared.is_some() {
+            return Err(OffloadError::config(
+                "file.shared",
+                "a scheduler side built on its own cannot probe a shared mount (build both \
+                 sides in one process with OffloadBuilder)",
+            ));
+        }
+        let mut p = posix_config(f, 0);
+        p.engine = kvx_posix::IoEngine::Psync;
+        p.queue_depth = 1;
+        p.spare_files = 0;
+        let store =
+            kvx_posix::PosixStore::open(p).map_err(|e| setup("file tier")(e.to_string()))?;
+        side.adopt_file_blocks(store.handle().keys());
+    }
+    Ok(side)
+}
+
 /// The file tier as the builder set it up (all empty without one).
 #[derive(Default)]
 struct FileTier {
@@ -245,16 +269,13 @@ struct FileTier {
     /// Set on a shared mount.
     probe: Option<Arc<dyn FileTierProbe>>,
     direct: bool,
-    #[cfg(feature = "file")]
     handle: Option<kvx_posix::PosixHandle>,
-    #[cfg(feature = "file")]
     collector: Option<kvx_posix::Collector>,
 }
 
 impl FileTier {
     /// Blocks the startup scan found.
     fn keys(&self) -> Vec<kvx_core::BlockKey> {
-        #[cfg(feature = "file")]
         if let Some(h) = &self.handle {
             return h.keys();
         }
@@ -263,7 +284,6 @@ impl FileTier {
 }
 
 /// Open the configured file tier (its startup scan runs here) and register its backend.
-#[cfg(feature = "file")]
 fn open_file_tier(
     cfg: &OffloadConfig,
     block_bytes: usize,
@@ -287,8 +307,8 @@ fn open_file_tier(
         Some((m, quota)) => {
             let c = kvx_posix::CollectorConfig {
                 quota_bytes: quota,
-                interval: Duration::from_millis(m.collect_interval_ms),
-                stale_temp_age: Duration::from_secs(m.stale_temp_s),
+                interval: m.collect_interval,
+                stale_temp_age: Duration::from_secs(f.stale_temp_s),
             };
             Some(
                 kvx_posix::Collector::spawn(handle.clone(), c)
@@ -307,46 +327,19 @@ fn open_file_tier(
     })
 }
 
-/// Without the `file` feature, a configured file tier is an error.
-#[cfg(not(feature = "file"))]
-fn open_file_tier(
-    cfg: &OffloadConfig,
-    _: usize,
-    _: &mut DriverBuilder,
-) -> Result<FileTier, OffloadError> {
-    match cfg.file {
-        None => Ok(FileTier::default()),
-        Some(_) => Err(OffloadError::config(
-            "file",
-            "this build of kvx-offload has no file tier (feature `file`)",
-        )),
-    }
-}
-
-#[cfg(feature = "file")]
 /// The file tier's store settings; its spare files are preallocated for `block_bytes` blocks.
 fn posix_config(f: &crate::config::FileTierConfig, block_bytes: usize) -> kvx_posix::PosixConfig {
     let mut p = kvx_posix::PosixConfig::new(f.roots[0].clone());
     p.roots = f.roots.clone();
-    p.engine = match f.io_engine {
-        crate::config::IoEngine::Uring => kvx_posix::EngineKind::Uring,
-        crate::config::IoEngine::Psync => kvx_posix::EngineKind::Psync,
-    };
+    p.engine = f.io_engine;
     p.direct = f.direct;
     p.queue_depth = f.queue_depth;
     p.fdatasync = f.fdatasync;
     p.spare_files = f.spare_files;
     p.spare_block_bytes = block_bytes;
     p.breaker = f.breaker;
-    if let Some(m) = &f.shared {
-        p.shared = Some(kvx_posix::SharedMount {
-            probe_deadline: Duration::from_millis(m.probe_deadline_ms),
-            probe_ttl: Duration::from_millis(m.probe_ttl_ms),
-            probe_entries: m.probe_entries,
-            touch_on_load: true,
-        });
-        p.stale_temp_age = Duration::from_secs(m.stale_temp_s);
-    }
+    p.stale_temp_age = Duration::from_secs(f.stale_temp_s);
+    p.shared = f.shared.clone();
     p
 }
 
@@ -357,7 +350,6 @@ impl OffloadRuntime {
     }
 
     /// The file tier's handle: lookups, counters, health of each root.
-    #[cfg(feature = "file")]
     pub fn files(&self) -> Option<&kvx_posix::PosixHandle> {
         self.files.as_ref()
     }
@@ -374,7 +366,7 @@ impl OffloadRuntime {
 
     /// Stop the driver thread and drop the backends. When this returns no kvx thread touches
     /// engine memory any more (ops still in a backend are drained or abandoned with their
-    /// buffers); later calls on the two halves return an error.
+    /// buffers); later calls on the two sides return an error.
     pub fn shutdown(mut self) {
         self.driver.take();
     }

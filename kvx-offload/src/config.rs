@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvx_policy::{BreakerConfig, LoadFailurePolicy, TimeoutConfig};
+use kvx_posix::{IoEngine, SharedMount};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OffloadError;
@@ -75,26 +76,6 @@ impl Default for OffloadConfig {
     }
 }
 
-/// Which I/O engine runs the file tier's operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum IoEngine {
-    /// io_uring (Linux; the default there).
-    Uring,
-    /// A thread pool doing blocking syscalls, stuck threads written off.
-    Psync,
-}
-
-impl Default for IoEngine {
-    fn default() -> Self {
-        if cfg!(target_os = "linux") {
-            IoEngine::Uring
-        } else {
-            IoEngine::Psync
-        }
-    }
-}
-
 /// The file tier: one verified file per block, spread over the roots.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -124,108 +105,20 @@ pub struct FileTierConfig {
     /// Health breaker of each root.
     #[serde(default)]
     pub breaker: BreakerConfig,
-    /// The roots are shared with other engine nodes (`None`, the default: this node owns them).
-    #[serde(default)]
-    pub shared: Option<SharedMountConfig>,
-}
-
-/// A file tier whose roots many engine nodes share (NFS, Lustre, CephFS, a local disk shared by
-/// processes). A lookup that misses this node's index probes the mount (never waited for: the
-/// lookup answers "ask again later" while the probe runs); an eviction from this node's index
-/// only forgets the block; capacity is the collector's quota, which any node may enforce.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SharedMountConfig {
-    /// A probe not answered within this many ms is a miss and a breaker failure (default 200).
-    #[serde(default = "default_probe_deadline_ms")]
-    pub probe_deadline_ms: u64,
-    /// How long a probe's answer, present or absent, is reused, in ms (default 1000).
-    #[serde(default = "default_probe_ttl_ms")]
-    pub probe_ttl_ms: u64,
-    /// Most probe answers remembered (default 65536).
-    #[serde(default = "default_probe_entries")]
-    pub probe_entries: usize,
-    /// Run a collector on this node keeping each root under this many bytes of block files
-    /// (default `None`: another node, or `kvx gc`, enforces the quota).
-    #[serde(default)]
-    pub quota_bytes: Option<u64>,
-    /// Time between two collector passes, in ms (default 5000).
-    #[serde(default = "default_collect_interval_ms")]
-    pub collect_interval_ms: u64,
-    /// Another node's temporary file older than this many seconds is a leftover (default 600).
+    /// A temporary file of another process older than this many seconds is a leftover the
+    /// startup scan (and a shared mount's collector) removes (default 600).
     #[serde(default = "default_stale_temp_s")]
     pub stale_temp_s: u64,
-    /// Write a block into the shared tier when it leaves this node's host tier, with its last
-    /// use there as its recency, instead of writing it through when it is stored (default
-    /// false). The nodes' host tiers and the mount then hold different blocks, so their
-    /// capacities add up; another node sees a block only once its node's host tier lets it go.
+    /// The roots are shared with other engine nodes (`None`, the default: this node owns them).
+    /// A lookup that misses this node's index probes the mount (never waited for: the lookup
+    /// answers "ask again later" while the probe runs); an eviction from this node's index only
+    /// forgets the block; capacity is the collector's quota, which any node may enforce.
     #[serde(default)]
-    pub write_back: bool,
-}
-
-fn default_probe_deadline_ms() -> u64 {
-    200
-}
-
-fn default_probe_ttl_ms() -> u64 {
-    1000
-}
-
-fn default_probe_entries() -> usize {
-    65536
-}
-
-fn default_collect_interval_ms() -> u64 {
-    5000
+    pub shared: Option<SharedMount>,
 }
 
 fn default_stale_temp_s() -> u64 {
     600
-}
-
-impl Default for SharedMountConfig {
-    fn default() -> Self {
-        SharedMountConfig {
-            probe_deadline_ms: default_probe_deadline_ms(),
-            probe_ttl_ms: default_probe_ttl_ms(),
-            probe_entries: default_probe_entries(),
-            quota_bytes: None,
-            collect_interval_ms: default_collect_interval_ms(),
-            stale_temp_s: default_stale_temp_s(),
-            write_back: false,
-        }
-    }
-}
-
-impl SharedMountConfig {
-    /// Check the settings; the error names the bad field.
-    pub fn validate(&self) -> Result<(), OffloadError> {
-        if self.probe_deadline_ms == 0 {
-            return Err(OffloadError::config(
-                "file.shared.probe_deadline_ms",
-                "must be positive",
-            ));
-        }
-        if !(1..=1 << 24).contains(&self.probe_entries) {
-            return Err(OffloadError::config(
-                "file.shared.probe_entries",
-                format!("must be 1..=16777216, got {}", self.probe_entries),
-            ));
-        }
-        if self.collect_interval_ms == 0 {
-            return Err(OffloadError::config(
-                "file.shared.collect_interval_ms",
-                "must be positive",
-            ));
-        }
-        if self.quota_bytes == Some(0) {
-            return Err(OffloadError::config(
-                "file.shared.quota_bytes",
-                "Some(0) would remove every block; use None for no collector on this node",
-            ));
-        }
-        Ok(())
-    }
 }
 
 fn default_direct() -> bool {
@@ -252,6 +145,7 @@ impl FileTierConfig {
             fdatasync: false,
             spare_files: default_spare_files(),
             breaker: BreakerConfig::default(),
+            stale_temp_s: default_stale_temp_s(),
             shared: None,
         }
     }
@@ -266,12 +160,31 @@ impl OffloadConfig {
         Ok(cfg)
     }
 
-    /// Read a JSON config and validate it.
+    /// Read a JSON config and validate it. A key or value serde refuses is named by its dotted
+    /// path (`file.io_engine`), as [`OffloadConfig::validate`] names the settings it refuses.
     pub fn from_json(text: &str) -> Result<OffloadConfig, OffloadError> {
-        let cfg: OffloadConfig =
+        let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| OffloadError::config("(json)", e))?;
+        Self::from_json_value(value)
+    }
+
+    /// [`OffloadConfig::from_json`] of an already parsed JSON value.
+    pub fn from_json_value(value: serde_json::Value) -> Result<OffloadConfig, OffloadError> {
+        // One key per line, so that the line serde stops at names the key.
+        let pretty =
+            serde_json::to_string_pretty(&value).map_err(|e| OffloadError::config("(json)", e))?;
+        let cfg: OffloadConfig = serde_json::from_str(&pretty).map_err(|e| {
+            let msg = e.to_string();
+            let msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+            OffloadError::config(key_at_line(&pretty, e.line()), msg)
+        })?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// This config as JSON (every key, defaults included).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an OffloadConfig is plain data")
     }
 
     /// Check every setting; the error names the first bad one.
@@ -329,7 +242,9 @@ impl OffloadConfig {
                 .validate()
                 .map_err(|e| OffloadError::config("file.breaker", e))?;
             if let Some(m) = &f.shared {
-                m.validate()?;
+                m.validate().map_err(|e| {
+                    OffloadError::config(format!("file.shared.{}", e.key), e.reason)
+                })?;
             }
         }
         Ok(())
@@ -353,6 +268,25 @@ impl OffloadConfig {
             .extra_buffers
             .unwrap_or(engine_blocks as usize + (self.host_blocks / 2).max(256));
         self.host_blocks + extra
+    }
+}
+
+/// The dotted key path of the value on line `line` (from 1) of pretty-printed JSON (two spaces
+/// of indent per level, one key per line); `(json)` when the line holds no key.
+fn key_at_line(pretty: &str, line: usize) -> String {
+    let mut path: Vec<&str> = Vec::new();
+    for l in pretty.lines().take(line) {
+        let body = l.trim_start();
+        let depth = (l.len() - body.len()) / 2;
+        if let Some(key) = body.strip_prefix('"').and_then(|b| b.split_once("\":")) {
+            path.truncate(depth.saturating_sub(1));
+            path.push(key.0);
+        }
+    }
+    if path.is_empty() {
+        "(json)".to_string()
+    } else {
+        path.join(".")
     }
 }
 
@@ -424,6 +358,49 @@ direct = true
         assert!(e.contains("odirect"), "{e}");
         let e = field_of(OffloadConfig::from_json(r#"{"timeouts": {"load": 5}}"#));
         assert!(e.contains("load"), "{e}");
+    }
+
+    #[test]
+    fn json_values_serde_refuses_are_named_by_their_path() {
+        for (text, field, words) in [
+            (r#"{"host_blocks": "8"}"#, "host_blocks", "invalid type"),
+            (r#"{"eviction": "fifo"}"#, "eviction", "fifo"),
+            (
+                r#"{"file": {"roots": ["/x"], "blocks": 3, "io_engine": "aio"}}"#,
+                "file.io_engine",
+                "aio",
+            ),
+            (
+                r#"{"file": {"roots": ["/x"], "blocks": 3, "shared": {"probe_ttl_ms": -1}}}"#,
+                "file.shared.probe_ttl_ms",
+                "-1",
+            ),
+            (
+                r#"{"timeouts": {"load_ms": 1.5}}"#,
+                "timeouts.load_ms",
+                "1.5",
+            ),
+            (
+                r#"{"file": {"roots": "/x", "blocks": 3}}"#,
+                "file.roots",
+                "sequence",
+            ),
+            (r#"{"hots_blocks": 3}"#, "hots_blocks", "unknown field"),
+        ] {
+            let e = field_of(OffloadConfig::from_json(text));
+            assert!(e.starts_with(&format!("{field}: ")), "{text}: {e}");
+            assert!(e.contains(words), "{text}: {e}");
+            assert!(!e.contains(" at line "), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn to_json_reads_back_the_same_config() {
+        let mut c = OffloadConfig::default();
+        let mut f = FileTierConfig::new("/x", 7);
+        f.shared = Some(SharedMount::default());
+        c.file = Some(f);
+        assert_eq!(OffloadConfig::from_json(&c.to_json()).unwrap(), c);
     }
 
     #[test]

@@ -1,12 +1,12 @@
-//! How the two halves reach a file tier without knowing its backend: the worker half removes
-//! blocks ([`FileTierHook`]), the scheduler half asks a shared mount about blocks its index
+//! How the two sides reach a file tier without knowing its backend: the worker side removes
+//! blocks ([`FileTierHook`]), the scheduler side asks a shared mount about blocks its index
 //! lacks ([`FileTierProbe`]).
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 
 use kvx_core::BlockKey;
-use rustc_hash::FxHashSet;
+use kvx_posix::{Listing, ProbeAnswer};
 
 /// Removes blocks from a file tier: evicted blocks, and blocks that failed verification.
 pub trait FileTierHook: Send + Sync {
@@ -20,37 +20,14 @@ pub trait FileTierHook: Send + Sync {
     }
 }
 
-/// What a file tier says about a block the scheduler half's index lacks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FileProbe {
-    /// The block is there (another node stored it): it may be loaded.
-    Present,
-    /// It is not there, or the tier cannot tell in time: a miss.
-    Absent,
-    /// The answer is on its way: ask again later.
-    Pending,
-}
-
-/// Every block a shared file tier held at one time: a complete walk of the mount (a collector
-/// pass).
-#[derive(Debug, Clone)]
-pub struct FileListing {
-    /// Number of the walk: a newer one has a larger number.
-    pub pass: u64,
-    /// When the walk began: an index entry taken before this and absent from `keys` is stale.
-    pub started: Instant,
-    /// The blocks the walk found (less those it is removing).
-    pub keys: Arc<FxHashSet<BlockKey>>,
-}
-
 /// Asks a file tier shared with other nodes whether it holds a block; must answer at once (a
-/// probe that takes time answers [`FileProbe::Pending`] and runs in the background).
+/// probe that takes time answers [`ProbeAnswer::Pending`] and runs in the background).
 pub trait FileTierProbe: Send + Sync {
     /// Whether `key` is in the tier.
-    fn probe(&self, key: BlockKey) -> FileProbe;
+    fn probe(&self, key: BlockKey) -> ProbeAnswer;
 
     /// The newest complete listing of the tier, if something walks it (default: `None`).
-    fn listing(&self) -> Option<FileListing> {
+    fn listing(&self) -> Option<Arc<Listing>> {
         None
     }
 
@@ -62,7 +39,6 @@ pub trait FileTierProbe: Send + Sync {
 }
 
 /// kvx-posix's handle unlinks through its I/O engine, so a stuck mount never blocks the caller.
-#[cfg(feature = "file")]
 impl FileTierHook for kvx_posix::PosixHandle {
     fn remove(&self, key: BlockKey) {
         kvx_posix::PosixHandle::remove(self, key);
@@ -78,22 +54,13 @@ impl FileTierHook for kvx_posix::PosixHandle {
 }
 
 /// kvx-posix probes on its engine's maintenance lane, with a deadline and a cache.
-#[cfg(feature = "file")]
 impl FileTierProbe for kvx_posix::PosixHandle {
-    fn probe(&self, key: BlockKey) -> FileProbe {
-        match kvx_posix::PosixHandle::probe(self, key) {
-            kvx_posix::ProbeAnswer::Present => FileProbe::Present,
-            kvx_posix::ProbeAnswer::Absent => FileProbe::Absent,
-            kvx_posix::ProbeAnswer::Pending => FileProbe::Pending,
-        }
+    fn probe(&self, key: BlockKey) -> ProbeAnswer {
+        kvx_posix::PosixHandle::probe(self, key)
     }
 
-    fn listing(&self) -> Option<FileListing> {
-        kvx_posix::PosixHandle::listing(self).map(|l| FileListing {
-            pass: l.pass,
-            started: l.started,
-            keys: l.keys.clone(),
-        })
+    fn listing(&self) -> Option<Arc<Listing>> {
+        kvx_posix::PosixHandle::listing(self)
     }
 
     fn last_used(&self, key: BlockKey, at: SystemTime) {

@@ -88,11 +88,12 @@ mod scheduler;
 mod tier;
 mod worker;
 
-pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime};
-pub use config::{FileTierConfig, IoEngine, OffloadConfig, SharedMountConfig};
+pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime, scheduler_side};
+pub use config::{FileTierConfig, OffloadConfig};
 pub use error::OffloadError;
 pub use eviction::EvictionKind;
-pub use file_hook::{FileProbe, FileTierHook, FileTierProbe};
+pub use file_hook::{FileTierHook, FileTierProbe};
+pub use kvx_posix::{IoEngine, Listing, ProbeAnswer, SharedMount};
 pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
 pub use meta::{
     JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput, WriteBackJob,

@@ -17,9 +17,9 @@ fn shared(file_blocks: usize) -> Opts {
     Opts {
         host_blocks: 8,
         file_blocks,
-        shared: Some(SharedMountConfig {
-            probe_ttl_ms: 20,
-            ..SharedMountConfig::default()
+        shared: Some(SharedMount {
+            probe_ttl: Duration::from_millis(20),
+            ..SharedMount::default()
         }),
         ..Opts::default()
     }
@@ -129,7 +129,7 @@ fn blocks_another_node_removed_leave_the_index_at_the_next_collector_pass() {
     let mut opts = shared(64);
     if let Some(m) = opts.shared.as_mut() {
         m.quota_bytes = Some(1 << 40);
-        m.collect_interval_ms = interval;
+        m.collect_interval = Duration::from_millis(interval);
     }
     let mut b = rig(dir.path(), opts);
     let ks = keys(9, 0, 9, 4);
@@ -237,18 +237,21 @@ fn written_back_blocks_reach_the_mount_as_they_leave_the_host_tier() {
 
 #[test]
 fn shared_mount_settings_are_checked() {
-    let bad = |f: fn(&mut SharedMountConfig), field: &str| {
-        let mut m = SharedMountConfig::default();
+    let bad = |f: fn(&mut SharedMount), field: &str| {
+        let mut m = SharedMount::default();
         f(&mut m);
         let mut cfg = shared(4).config(std::path::Path::new("/tmp/x"));
         cfg.file.as_mut().unwrap().shared = Some(m);
         let e = cfg.validate().unwrap_err().to_string();
         assert!(e.contains(field), "{e}");
     };
-    bad(|m| m.probe_deadline_ms = 0, "file.shared.probe_deadline_ms");
+    bad(
+        |m| m.probe_deadline = Duration::ZERO,
+        "file.shared.probe_deadline_ms",
+    );
     bad(|m| m.probe_entries = 0, "file.shared.probe_entries");
     bad(
-        |m| m.collect_interval_ms = 0,
+        |m| m.collect_interval = Duration::ZERO,
         "file.shared.collect_interval_ms",
     );
     bad(|m| m.quota_bytes = Some(0), "file.shared.quota_bytes");
@@ -263,5 +266,9 @@ fn shared_mount_settings_are_checked() {
     let cfg = OffloadConfig::from_toml(toml).unwrap();
     let m = cfg.file.unwrap().shared.unwrap();
     assert_eq!(m.quota_bytes, Some(1 << 20));
-    assert_eq!(m.probe_deadline_ms, 200, "documented default");
+    assert_eq!(
+        m.probe_deadline,
+        Duration::from_millis(200),
+        "documented default"
+    );
 }

@@ -5,12 +5,14 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use kvx_policy::BreakerConfig;
+use serde::{Deserialize, Serialize};
 
 use crate::error::PosixError;
 
-/// Which I/O engine runs the store's file operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EngineKind {
+/// Which I/O engine runs the store's file operations (in a config file: `"uring"` or `"psync"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoEngine {
     /// io_uring: every open, read, write, sync, close, rename, unlink and mkdir is a ring op
     /// submitted with `IOSQE_ASYNC` (Linux only; the default there).
     Uring,
@@ -19,38 +21,38 @@ pub enum EngineKind {
     Psync,
 }
 
-impl EngineKind {
+impl IoEngine {
     /// `uring` or `psync`.
     pub fn as_str(self) -> &'static str {
         match self {
-            EngineKind::Uring => "uring",
-            EngineKind::Psync => "psync",
+            IoEngine::Uring => "uring",
+            IoEngine::Psync => "psync",
         }
     }
 }
 
-impl Default for EngineKind {
+impl Default for IoEngine {
     fn default() -> Self {
         if cfg!(target_os = "linux") {
-            EngineKind::Uring
+            IoEngine::Uring
         } else {
-            EngineKind::Psync
+            IoEngine::Psync
         }
     }
 }
 
-impl std::fmt::Display for EngineKind {
+impl std::fmt::Display for IoEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-impl FromStr for EngineKind {
+impl FromStr for IoEngine {
     type Err = PosixError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "uring" | "io_uring" => Ok(EngineKind::Uring),
-            "psync" => Ok(EngineKind::Psync),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            "psync" => Ok(IoEngine::Psync),
             other => Err(PosixError::BadConfig(format!(
                 "unknown engine {other:?} (expected uring or psync)"
             ))),
@@ -64,7 +66,7 @@ pub struct PosixConfig {
     /// Root directories (one per disk or mount); blocks are spread over them by key.
     pub roots: Vec<PathBuf>,
     /// I/O engine (default: uring on Linux).
-    pub engine: EngineKind,
+    pub engine: IoEngine,
     /// Block I/Os in flight per ring (uring) or worker threads (psync); default 32.
     pub queue_depth: usize,
     /// Rings, each with its own thread (uring only); ops go to them in turn; default 1.
@@ -121,18 +123,23 @@ pub struct PosixConfig {
     pub shared: Option<SharedMount>,
 }
 
-/// Settings of a store whose roots many nodes share (see [`crate::PosixHandle::probe`]).
+/// Settings of a store whose roots many nodes share (see [`crate::PosixHandle::probe`]), and of
+/// the layers above that use such a mount. In a config file (kvx-offload's `[file.shared]`) every
+/// field may be left out; durations are whole milliseconds under keys ending in `_ms`.
 ///
 /// The index is then a cache of what is on the mount: a key it lacks is probed on the mount
 /// (a header read on the engine's maintenance lane), the answer cached for a while; a load that
 /// succeeds sets the block file's mtime to now (on the touch lane, never in the engine step), so
 /// mtime is the recency signal any node's collector orders blocks by.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SharedMount {
     /// A probe not answered within this counts as a failure of its root's breaker and the
     /// lookup answers "miss"; default 200 ms.
+    #[serde(rename = "probe_deadline_ms", with = "millis")]
     pub probe_deadline: Duration,
-    /// How long a probe's answer (present or absent) is reused; default 1 s.
+    /// How long a probe's answer (present or absent) is reused; default 1000 ms.
+    #[serde(rename = "probe_ttl_ms", with = "millis")]
     pub probe_ttl: Duration,
     /// Most probe answers and probes in flight remembered at once; past that, new keys answer
     /// "miss" without a probe until answers expire; default 65536.
@@ -140,6 +147,18 @@ pub struct SharedMount {
     /// Set the block file's mtime on every successful load (the recency signal of the
     /// collector); default true.
     pub touch_on_load: bool,
+    /// Run a [`crate::Collector`] on this node keeping each root under this many bytes of block
+    /// files (default `None`: another node, or `kvx gc`, enforces the quota).
+    pub quota_bytes: Option<u64>,
+    /// Time between two collector passes; default 5000 ms.
+    #[serde(rename = "collect_interval_ms", with = "millis")]
+    pub collect_interval: Duration,
+    /// For the layer above (kvx-offload's scheduler): write a block into the mount when it
+    /// leaves this node's host tier, with its last use there as its recency, instead of writing
+    /// it through when it is stored (default false). The nodes' host tiers and the mount then
+    /// hold different blocks, so their capacities add up; another node sees a block only once
+    /// its node's host tier lets it go.
+    pub write_back: bool,
 }
 
 impl Default for SharedMount {
@@ -149,25 +168,66 @@ impl Default for SharedMount {
             probe_ttl: Duration::from_secs(1),
             probe_entries: 65536,
             touch_on_load: true,
+            quota_bytes: None,
+            collect_interval: Duration::from_secs(5),
+            write_back: false,
         }
     }
 }
 
 impl SharedMount {
-    /// Check the settings; the error names the bad field.
-    pub fn validate(&self) -> Result<(), PosixError> {
+    /// Check the settings; the error names the bad one by its config key.
+    pub fn validate(&self) -> Result<(), BadSetting> {
+        let bad = |key, reason: &str| {
+            Err(BadSetting {
+                key,
+                reason: reason.to_string(),
+            })
+        };
         if self.probe_deadline.is_zero() {
-            return Err(PosixError::BadConfig(
-                "shared.probe_deadline must be positive".into(),
-            ));
+            return bad("probe_deadline_ms", "must be positive");
         }
         if self.probe_entries == 0 || self.probe_entries > 1 << 24 {
-            return Err(PosixError::BadConfig(format!(
-                "shared.probe_entries must be 1..=16777216, got {}",
-                self.probe_entries
-            )));
+            return bad(
+                "probe_entries",
+                &format!("must be 1..=16777216, got {}", self.probe_entries),
+            );
+        }
+        if self.collect_interval.is_zero() {
+            return bad("collect_interval_ms", "must be positive");
+        }
+        if self.quota_bytes == Some(0) {
+            return bad(
+                "quota_bytes",
+                "0 would remove every block; leave it out for no collector on this node",
+            );
         }
         Ok(())
+    }
+}
+
+/// A setting that makes no sense: its config key and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {reason}")]
+pub struct BadSetting {
+    /// The setting's key in a config file.
+    pub key: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// A [`Duration`] in a config file: whole milliseconds.
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis().try_into().unwrap_or(u64::MAX))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
     }
 }
 
@@ -176,7 +236,7 @@ impl PosixConfig {
     pub fn new(root: impl Into<PathBuf>) -> PosixConfig {
         PosixConfig {
             roots: vec![root.into()],
-            engine: EngineKind::default(),
+            engine: IoEngine::default(),
             queue_depth: 32,
             rings: 1,
             max_stuck: 256,
@@ -245,7 +305,8 @@ impl PosixConfig {
             )));
         }
         if let Some(m) = &self.shared {
-            m.validate()?;
+            m.validate()
+                .map_err(|e| PosixError::BadConfig(format!("shared.{e}")))?;
         }
         self.breaker
             .validate()
@@ -257,7 +318,7 @@ impl PosixConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {
     /// The engine in use.
-    pub engine: EngineKind,
+    pub engine: IoEngine,
     /// True when every root uses O_DIRECT.
     pub direct: bool,
     /// O_DIRECT per root, in the order of the configuration.

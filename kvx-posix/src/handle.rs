@@ -11,7 +11,7 @@ use kvx_policy::BreakerState;
 use crate::config::Capabilities;
 use crate::health::Health;
 use crate::index::Index;
-use crate::io::{IoEngine, Sink};
+use crate::io::{Engine, Sink};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
 use crate::probes::{Begin, ProbeAnswer, ProbeTable};
@@ -70,7 +70,7 @@ pub(crate) struct Shared {
     pub(crate) index: Index,
     pub(crate) health: Health,
     pub(crate) layout: Layout,
-    pub(crate) engine: Box<dyn IoEngine>,
+    pub(crate) engine: Box<dyn Engine>,
     pub(crate) sink: Arc<Sink>,
     pub(crate) caps: Capabilities,
     pub(crate) counters: Counters,

@@ -216,6 +216,7 @@ mod tests {
             probe_ttl: Duration::from_millis(50),
             probe_entries: entries,
             touch_on_load: false,
+            ..SharedMount::default()
         };
         let health = Health::new(&["/r".into()], BreakerConfig::default()).unwrap();
         (ProbeTable::new(cfg), health)

@@ -11,7 +11,7 @@ use kvx_core::{
 use kvx_policy::Admission;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::config::{Capabilities, EngineKind, PosixConfig};
+use crate::config::{Capabilities, IoEngine, PosixConfig};
 use crate::error::PosixError;
 use crate::handle::{Counters, PosixHandle, Shared};
 use crate::health::Health;
@@ -348,7 +348,7 @@ impl PosixStore {
         JobParams {
             direct: self.direct.get(root).copied().unwrap_or(false),
             inline: self.inline.get(root).copied().unwrap_or(false),
-            crc_off_ring: self.cfg.engine == EngineKind::Uring,
+            crc_off_ring: self.cfg.engine == IoEngine::Uring,
             fdatasync: self.cfg.fdatasync,
             make_dirs: dir == Direction::Store && !self.dirs.contains(&(root, Self::prefix(key))),
             deadline,

@@ -1,5 +1,5 @@
-//! A compact byte encoding of what crosses vLLM's process boundary: the scheduler half's
-//! [`StepMeta`] (pickled to every worker each step) and the worker half's job results (sent back
+//! A compact byte encoding of what crosses vLLM's process boundary: the scheduler side's
+//! [`StepMeta`] (pickled to every worker each step) and the worker side's job results (sent back
 //! as worker metadata). Little-endian, LEB128 lengths and ids, 16-byte keys.
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
@@ -315,7 +315,7 @@ fn read_error(r: &mut Reader<'_>) -> Result<BlockError, DecodeError> {
     })
 }
 
-/// Encode the job outcomes a worker reports to the scheduler half.
+/// Encode the job outcomes a worker reports to the scheduler side.
 pub fn encode_jobs(jobs: &[JobResult]) -> Vec<u8> {
     let mut w = Writer::new();
     w.var(jobs.len() as u64);

@@ -1,5 +1,5 @@
 //! The native part of the Python package `kvx` (module `kvx._native`): kvx-offload's scheduler
-//! and worker halves (the worker half built by kvx-offload's `OffloadBuilder`, which validates
+//! and worker sides (the worker side built by kvx-offload's `OffloadBuilder`, which validates
 //! the config), engine memory described from tensors, and the compact step encoding that
 //! crosses vLLM's process boundary. `kvx.vllm.KvxConnector` (Python) is built on it.
 //!
@@ -7,10 +7,10 @@
 //!
 //! ```text
 //! from kvx import _native
-//! sched = _native.SchedulerHalf(16, 1024, "lru")
-//! worker = _native.WorkerHalf([(name, t.data_ptr(), list(t.shape), list(t.stride()),
-//!                               t.element_size(), str(t.device))], [t], num_blocks, 16, 1024,
-//!                             10_000, 30_000, "uring", "lru")
+//! config = json.dumps({"host_blocks": 1024, "file": {"roots": ["/mnt/nvme/kvx"], "blocks": 100000}})
+//! sched = _native.SchedulerSide(config, 16)
+//! worker = _native.WorkerSide(config, 16, [(name, t.data_ptr(), list(t.shape), list(t.stride()),
+//!                                          t.element_size(), str(t.device))], [t], num_blocks)
 //! meta, loads, delayed = sched.build_meta([])
 //! worker.start_step(meta)
 //! sending, recving, invalid, jobs, ended = worker.get_finished()
@@ -21,8 +21,10 @@
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
 mod codec;
+mod config;
 mod memory;
 mod scheduler;
+#[cfg(feature = "testing")]
 mod stall;
 mod worker;
 
@@ -75,9 +77,12 @@ fn block_keys<'py>(py: Python<'py>, namespace: &[u8], hashes: Vec<Vec<u8>>) -> B
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvxError", m.py().get_type::<KvxError>())?;
     m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
-    m.add_class::<scheduler::SchedulerHalf>()?;
-    m.add_class::<worker::WorkerHalf>()?;
+    m.add_class::<scheduler::SchedulerSide>()?;
+    m.add_class::<worker::WorkerSide>()?;
+    #[cfg(feature = "testing")]
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::offload_config, m)?)?;
     Ok(())
 }

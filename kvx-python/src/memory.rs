@@ -70,7 +70,7 @@ pub fn describe(tensors: &[TensorDesc], num_blocks: u32) -> Result<KvLayout, Lay
 /// never reallocates) until the runtime built over it has shut down.
 pub unsafe fn engine_memory(layout: KvLayout) -> EngineMemory {
     // SAFETY: ownership rule: the engine (vLLM) keeps its KV cache tensors alive for the whole
-    // life of the connector, and `WorkerHalf` additionally holds a reference to every tensor
+    // life of the connector, and `WorkerSide` additionally holds a reference to every tensor
     // object it described until after its runtime (whose driver owns the host backend and joins
     // its copy threads) has been dropped. kvx touches a block only inside a task the engine
     // asked for, and the engine reuses a block only after the task's report, a preemption fence

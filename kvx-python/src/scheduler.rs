@@ -1,101 +1,40 @@
-//! `SchedulerHalf`: kvx-offload's scheduler side for Python (vLLM's scheduler process).
+//! `SchedulerSide`: kvx-offload's scheduler side for Python (vLLM's scheduler process).
 
-use std::path::PathBuf;
 use std::sync::Mutex;
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{EvictionKind, Lookup, SchedulerConfig, SchedulerSide, Tier};
-use kvx_posix::{EngineKind, PosixConfig, PosixStore};
+use kvx_offload::{Lookup, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::codec;
+use crate::config::connector_config;
 use crate::{KvxError, keys_from_bytes};
 
-/// Parse an eviction name (`lru`, `arc`).
-pub fn eviction_kind(name: &str) -> PyResult<EvictionKind> {
-    match name {
-        "lru" => Ok(EvictionKind::Lru),
-        "arc" => Ok(EvictionKind::Arc),
-        other => Err(PyValueError::new_err(format!(
-            "eviction: unknown policy {other:?} (expected \"lru\" or \"arc\")"
-        ))),
-    }
-}
-
-/// Check that every directory of a file tier exists and is a directory; the store's own probe
-/// then proves it writable.
-pub fn check_file_dirs(dirs: &[PathBuf]) -> PyResult<()> {
-    if dirs.is_empty() {
-        return Err(PyValueError::new_err(
-            "file_dirs: empty list (leave the key out for no file tier)",
-        ));
-    }
-    for d in dirs {
-        if !d.is_dir() {
-            return Err(PyValueError::new_err(format!(
-                "file_dirs: {} does not exist or is not a directory",
-                d.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// The keys of the blocks a file tier already holds (its startup scan).
-fn scan_file_tier(dirs: Vec<PathBuf>) -> PyResult<Vec<BlockKey>> {
-    check_file_dirs(&dirs)?;
-    let mut cfg = PosixConfig::new(dirs[0].clone());
-    cfg.roots = dirs;
-    cfg.engine = EngineKind::Psync;
-    cfg.queue_depth = 1;
-    let store =
-        PosixStore::open(cfg).map_err(|e| PyValueError::new_err(format!("file_dirs: {e}")))?;
-    Ok(store.handle().keys())
-}
-
-/// The scheduler half: decides per step what to load and store, keeps the tier index.
+/// The scheduler side: decides per step what to load and store, keeps the tier index.
 #[pyclass(module = "kvx._native")]
-pub struct SchedulerHalf {
-    inner: Mutex<SchedulerSide>,
+pub struct SchedulerSide {
+    inner: Mutex<kvx_offload::SchedulerSide>,
     block_tokens: u64,
 }
 
-impl SchedulerHalf {
-    fn side(&self) -> std::sync::MutexGuard<'_, SchedulerSide> {
+impl SchedulerSide {
+    fn side(&self) -> std::sync::MutexGuard<'_, kvx_offload::SchedulerSide> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 #[pymethods]
-impl SchedulerHalf {
-    /// A scheduler half. `file_dirs` (with `file_blocks`) adds a file tier whose existing
-    /// blocks are adopted into the index.
+impl SchedulerSide {
+    /// A scheduler side with the connector's settings `config` (vLLM's extra config, as JSON)
+    /// and vLLM's `block_tokens`; a file tier's existing blocks are adopted into the index.
     #[new]
-    #[pyo3(signature = (block_tokens, host_blocks, eviction, file_dirs=None, file_blocks=None))]
-    fn new(
-        block_tokens: u32,
-        host_blocks: usize,
-        eviction: &str,
-        file_dirs: Option<Vec<PathBuf>>,
-        file_blocks: Option<usize>,
-    ) -> PyResult<SchedulerHalf> {
-        let eviction = eviction_kind(eviction)?;
-        let found = match &file_dirs {
-            Some(d) => scan_file_tier(d.clone())?,
-            None => Vec::new(),
-        };
-        let mut side = SchedulerSide::new(SchedulerConfig {
-            block_tokens,
-            host_blocks,
-            file_blocks: file_dirs.as_ref().and(file_blocks),
-            eviction,
-            ..SchedulerConfig::default()
-        })
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        side.adopt_file_blocks(found);
-        Ok(SchedulerHalf {
+    fn new(config: &str, block_tokens: u32) -> PyResult<SchedulerSide> {
+        let cfg = connector_config(config, block_tokens)?;
+        let side =
+            kvx_offload::scheduler_side(&cfg).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(SchedulerSide {
             inner: Mutex::new(side),
             block_tokens: u64::from(block_tokens),
         })

@@ -1,4 +1,4 @@
-//! `WorkerHalf`: kvx-offload's worker side for Python (each vLLM worker), built by
+//! `WorkerSide`: kvx-offload's worker side for Python (each vLLM worker), built by
 //! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host backend), a host tier and
 //! an optional file tier (kvx-posix).
 
@@ -8,23 +8,19 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_core::KvLayout;
-use kvx_offload::{
-    FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadError, OffloadRuntime,
-    WorkerSide,
-};
-use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
+use kvx_offload::{JobPart, OffloadBuilder, OffloadError, OffloadRuntime};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::config::connector_config;
 use crate::memory::{self, TensorDesc};
-use crate::scheduler::{check_file_dirs, eviction_kind};
 use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes};
 
-/// The running parts. Field order is drop order: the worker half, then the runtime (its driver
+/// The running parts. Field order is drop order: the worker side, then the runtime (its driver
 /// joins the backends' threads).
 struct Running {
-    worker: WorkerSide,
+    worker: kvx_offload::WorkerSide,
     runtime: OffloadRuntime,
     store_timeout: Duration,
     /// Engine blocks of each request's load in flight.
@@ -44,9 +40,9 @@ struct Parked {
     to_engine: bool,
 }
 
-/// The worker half over the engine's KV tensors.
+/// The worker side over the engine's KV tensors.
 #[pyclass(module = "kvx._native")]
-pub struct WorkerHalf {
+pub struct WorkerSide {
     /// Declared before `tensors`: dropped (driver stopped) before the tensors are let go.
     running: Mutex<Option<Running>>,
     /// The tensor objects described at construction, kept alive while kvx may copy into them.
@@ -54,7 +50,7 @@ pub struct WorkerHalf {
     layout: KvLayout,
 }
 
-impl WorkerHalf {
+impl WorkerSide {
     fn lock(&self) -> MutexGuard<'_, Option<Running>> {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -62,7 +58,7 @@ impl WorkerHalf {
     fn with<T>(&self, f: impl FnOnce(&mut Running) -> PyResult<T>) -> PyResult<T> {
         match self.lock().as_mut() {
             Some(r) => f(r),
-            None => Err(KvxError::new_err("the kvx worker half is closed")),
+            None => Err(KvxError::new_err("the kvx worker side is closed")),
         }
     }
 }
@@ -78,28 +74,21 @@ type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);
 type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>);
 
 #[pymethods]
-impl WorkerHalf {
-    /// A worker half. `tensors` describes each KV tensor as (name, data pointer, shape,
-    /// strides in elements, element size, device); `owners` are the tensor objects themselves,
-    /// held until `close`.
+impl WorkerSide {
+    /// A worker side with the connector's settings `config` (vLLM's extra config, as JSON) and
+    /// vLLM's `block_tokens`, over `num_blocks` engine blocks. `tensors` describes each KV
+    /// tensor as (name, data pointer, shape, strides in elements, element size, device);
+    /// `owners` are the tensor objects themselves, held until `close`.
     #[new]
-    #[pyo3(signature = (tensors, owners, num_blocks, block_tokens, host_blocks, load_ms, store_ms,
-                        io_engine, eviction="lru", file_dirs=None, file_blocks=None))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
+        config: &str,
+        block_tokens: u32,
         tensors: Vec<TensorTuple>,
         owners: Vec<Py<PyAny>>,
         num_blocks: u32,
-        block_tokens: u32,
-        host_blocks: usize,
-        load_ms: u64,
-        store_ms: u64,
-        io_engine: &str,
-        eviction: &str,
-        file_dirs: Option<Vec<PathBuf>>,
-        file_blocks: Option<usize>,
-    ) -> PyResult<WorkerHalf> {
+    ) -> PyResult<WorkerSide> {
+        let cfg = connector_config(config, block_tokens)?;
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
             .map(
@@ -115,51 +104,21 @@ impl WorkerHalf {
             .collect();
         let layout = memory::describe(&descs, num_blocks)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let io_engine = match io_engine {
-            "uring" => IoEngine::Uring,
-            "psync" => IoEngine::Psync,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "io_engine: unknown engine {other:?} (expected \"uring\" or \"psync\")"
-                )));
-            }
-        };
-        let file = match file_dirs {
-            Some(dirs) => {
-                check_file_dirs(&dirs)?;
-                let mut f = FileTierConfig::new(dirs[0].clone(), file_blocks.unwrap_or(0));
-                f.roots = dirs;
-                f.io_engine = io_engine;
-                Some(f)
-            }
-            None => None,
-        };
-        let cfg = OffloadConfig {
-            block_tokens,
-            host_blocks,
-            eviction: eviction_kind(eviction)?,
-            timeouts: TimeoutConfig { load_ms, store_ms },
-            // The exact failed blocks go to the engine; its own policy decides.
-            load_failure: LoadFailurePolicy::Fail,
-            file,
-            ..OffloadConfig::default()
-        };
-        cfg.validate()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let store_timeout = Duration::from_millis(cfg.timeouts.store_ms);
         let lay = layout.clone();
         let built = py.detach(move || {
-            // SAFETY: the layout describes the tensors `WorkerHalf` holds in `tensors` until
+            // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
             // after this runtime is dropped (see `memory::engine_memory`).
             let memory = unsafe { memory::engine_memory(lay) };
             OffloadBuilder::new(cfg, memory).build()
         });
         let built = built.map_err(|e| PyValueError::new_err(e.to_string()))?;
-        drop(built.scheduler); // the scheduler half lives in vLLM's scheduler process
-        Ok(WorkerHalf {
+        drop(built.scheduler); // the scheduler side lives in vLLM's scheduler process
+        Ok(WorkerSide {
             running: Mutex::new(Some(Running {
                 worker: built.worker,
                 runtime: built.runtime,
-                store_timeout: Duration::from_millis(store_ms),
+                store_timeout,
                 loading: HashMap::new(),
                 in_use: HashSet::new(),
                 parked: Vec::new(),
@@ -169,7 +128,7 @@ impl WorkerHalf {
         })
     }
 
-    /// Start a step with the scheduler half's encoded instructions: drop evicted blocks, start
+    /// Start a step with the scheduler side's encoded instructions: drop evicted blocks, start
     /// loads, queue stores, flush and fence preempted requests (waiting at most the store
     /// deadline for that fence), pass finished requests on.
     fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use kvx_offload::EvictionKind;
 use kvx_policy::LoadFailurePolicy;
-use kvx_posix::EngineKind;
+use kvx_posix::IoEngine;
 
 use super::error::ReplayError;
 use super::fault::{StallSpec, parse_fault};
@@ -63,7 +63,7 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value_t = Eviction::Lru)]
     pub eviction: Eviction,
     /// File tier I/O engine.
-    #[arg(long, value_enum, default_value_t = IoEngine::Uring)]
+    #[arg(long, default_value_t = IoEngine::Uring)]
     pub io_engine: IoEngine,
     /// Inject a fault: stall-disk@T+D freezes the file tier (on a FUSE mount) from T to T+D s.
     #[arg(long)]
@@ -162,15 +162,6 @@ pub enum Eviction {
     Arc,
 }
 
-/// `--io-engine`.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IoEngine {
-    /// io_uring.
-    Uring,
-    /// A thread pool of blocking syscalls.
-    Psync,
-}
-
 /// Everything a replay needs to know, resolved and checked.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -195,7 +186,7 @@ pub struct Settings {
     /// Eviction order.
     pub eviction: EvictionKind,
     /// File tier I/O engine.
-    pub io_engine: EngineKind,
+    pub io_engine: IoEngine,
     /// Stalls of the file tier.
     pub stalls: Vec<StallSpec>,
     /// File tier directory given by the user.
@@ -349,10 +340,7 @@ impl ReplayArgs {
                 Eviction::Lru => EvictionKind::Lru,
                 Eviction::Arc => EvictionKind::Arc,
             },
-            io_engine: match self.io_engine {
-                IoEngine::Uring => EngineKind::Uring,
-                IoEngine::Psync => EngineKind::Psync,
-            },
+            io_engine: self.io_engine,
             stalls,
             dir: self.shared_dir.clone().or_else(|| self.dir.clone()),
             keep: self.keep,

@@ -4,15 +4,16 @@
 //! connector, driver (no op left on the arena), mount, then the directories.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use kvx_core::{DriverHandle, HostArena};
 use kvx_fusefs::{Backing, StallFs, StallMount, fuse_available};
 use kvx_offload::{
-    EngineMemory, FileTierConfig, IoEngine, Offload, OffloadBuilder, OffloadConfig, OffloadRuntime,
-    SchedulerSide, SharedMountConfig, WorkerSide,
+    EngineMemory, FileTierConfig, Offload, OffloadBuilder, OffloadConfig, OffloadRuntime,
+    SchedulerSide, SharedMount, WorkerSide,
 };
 use kvx_policy::{BreakerConfig, TimeoutConfig};
-use kvx_posix::{EngineKind, PosixHandle};
+use kvx_posix::PosixHandle;
 use tempfile::TempDir;
 
 use super::args::{Settings, SharedWrites};
@@ -74,10 +75,7 @@ fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
         },
         load_failure: s.policy,
         file: root.map(|root| FileTierConfig {
-            io_engine: match s.io_engine {
-                EngineKind::Uring => IoEngine::Uring,
-                EngineKind::Psync => IoEngine::Psync,
-            },
+            io_engine: s.io_engine,
             breaker: BreakerConfig {
                 failure_threshold: 3,
                 window_ms: 10_000,
@@ -96,15 +94,15 @@ fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
 /// reused for 50 ms; every node runs a collector that keeps the directory under the file
 /// tier's capacity in bytes (header included); blocks are written back or through as
 /// `--shared-writes` says.
-fn shared_mount(s: &Settings) -> SharedMountConfig {
+fn shared_mount(s: &Settings) -> SharedMount {
     let block_file = s.blocks.block_bytes.div_ceil(4096) * 4096 + 4096;
-    SharedMountConfig {
-        probe_deadline_ms: s.load_deadline_ms,
-        probe_ttl_ms: 50,
+    SharedMount {
+        probe_deadline: Duration::from_millis(s.load_deadline_ms),
+        probe_ttl: Duration::from_millis(50),
         quota_bytes: Some(s.file_blocks as u64 * block_file),
-        collect_interval_ms: 1000,
+        collect_interval: Duration::from_secs(1),
         write_back: s.shared_writes == SharedWrites::Back,
-        ..SharedMountConfig::default()
+        ..SharedMount::default()
     }
 }
 

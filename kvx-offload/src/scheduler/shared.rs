@@ -9,10 +9,10 @@ use rustc_hash::FxHashSet;
 use tracing::debug;
 
 use super::{MAX_PROBES_PER_LOOKUP, SchedulerSide};
-use crate::file_hook::FileProbe;
 use crate::manager::Lookup;
 use crate::meta::{JobResult, WriteBackJob};
 use crate::tier::Tier;
+use kvx_posix::ProbeAnswer;
 
 impl SchedulerSide {
     /// Write blocks into the file tier as they leave the host tier, not when they are stored
@@ -71,11 +71,11 @@ impl SchedulerSide {
         let mut pending = false;
         for k in keys[hits..].iter().take(room) {
             match probe.probe(*k) {
-                FileProbe::Absent => break,
+                ProbeAnswer::Absent => break,
                 // Keep asking past a pending answer, so the probes of one prefix run together.
-                FileProbe::Pending => pending = true,
-                FileProbe::Present if pending => {}
-                FileProbe::Present => match self.mgr.adopt_probed(*k) {
+                ProbeAnswer::Pending => pending = true,
+                ProbeAnswer::Present if pending => {}
+                ProbeAnswer::Present => match self.mgr.adopt_probed(*k) {
                     Some(evicted) => self.meta.evict_file.extend(evicted),
                     None => break,
                 },

@@ -31,7 +31,7 @@ pub struct Opts {
     /// Wraps the real host backend of engine memory (fault injection).
     pub wrap_engine: Option<WrapEngine>,
     /// The file tier's directory is shared with other nodes.
-    pub shared: Option<SharedMountConfig>,
+    pub shared: Option<SharedMount>,
 }
 
 impl Default for Opts {

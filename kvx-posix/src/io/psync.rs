@@ -17,7 +17,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use rustc_hash::FxHashMap;
 
 use super::fault::Faults;
-use super::{EngineCounters, IoEngine, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
 use crate::error::PosixError;
 use crate::job::{BlockJob, Next};
 
@@ -243,7 +243,7 @@ fn maintenance_worker(shared: Arc<Shared>) {
     }
 }
 
-impl IoEngine for PsyncEngine {
+impl Engine for PsyncEngine {
     fn name(&self) -> &'static str {
         "psync"
     }

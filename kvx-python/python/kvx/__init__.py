@@ -1,11 +1,26 @@
 """kvx: move LLM KV-cache blocks between engine memory, host memory and files on a deadline.
 
-``kvx.SchedulerHalf`` and ``kvx.WorkerHalf`` are kvx-offload's two connector halves (native);
-``kvx.vllm.KvxConnector`` is a vLLM KV connector built on them; ``kvx.KvxConfig`` parses its
-settings.
+``kvx.SchedulerSide`` and ``kvx.WorkerSide`` are kvx-offload's two connector sides (native);
+``kvx.vllm.KvxConnector`` is a vLLM KV connector built on them; ``kvx.parse_config`` reads its
+settings (vLLM's ``kv_connector_extra_config``, as JSON; keys and defaults: kvx-python/README.md).
 """
 
-from kvx._native import FenceNotHeldError, KvxError, SchedulerHalf, WorkerHalf, block_keys
-from kvx.config import KvxConfig
+from kvx._native import (
+    FenceNotHeldError,
+    KvxError,
+    SchedulerSide,
+    WorkerSide,
+    block_keys,
+    offload_config,
+    parse_config,
+)
 
-__all__ = ["FenceNotHeldError", "KvxConfig", "KvxError", "SchedulerHalf", "WorkerHalf", "block_keys"]
+__all__ = [
+    "FenceNotHeldError",
+    "KvxError",
+    "SchedulerSide",
+    "WorkerSide",
+    "block_keys",
+    "offload_config",
+    "parse_config",
+]

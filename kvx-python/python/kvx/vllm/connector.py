@@ -5,7 +5,7 @@ Enable it with::
     --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
-(keys and defaults: ``kvx.config``). Loads are asynchronous: a request waits in
+(keys and defaults: kvx-python/README.md; kvx-offload reads them, as JSON). Loads are asynchronous: a request waits in
 ``WAITING_FOR_REMOTE_KVS`` at most one load deadline; blocks that fail to load (missing,
 corrupt, timed out) are reported exactly through ``get_block_ids_with_load_errors`` in the step
 in which the request appears in ``finished_recving``, and vLLM's ``kv_load_failure_policy``
@@ -16,6 +16,7 @@ request's blocks only while they are in flight.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,10 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvx.config import KvxConfig
 from kvx.vllm.meta import KvxConnectorMetadata
-from kvx.vllm.scheduler_part import SchedulerPart
-from kvx.vllm.worker_part import WorkerPart
+from kvx.vllm.scheduler_side import SchedulerSide
+from kvx.vllm.worker_side import WorkerSide
 
 
 def _namespace(vllm_config) -> bytes:
@@ -51,7 +51,11 @@ class KvxConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.config = KvxConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        try:
+            self.config = json.dumps(dict(extra or {}))
+        except TypeError as e:
+            raise ValueError(f"kv_connector_extra_config: not JSON data: {e}") from e
         par = vllm_config.parallel_config
         world = par.tensor_parallel_size * par.pipeline_parallel_size
         if world != 1:
@@ -68,25 +72,37 @@ class KvxConnector(KVConnectorBase_V1):
             )
         block_size = groups[0].kv_cache_spec.block_size
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
-        self._sched: SchedulerPart | None = None
-        self._worker: WorkerPart | None = None
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerPart(self.config, block_size, hash_block_size, _namespace(vllm_config))
+            self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config))
         else:
-            self._worker = WorkerPart(self.config, block_size, kv_cache_config.num_blocks)
+            self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("KvxConnector: a worker call on the scheduler's connector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._sched is None:
+            raise RuntimeError("KvxConnector: a scheduler call on a worker's connector")
+        return self._sched
 
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]):
-        self._worker.register(kv_caches)
+        self._worker_side().register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         # Before the forward may overwrite a preempted request's blocks: the whole step starts
         # here (stores of preempted requests flushed and waited for, their loads fenced).
         assert isinstance(kv_connector_metadata, KvxConnectorMetadata)
-        self._worker.start(kv_connector_metadata)
+        self._worker_side().start(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxConnectorMetadata)
+        self._worker_side().start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous, between steps
@@ -96,43 +112,45 @@ class KvxConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         if self.has_connector_metadata():
-            self._worker.start(self._get_connector_metadata())
+            meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxConnectorMetadata)
+        self._worker_side().start(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished()
+        return self._worker_side().get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_invalid()
+        return self._worker_side().take_invalid()
 
     def build_connector_worker_meta(self):
-        return self._worker.take_worker_meta()
+        return self._worker_side().take_worker_meta()
 
     def shutdown(self):
         if self._worker is not None:
-            self._worker.close()
+            self._worker_side().close()
 
     # -- scheduler side ------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched.cache_manager = kv_cache_manager
+        self._scheduler_side().cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
-        return self._sched.hit_sources(request, num_external_tokens)
+        return self._scheduler_side().hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output):
-        self._sched.update_connector_output(connector_output)
+        self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)
 
     # -- kvx -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -140,11 +158,11 @@ class KvxConnector(KVConnectorBase_V1):
         store jobs, preemptions, failed loads. Worker: kvx's tracker (live tasks, zombie ops and
         bytes, timeouts, late completions), host-tier blocks, and the file tier's counters."""
         if self._sched is not None:
-            return dict(vars(self._sched.stats))
-        half = self._worker.half
-        return dict(half.stats()) if half is not None else {}
+            return dict(vars(self._scheduler_side().stats))
+        native = self._worker_side().native
+        return dict(native.stats()) if native is not None else {}
 
     def state_counts(self) -> dict[str, int]:
         """Everything this side still tracks about requests and transfers (zeros when idle)."""
-        part = self._sched if self._sched is not None else self._worker
-        return part.state_counts()
+        side = self._sched if self._sched is not None else self._worker_side()
+        return side.state_counts()

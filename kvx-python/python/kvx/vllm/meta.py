@@ -18,7 +18,7 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     is reported in ``finished_recving``).
     """
 
-    __slots__ = ("step", "loads", "delayed", "abandoned")
+    __slots__ = ("abandoned", "delayed", "loads", "step")
 
     def __init__(self, step: bytes, loads: dict[int, str], delayed: dict[int, str], abandoned: list[int]):
         self.step = step
@@ -34,7 +34,7 @@ class KvxConnectorMetadata(KVConnectorMetadata):
 
 
 class KvxWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler, once per step: encoded job outcomes for the scheduler half."""
+    """Worker → scheduler, once per step: encoded job outcomes for the scheduler side."""
 
     __slots__ = ("jobs",)
 

@@ -1,4 +1,4 @@
-"""The connector's scheduler side: vLLM requests and steps in, kvx-offload's scheduler half."""
+"""The connector's scheduler side: vLLM requests and steps in, kvx-offload's scheduler side."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvx._native import SchedulerHalf, block_keys
-from kvx.config import KvxConfig
+from kvx import _native
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
 
@@ -41,10 +40,10 @@ class SchedulerStats:
     failed_loads: int = 0
 
 
-class SchedulerPart:
-    """Maps vLLM's scheduler calls onto kvx's ``SchedulerHalf``."""
+class SchedulerSide:
+    """Maps vLLM's scheduler calls onto kvx's native ``SchedulerSide``."""
 
-    def __init__(self, cfg: KvxConfig, block_size: int, hash_block_size: int, namespace: bytes):
+    def __init__(self, config: str, block_size: int, hash_block_size: int, namespace: bytes):
         if block_size % hash_block_size:
             raise ValueError(
                 f"KV block size {block_size} is not a multiple of the hash block size {hash_block_size}"
@@ -52,14 +51,8 @@ class SchedulerPart:
         self.block_size = block_size
         self.ratio = block_size // hash_block_size
         self.namespace = namespace
-        self.half = SchedulerHalf(
-            block_size,
-            cfg.host_blocks,
-            cfg.eviction,
-            cfg.file_dirs,
-            cfg.file_blocks if cfg.file_dirs else None,
-        )
-        self.cache_manager = None
+        self.native = _native.SchedulerSide(config, block_size)
+        self.cache_manager: Any = None
         self._next = 1
         self.reqs: dict[str, _Req] = {}
         # vLLM request id of every request number still in use.
@@ -87,7 +80,7 @@ class SchedulerPart:
         n = len(hashes) // self.ratio
         if n * self.ratio > r.nhashes:
             new = [bytes(hashes[(i + 1) * self.ratio - 1]) for i in range(r.nhashes // self.ratio, n)]
-            r.keys += block_keys(self.namespace, new)
+            r.keys += _native.block_keys(self.namespace, new)
             r.nhashes = n * self.ratio
         return r.keys
 
@@ -98,7 +91,7 @@ class SchedulerPart:
         keys = self._keys(r)
         if r.cap is not None:
             keys = keys[: r.cap * 16]
-        found = self.half.get_num_new_matched_tokens(r.number, keys, num_computed_tokens)
+        found = self.native.get_num_new_matched_tokens(r.number, keys, num_computed_tokens)
         if found is None:
             return None, False
         tokens, host, file = found
@@ -113,7 +106,7 @@ class SchedulerPart:
         ids = blocks.get_block_ids()[0]
         first = r.local_tokens // self.block_size
         n = num_external_tokens // self.block_size
-        if self.half.update_state_after_alloc(r.number, ids[first : first + n]):
+        if self.native.update_state_after_alloc(r.number, ids[first : first + n]):
             self.loading.add(request.request_id)
             self.stats.loads += 1
             self.stats.hit_tokens += num_external_tokens
@@ -124,7 +117,7 @@ class SchedulerPart:
         r = self.reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             return {}
-        host, file = r.hit
+        file = r.hit[1]
         out = {}
         if file:
             out[CacheHitSource.DISK] = file * self.block_size
@@ -135,7 +128,7 @@ class SchedulerPart:
         for req_id in so.preempted_req_ids or ():
             r = self.reqs.get(req_id)
             if r is not None:
-                self.half.request_preempted(r.number)
+                self.native.request_preempted(r.number)
                 self.stats.preemptions += 1
         for req_id, n in so.num_scheduled_tokens.items():
             r = self.reqs.get(req_id)
@@ -148,10 +141,10 @@ class SchedulerPart:
             if upto <= first:
                 continue
             ids = self.cache_manager.get_block_ids(req_id)[0]
-            if self.half.save_blocks(r.number, keys[first * 16 : upto * 16], ids[first:upto]):
+            if self.native.save_blocks(r.number, keys[first * 16 : upto * 16], ids[first:upto]):
                 self.stats.store_jobs += 1
         abandoned, self._abandoned = self._abandoned, []
-        step, loads, delayed = self.half.build_meta(abandoned)
+        step, loads, delayed = self.native.build_meta(abandoned)
         return KvxConnectorMetadata(
             step,
             {n: self.names[n] for n in loads},
@@ -163,7 +156,7 @@ class SchedulerPart:
         wm = out.kv_connector_worker_meta
         if isinstance(wm, KvxWorkerMetadata):
             for jobs in wm.jobs:
-                for number, failed in self.half.update_from_worker(jobs):
+                for number, failed in self.native.update_from_worker(jobs):
                     self._cap(number, failed)
         for req_id in out.finished_recving or ():
             self.loading.discard(req_id)
@@ -188,7 +181,7 @@ class SchedulerPart:
         r = self.reqs.pop(req_id, None)
         if r is None:
             return False, None
-        delay = self.half.request_finished(r.number)
+        delay = self.native.request_finished(r.number)
         if req_id in self.loading:
             # vLLM itself keeps the blocks until the load is reported in finished_recving.
             self._abandoned.append(r.number)
@@ -213,7 +206,7 @@ class SchedulerPart:
             "numbers": len(self.names),
             "loading": len(self.loading),
             "finished": len(self.finished),
-            "kvx_requests": self.half.request_count(),
-            "kvx_jobs": self.half.job_count(),
-            "kvx_index_busy": 0 if self.half.is_quiet() else 1,
+            "kvx_requests": self.native.request_count(),
+            "kvx_jobs": self.native.job_count(),
+            "kvx_index_busy": 0 if self.native.is_quiet() else 1,
         }

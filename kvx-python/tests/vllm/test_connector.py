@@ -6,10 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import BLOCK, Engine, prompt
 from vllm.v1.request import RequestStatus
 
 from kvx.testing import FrozenMount
+
+from harness import BLOCK, Engine, prompt
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -46,12 +47,12 @@ def test_host_tier_hit(tmp_path):
 def test_file_tier_hit_after_restart(tmp_path, io_engine):
     d = file_dir(tmp_path)
     p = prompt(2, 5 * BLOCK + 3)
-    extra = {"host_blocks": 32, "file_dirs": [str(d)], "io_engine": io_engine}
+    extra = {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384, "io_engine": io_engine}}
     e = Engine(tmp_path, extra)
     try:
         e.add("a", p)
         e.run()
-        assert e.worker._worker.half.file_blocks() == 5
+        assert e.worker._worker.native.file_blocks() == 5
     finally:
         e.close()
     # A new engine: empty host tier, the file tier's blocks adopted from disk.
@@ -73,12 +74,12 @@ def test_file_tier_hit_after_restart(tmp_path, io_engine):
 
 def corrupt_one_block(tmp_path, d, p, index):
     """Store ``p`` in the file tier, then flip a payload byte of block ``index``'s file."""
-    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]})
+    e = Engine(tmp_path, {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384}})
     try:
         e.add("writer", p)
         e.run()
         keys = e.keys_of("writer")
-        path = e.worker._worker.half.file_block_path(keys[index * 16 : (index + 1) * 16])
+        path = e.worker._worker.native.file_block_path(keys[index * 16 : (index + 1) * 16])
     finally:
         e.close()
     raw = bytearray(path.read_bytes())
@@ -91,7 +92,7 @@ def test_corrupt_block_file(tmp_path, policy):
     d = file_dir(tmp_path)
     p = prompt(3, 5 * BLOCK + 1)
     corrupt_one_block(tmp_path, d, p, index=2)
-    e = Engine(tmp_path, {"host_blocks": 32, "file_dirs": [str(d)]}, policy=policy)
+    e = Engine(tmp_path, {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384}}, policy=policy)
     try:
         t = e.add("r", p)
         e.run()
@@ -124,9 +125,8 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
     deadline_ms = 300
     extra = {
         "host_blocks": 64,
-        "file_dirs": [str(mnt)],
-        "load_deadline_ms": deadline_ms,
-        "store_deadline_ms": 400,
+        "file": {"roots": [str(mnt)], "blocks": 16384},
+        "timeouts": {"load_ms": deadline_ms, "store_ms": 400},
     }
     prompts = [prompt(10 + i, 3 * BLOCK + 5) for i in range(4)]
     try:
@@ -142,7 +142,10 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
             mount.freeze()
             for i, p in enumerate(prompts):
                 e.add(f"r{i}", p)
-            finished = lambda: all(e.tracked[f"r{i}"].finished_status for i in range(4))  # noqa: E731
+
+            def finished() -> bool:
+                return all(e.tracked[f"r{i}"].finished_status for i in range(4))
+
             e.run(timeout=20, until=finished)
             assert mount.blocked_requests() > 0
             waits = [w for i in range(4) for w in e.tracked[f"r{i}"].waits]
@@ -170,7 +173,11 @@ def test_abort_while_loading_frees_blocks_once_the_load_ends(tmp_path):
     backing = file_dir(tmp_path, "backing")
     mnt = file_dir(tmp_path, "mnt")
     mount = FrozenMount(str(mnt), str(backing))
-    extra = {"host_blocks": 16, "file_dirs": [str(mnt)], "load_deadline_ms": 200, "store_deadline_ms": 200}
+    extra = {
+        "host_blocks": 16,
+        "file": {"roots": [str(mnt)], "blocks": 16384},
+        "timeouts": {"load_ms": 200, "store_ms": 200},
+    }
     p = prompt(50, 3 * BLOCK + 2)
     try:
         e = Engine(tmp_path, extra)
@@ -277,7 +284,7 @@ def test_200_requests_over_shared_prefixes_leave_no_state(tmp_path):
     d = file_dir(tmp_path)
     e = Engine(
         tmp_path,
-        {"host_blocks": 32, "file_dirs": [str(d)], "file_blocks": 400, "eviction": "arc"},
+        {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 400}, "eviction": "arc"},
         num_blocks=40,
         prefix_caching=True,
         max_num_seqs=8,

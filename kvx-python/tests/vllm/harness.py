@@ -27,7 +27,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -337,8 +341,8 @@ class Engine:
 
     def keys_of(self, req_id: str) -> bytes:
         """kvx block keys of a request's full blocks (16 bytes each)."""
-        part = self.conn._sched
-        return part._keys(part._req(self.tracked[req_id].request))
+        side = self.conn._sched
+        return side._keys(side._req(self.tracked[req_id].request))
 
     def close(self) -> None:
         self.scheduler.shutdown()

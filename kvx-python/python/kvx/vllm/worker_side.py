@@ -1,11 +1,11 @@
-"""The connector's worker side: vLLM's KV tensors and per-step calls, kvx's ``WorkerHalf``."""
+"""The connector's worker side: vLLM's KV tensors and per-step calls, kvx's native ``WorkerSide``."""
 
 from __future__ import annotations
 
 import logging
 
-from kvx._native import FenceNotHeldError, KvxError, WorkerHalf
-from kvx.config import KvxConfig
+from kvx import _native
+from kvx._native import FenceNotHeldError, KvxError
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
 logger = logging.getLogger("kvx.vllm")
@@ -19,18 +19,19 @@ def describe_tensors(kv_caches: dict) -> list[tuple]:
     ]
 
 
-class WorkerPart:
-    """Maps vLLM's worker calls onto kvx's ``WorkerHalf``.
+class WorkerSide:
+    """Maps vLLM's worker calls onto kvx's native ``WorkerSide``.
 
     Request numbers come from the scheduler side; ``names`` holds vLLM's id of each number for
     as long as a load or a delayed free of it may still be reported.
     """
 
-    def __init__(self, cfg: KvxConfig, block_size: int, num_blocks: int):
-        self.cfg = cfg
+    def __init__(self, config: str, block_size: int, num_blocks: int):
+        _native.parse_config(config, block_size)  # a bad config fails here, not at registration
+        self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.half: WorkerHalf | None = None
+        self.native: _native.WorkerSide | None = None
         self.names: dict[int, str] = {}
         self.loading: set[int] = set()
         self.sending: set[int] = set()
@@ -41,18 +42,8 @@ class WorkerPart:
 
     def register(self, kv_caches: dict) -> None:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
-        self.half = WorkerHalf(
-            describe_tensors(kv_caches),
-            list(kv_caches.values()),
-            self.num_blocks,
-            self.block_size,
-            self.cfg.host_blocks,
-            self.cfg.load_deadline_ms,
-            self.cfg.store_deadline_ms,
-            self.cfg.io_engine,
-            self.cfg.eviction,
-            self.cfg.file_dirs,
-            self.cfg.file_blocks if self.cfg.file_dirs else None,
+        self.native = _native.WorkerSide(
+            self.config, self.block_size, describe_tensors(kv_caches), list(kv_caches.values()), self.num_blocks
         )
 
     def start(self, meta: KvxConnectorMetadata) -> None:
@@ -60,7 +51,7 @@ class WorkerPart:
         if self._started is meta:
             return
         self._started = meta
-        if self.half is None:
+        if self.native is None:
             raise KvxError("KvxConnector: register_kv_caches was not called before the first step")
         self.names.update(meta.loads)
         self.names.update(meta.delayed)
@@ -68,7 +59,7 @@ class WorkerPart:
         self.sending.update(meta.delayed)
         self.abandoned.update(n for n in meta.abandoned if n in self.loading)
         try:
-            self.half.start_step(meta.step)
+            self.native.start_step(meta.step)
         except FenceNotHeldError as e:
             # The rest of the step was done; only a preemption fence ran past the store deadline
             # (a stuck copy). Any other error (driver stopped, bad metadata) propagates.
@@ -76,15 +67,15 @@ class WorkerPart:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending, finished_recving) as vLLM request ids; never blocks."""
-        if self.half is None:
+        if self.native is None:
             return None, None
-        sending, recving, invalid, jobs, loads_done = self.half.get_finished()
+        sending, recving, invalid, jobs, loads_done = self.native.get_finished()
         self.invalid.update(invalid)
         if jobs:
             self.jobs.append(jobs)
         recv = set(recving)
         # A load whose request finished meanwhile is reported once it ended, so vLLM frees its
-        # blocks (kvx-offload gives it to the scheduler half only).
+        # blocks (kvx-offload gives it to the scheduler side only).
         recv.update(n for n in loads_done if n in self.abandoned and n in self.loading)
         out_recv = set()
         for n in recv:
@@ -119,7 +110,7 @@ class WorkerPart:
 
     def state_counts(self) -> dict[str, int]:
         """Everything this side still tracks (all zero when idle)."""
-        h = self.half
+        h = self.native
         return {
             "names": len(self.names),
             "loading": len(self.loading),
@@ -130,5 +121,5 @@ class WorkerPart:
         }
 
     def close(self) -> None:
-        if self.half is not None:
-            self.half.close()
+        if self.native is not None:
+            self.native.close()
