@@ -95,7 +95,8 @@ pub use eviction::EvictionKind;
 pub use file_hook::{FileProbe, FileTierHook, FileTierProbe};
 pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
 pub use meta::{
-    JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput, WriteBackJob,
+    JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, StepMeta, StoreJob, WorkerOutput,
+    WriteBackJob,
 };
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;

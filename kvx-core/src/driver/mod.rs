@@ -18,7 +18,7 @@ use crate::error::CoreError;
 use crate::ids::{BackendId, EngineBlockId, RequestId, TaskId};
 use crate::sync::{lock, wait_timeout};
 use crate::task::{TaskReport, TaskSpec};
-use crate::tracker::{TrackerConfig, TrackerStats};
+use crate::tracker::{Bond, TrackerConfig, TrackerStats};
 pub use fence::FenceHandle;
 use fence::FenceSlot;
 #[cfg(feature = "tokio")]
@@ -199,7 +199,18 @@ impl DriverHandle {
     /// Submit a task; returns at once with its id. Its verdict comes through `get_finished`.
     pub fn submit(&self, spec: TaskSpec) -> Result<TaskId, CoreError> {
         let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
-        self.shared.send(Cmd::Submit(id, spec, None))?;
+        self.shared
+            .send(Cmd::Submit(id, spec, Bond::Request, None))?;
+        Ok(id)
+    }
+
+    /// Submit a detached task (see [`Tracker::submit_detached`](crate::Tracker::submit_detached)):
+    /// it runs on behalf of `spec.request` but outside its life, and names no engine block.
+    /// Returns at once with its id; its verdict comes through `get_finished`.
+    pub fn submit_detached(&self, spec: TaskSpec) -> Result<TaskId, CoreError> {
+        let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        self.shared
+            .send(Cmd::Submit(id, spec, Bond::Detached, None))?;
         Ok(id)
     }
 
@@ -289,7 +300,8 @@ impl DriverHandle {
     pub fn submit_async(&self, spec: TaskSpec) -> Result<TaskFuture, CoreError> {
         let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
         let (fut, watcher) = TaskFuture::new(id, self.shared.clone());
-        self.shared.send(Cmd::Submit(id, spec, Some(watcher)))?;
+        self.shared
+            .send(Cmd::Submit(id, spec, Bond::Request, Some(watcher)))?;
         Ok(fut)
     }
 }

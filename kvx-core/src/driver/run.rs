@@ -220,11 +220,11 @@ impl Loop {
 
     fn apply(&mut self, cmd: Cmd, now: Instant) {
         match cmd {
-            Cmd::Submit(id, spec, watcher) => {
+            Cmd::Submit(id, spec, bond, watcher) => {
                 if let Some(w) = watcher {
                     self.watchers.insert(id, w);
                 }
-                if let Err(e) = self.tracker.submit_as(id, spec, now) {
+                if let Err(e) = self.tracker.submit_as(id, spec, bond, now) {
                     tracing::error!(%id, error = %e, "driver: task id reused");
                     self.watchers.remove(&id);
                 }

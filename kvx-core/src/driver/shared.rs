@@ -9,7 +9,7 @@ use crate::error::CoreError;
 use crate::ids::{EngineBlockId, RequestId, TaskId};
 use crate::sync::lock;
 use crate::task::{TaskReport, TaskSpec};
-use crate::tracker::TrackerStats;
+use crate::tracker::{Bond, TrackerStats};
 
 use super::fence::FenceSlot;
 use super::{Finished, Stopped};
@@ -20,7 +20,7 @@ pub(super) type Watcher = Box<dyn FnOnce(TaskReport) + Send>;
 /// A handle call, queued for the driver thread. None of them has a reply channel: answers come
 /// back through the outbox or a fence slot.
 pub(super) enum Cmd {
-    Submit(TaskId, TaskSpec, Option<Watcher>),
+    Submit(TaskId, TaskSpec, Bond, Option<Watcher>),
     StartStep,
     Cancel(TaskId),
     Preempt(RequestId, Arc<FenceSlot>),

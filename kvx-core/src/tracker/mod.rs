@@ -59,6 +59,15 @@ enum Phase {
     Finishing,
 }
 
+/// Whether a task is part of its request's life.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub(crate) enum Bond {
+    /// In its request's list: preemption, finish and the request's release see it.
+    Request,
+    /// Detached ([`Tracker::submit_detached`]): in no request's list, names no engine block.
+    Detached,
+}
+
 /// Where some blocks of a task sit in its spec: the first `n` positions in order (the common
 /// case: every block of the task together), or a list.
 #[derive(Debug, Clone)]

@@ -23,7 +23,6 @@ use crate::meta::{JobId, StepMeta, WorkerOutput};
 use host_tier::HostTier;
 use load::LoadState;
 use store::StoreState;
-use write_through::INTERNAL_BASE;
 
 pub use preempt::PreemptionFence;
 
@@ -85,11 +84,15 @@ pub struct TierRoutes {
     pub file: Option<BackendId>,
 }
 
-/// What a driver task does for a job.
+/// What a driver task does for a job (named after the [`JobPart`](crate::meta::JobPart) it
+/// reports).
 enum Role {
-    LoadHost,
-    LoadFile,
+    /// Blocks of a load, from one source tier into engine memory.
+    Load,
+    /// A store's copy out of engine memory into host-tier buffers.
     StoreHost,
+    /// Host-tier buffers written to the file tier: a detached task (a store's write-through,
+    /// or a write-back), so the request's life never waits for it.
     StoreFile,
 }
 
@@ -114,12 +117,10 @@ pub struct WorkerSide {
     file_hook: Option<Arc<dyn FileTierHook>>,
     cfg: WorkerConfig,
     host: HostTier,
-    tasks: FxHashMap<TaskId, (JobId, Role, Vec<usize>)>,
+    tasks: FxHashMap<TaskId, (JobId, Role)>,
     loads: FxHashMap<JobId, LoadState>,
     stores: FxHashMap<JobId, StoreState>,
     finishing: FxHashSet<RequestId>,
-    internal: FxHashSet<RequestId>,
-    next_internal: u64,
     /// Engine blocks reported in `blocks_in_use`, with the fence that frees them.
     held: Vec<(FenceHandle, Vec<EngineBlockId>)>,
     out: WorkerOutput,
@@ -158,8 +159,6 @@ impl WorkerSide {
             loads: FxHashMap::default(),
             stores: FxHashMap::default(),
             finishing: FxHashSet::default(),
-            internal: FxHashSet::default(),
-            next_internal: INTERNAL_BASE,
             held: Vec::new(),
             out: WorkerOutput::default(),
         })
@@ -251,9 +250,6 @@ impl WorkerSide {
             self.on_report(r);
         }
         for req in f.released {
-            if self.internal.remove(&req) {
-                continue;
-            }
             if self.finishing.remove(&req) {
                 self.out.finished_sending.push(req);
             }
@@ -280,11 +276,11 @@ impl WorkerSide {
     }
 
     fn on_report(&mut self, r: TaskReport) {
-        let Some((job, role, positions)) = self.tasks.remove(&r.task) else {
+        let Some((job, role)) = self.tasks.remove(&r.task) else {
             return; // a task from before a reset
         };
         match role {
-            Role::LoadHost | Role::LoadFile => self.on_load_report(job, role, positions, r),
+            Role::Load => self.on_load_report(job, r),
             Role::StoreHost => self.on_store_report(job, r),
             Role::StoreFile => self.on_write_through_report(job, r),
         }
@@ -299,7 +295,6 @@ impl WorkerSide {
         self.tasks.clear();
         self.loads.clear();
         self.stores.clear();
-        self.internal.clear();
         let mut delayed_free: Vec<RequestId> = self.finishing.drain().collect();
         delayed_free.sort();
         self.out = WorkerOutput::default();
@@ -325,7 +320,6 @@ impl WorkerSide {
             + self.loads.len()
             + self.stores.len()
             + self.finishing.len()
-            + self.internal.len()
             + self.held.len()
     }
 
