@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::KvLayout;
 use kvx_offload::{
-    FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadError, OffloadRuntime,
+    FileTierConfig, IoEngine, JobPart, OffloadBuilder, OffloadConfig, OffloadRuntime, StepStarted,
     WorkerSide,
 };
 use kvx_policy::{LoadFailurePolicy, TimeoutConfig};
@@ -181,10 +181,10 @@ impl WorkerHalf {
                         .insert(l.request.0, l.blocks.iter().map(|b| b.engine.0).collect());
                 }
                 match r.worker.start_step(meta) {
-                    Ok(()) => Ok(()),
+                    Ok(StepStarted::Clear) => Ok(()),
                     // The forward may overwrite the preempted requests' blocks right after
                     // this call: wait for the fence here (their stores' deadline bounds it).
-                    Err(OffloadError::FenceNotHeld(fence)) => {
+                    Ok(StepStarted::FenceOutstanding(fence)) => {
                         if fence.wait(Instant::now() + r.store_timeout) {
                             Ok(())
                         } else {

@@ -39,7 +39,7 @@ pub struct WorkerConfig {
     pub policy: LoadFailurePolicy,
     /// Longest `start_step` waits for the fence of the requests preempted in its metadata;
     /// if the fence does not hold by then, `start_step` hands it back in
-    /// [`OffloadError::FenceNotHeld`] (default 1 ms: see [`DEFAULT_PREEMPT_WAIT`]).
+    /// [`StepStarted::FenceOutstanding`] (default 1 ms: see [`DEFAULT_PREEMPT_WAIT`]).
     pub preempt_wait: Duration,
 }
 
@@ -94,6 +94,28 @@ enum Role {
     /// Host-tier buffers written to the file tier: a detached task (a store's write-through,
     /// or a write-back), so the request's life never waits for it.
     StoreFile,
+}
+
+/// What [`WorkerSide::start_step`] hands back: the step started (everything its metadata asked
+/// for was done), and whether the fence of the requests it preempted is still outstanding.
+#[must_use = "reuse no preempted request's block before an outstanding fence holds"]
+#[derive(Debug)]
+pub enum StepStarted {
+    /// No fence is outstanding: the blocks of the requests it preempted (if any) may be reused.
+    Clear,
+    /// The fence of the requests it preempted did not hold within
+    /// [`WorkerConfig::preempt_wait`]: reuse none of their blocks until it holds.
+    FenceOutstanding(PreemptionFence),
+}
+
+impl StepStarted {
+    /// The outstanding fence, if any.
+    pub fn fence(self) -> Option<PreemptionFence> {
+        match self {
+            StepStarted::Clear => None,
+            StepStarted::FenceOutstanding(f) => Some(f),
+        }
+    }
 }
 
 /// What [`WorkerSide::reset`] hands back.
@@ -177,10 +199,10 @@ impl WorkerSide {
 
     /// Start this step: submit the stores queued last step, drop evicted blocks, start loads,
     /// queue this step's stores, flush and fence the preempted requests, pass finished
-    /// requests on. [`OffloadError::FenceNotHeld`] means all of that was done, but the
+    /// requests on. [`StepStarted::FenceOutstanding`] means all of that was done, but the
     /// preemption's fence did not hold within `preempt_wait`: poll the fence it carries before
-    /// reusing those requests' blocks. Any other error means the driver stopped.
-    pub fn start_step(&mut self, meta: StepMeta) -> Result<(), OffloadError> {
+    /// reusing those requests' blocks. An error means the driver stopped.
+    pub fn start_step(&mut self, meta: StepMeta) -> Result<StepStarted, OffloadError> {
         self.driver.start_step()?;
         if let Some(keep) = meta.retain_host {
             self.host.retain(keep);
@@ -206,11 +228,11 @@ impl WorkerSide {
         for job in meta.stores {
             self.queue_store(job)?;
         }
-        let mut not_held = None;
+        let mut started = StepStarted::Clear;
         if !meta.preempted.is_empty() {
             let fence = self.handle_preemptions(&meta.preempted, self.cfg.preempt_wait)?;
             if !fence.is_ready() {
-                not_held = Some(fence);
+                started = StepStarted::FenceOutstanding(fence);
             }
         }
         self.abandon_loads(&meta.finished);
@@ -226,10 +248,7 @@ impl WorkerSide {
         if meta.submit_stores_now {
             self.driver.start_step()?;
         }
-        match not_held {
-            None => Ok(()),
-            Some(fence) => Err(OffloadError::FenceNotHeld(fence)),
-        }
+        Ok(started)
     }
 
     fn deadline(&self, dir: Direction) -> Instant {

@@ -46,15 +46,6 @@ impl PreemptionFence {
     }
 }
 
-impl PartialEq for PreemptionFence {
-    /// Fences of the same requests are equal (what an error comparison needs).
-    fn eq(&self, other: &Self) -> bool {
-        self.requests == other.requests
-    }
-}
-
-impl Eq for PreemptionFence {}
-
 impl WorkerSide {
     /// Before the engine may overwrite anything: flush the preempted requests' stores and
     /// cancel their loads. Waits at most `budget` for the fence, then hands it back whether it
