@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use crate::error::CoreError;
-use crate::slab::Slab;
+use crate::pool_memory::Slab;
 use crate::sync::lock;
 
 /// Default alignment: what O_DIRECT needs on common filesystems and devices.
@@ -169,7 +169,7 @@ pub struct BufferPool {
 
 impl BufferPool {
     /// A pool of `count` buffers of `buf_size` bytes aligned to `align`, allocated now as one
-    /// slab (huge pages where the kernel gives them, see `slab.rs`).
+    /// slab (huge pages where the kernel gives them, see `pool_memory.rs`).
     pub fn new(count: usize, buf_size: usize, align: usize) -> Result<BufferPool, CoreError> {
         if !align.is_power_of_two() {
             return Err(CoreError::BadAlignment {

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::error::CoreError;
 use crate::sync::{lock, wait_timeout};
 
-use super::shared::Shared;
+use super::mailbox::Shared;
 
 /// Shared state of one fence: set (never cleared) by the driver thread once the fence holds.
 #[derive(Default)]

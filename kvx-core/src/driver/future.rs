@@ -11,7 +11,7 @@ use crate::error::CoreError;
 use crate::ids::TaskId;
 use crate::task::TaskReport;
 
-use super::shared::{Shared, Watcher};
+use super::mailbox::{Shared, Watcher};
 
 /// Resolves to the task's report once it reaches a terminal state; to
 /// [`CoreError::DriverStopped`] if the driver stopped first, or [`CoreError::DroppedByReset`].

@@ -4,8 +4,8 @@
 mod fence;
 #[cfg(feature = "tokio")]
 mod future;
+mod mailbox;
 mod run;
-mod shared;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -23,7 +23,7 @@ pub use fence::FenceHandle;
 use fence::FenceSlot;
 #[cfg(feature = "tokio")]
 pub use future::TaskFuture;
-use shared::{Cmd, Shared};
+use mailbox::{Cmd, Shared};
 
 /// The driver's timer granularity (1 ms).
 ///

@@ -19,7 +19,7 @@ use crate::task::TaskReport;
 use crate::tracker::{BackendCommand, Event, Fence, Tracker};
 
 use super::fence::FenceSlot;
-use super::shared::{Cmd, Shared, Watcher};
+use super::mailbox::{Cmd, Shared, Watcher};
 use super::{DriverConfig, Stopped};
 
 /// Records a stop even if the thread unwinds past every other handler, so no caller can wait
