@@ -209,7 +209,7 @@ impl BufferPool {
 
     /// Lend one buffer (length reset to its full size), or `None` when all are lent.
     pub fn take(&self) -> Option<PoolBuf> {
-        let mut st = self.lock();
+        let mut st = lock(&self.inner.state);
         let (index, mut buf) = st.free.pop()?;
         st.lent[index] = true;
         drop(st);
@@ -238,7 +238,7 @@ impl BufferPool {
 
     /// Buffers ready to lend.
     pub fn available(&self) -> usize {
-        self.lock().free.len()
+        lock(&self.inner.state).free.len()
     }
 
     /// Buffers lent out (to ops, tiers or callers).
@@ -248,16 +248,16 @@ impl BufferPool {
 
     /// Whether buffer `index` is lent out right now.
     pub fn is_lent(&self, index: usize) -> bool {
-        self.lock().lent.get(index).copied().unwrap_or(false)
+        lock(&self.inner.state)
+            .lent
+            .get(index)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// True when every buffer is back.
     pub fn is_whole(&self) -> bool {
         self.available() == self.inner.count
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        lock(&self.inner.state)
     }
 }
 

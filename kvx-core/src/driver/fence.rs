@@ -32,6 +32,7 @@ impl FenceSlot {
 /// false, [`FenceHandle::wait`] returns false at once and [`FenceHandle::poll`] returns
 /// [`CoreError::DriverStopped`].
 #[derive(Clone)]
+#[must_use = "reuse no fenced engine block before the fence holds"]
 pub struct FenceHandle {
     slot: Arc<FenceSlot>,
     mailbox: Arc<Mailbox>,

@@ -15,6 +15,7 @@ use super::mailbox::{Mailbox, Watcher};
 
 /// Resolves to the task's report once it reaches a terminal state; to
 /// [`CoreError::DriverStopped`] if the driver stopped first, or [`CoreError::DroppedByReset`].
+#[must_use = "a future does nothing unless awaited; the task runs either way, its report goes to the future"]
 pub struct TaskFuture {
     id: TaskId,
     rx: oneshot::Receiver<TaskReport>,

@@ -131,6 +131,7 @@ impl DriverBuilder {
 
 /// The running driver. Dropping it stops the driver and waits for its thread to finish its
 /// current pass and drop the backends (zombie ops are abandoned to them).
+#[must_use = "dropping the driver stops it"]
 pub struct Driver {
     handle: DriverHandle,
     thread: Option<JoinHandle<()>>,
@@ -191,6 +192,7 @@ impl Drop for Driver {
 /// milliseconds keeps its hook short (the default hook with `RUST_BACKTRACE=1` symbolizes a
 /// backtrace, which can take hundreds of milliseconds).
 #[derive(Clone)]
+#[must_use]
 pub struct DriverHandle {
     mailbox: Arc<Mailbox>,
 }

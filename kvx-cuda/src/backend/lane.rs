@@ -87,25 +87,21 @@ impl<F: Fence> Lane<F> {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<F>> {
-        kvx_core::lock(&self.q)
-    }
-
     /// Queue an op whose fence is already set (its event recorded).
     pub(crate) fn push(&self, f: InFlight<F>) {
-        self.lock().items.push_back(f);
+        kvx_core::lock(&self.q).items.push_back(f);
         self.cv.notify_one();
     }
 
     /// Ask the completer to exit once the queue is drained.
     pub(crate) fn shutdown(&self) {
-        self.lock().shutdown = true;
+        kvx_core::lock(&self.q).shutdown = true;
         self.cv.notify_all();
     }
 
     /// The oldest op, or `None` once shut down and drained. Blocks while the lane is idle.
     fn next(&self) -> Option<InFlight<F>> {
-        let mut q = self.lock();
+        let mut q = kvx_core::lock(&self.q);
         loop {
             if let Some(f) = q.items.pop_front() {
                 return Some(f);

@@ -120,6 +120,7 @@ impl StepStarted {
 
 /// What [`WorkerSide::reset`] hands back.
 #[derive(Debug)]
+#[must_use = "reuse no engine block before the reset's fence holds; free the delayed requests then"]
 pub struct WorkerReset {
     /// Holds once every engine-memory op that was out at the reset has returned: reuse no
     /// engine block before it holds.

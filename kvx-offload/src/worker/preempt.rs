@@ -12,6 +12,7 @@ use crate::error::OffloadError;
 /// store of theirs has really returned (flushed) and every load copy has been cancelled or
 /// has returned. Reuse none of their blocks before it holds.
 #[derive(Debug, Clone)]
+#[must_use = "reuse no preempted request's block before the fence holds"]
 pub struct PreemptionFence {
     requests: Vec<RequestId>,
     fences: Vec<FenceHandle>,
