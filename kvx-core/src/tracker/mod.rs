@@ -3,7 +3,8 @@
 //! The files of this module, one idea each: `types` (the public types), `stages` (a task's
 //! stage machine: submit, hand ops out, complete, time out, terminate), `ordering` (who may
 //! touch an engine block when: per-block queues and fences), `lifecycle` (a request's life:
-//! preempt, finish, release, reset), `requests` (a request's list of live tasks), and the data
+//! preempt, finish, release, reset), `requests` (a request's list of live tasks; a detached
+//! task, see [`Tracker::submit_detached`], is in none), and the data
 //! structures: `slab` (where tasks, ops and requests live), `task_index`, `engine_set`,
 //! `holders` and `deadlines`.
 //!
