@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use crate::error::CoreError;
-use crate::slab::Slab;
+use crate::pool_memory::PoolMemory;
 use crate::sync::lock;
 
 /// Default alignment: what O_DIRECT needs on common filesystems and devices.
@@ -17,7 +17,7 @@ pub struct AlignedBuf {
     cap: usize,
     align: usize,
     len: usize,
-    /// Allocated by `new` (freed on drop), or a range of a pool's slab (freed with the slab).
+    /// Allocated by `new` (freed on drop), or a range of a pool's memory (freed with the memory).
     owned: bool,
 }
 
@@ -149,11 +149,11 @@ struct PoolInner {
     align: usize,
     count: usize,
     /// Holds the buffers (free ones here, lent ones in their `PoolBuf`): declared before the
-    /// slab, so they are dropped before it.
+    /// memory, so they are dropped before it.
     state: Mutex<PoolState>,
     /// The memory of every buffer; lives as long as the pool or any buffer lent from it
     /// (each `PoolBuf` holds the pool).
-    _slab: Slab,
+    _memory: PoolMemory,
 }
 
 /// A fixed set of equal, aligned buffers. Cloning gives another handle to the same pool.
@@ -169,7 +169,7 @@ pub struct BufferPool {
 
 impl BufferPool {
     /// A pool of `count` buffers of `buf_size` bytes aligned to `align`, allocated now as one
-    /// slab (huge pages where the kernel gives them, see `slab.rs`).
+    /// memory (huge pages where the kernel gives them, see `pool_memory.rs`).
     pub fn new(count: usize, buf_size: usize, align: usize) -> Result<BufferPool, CoreError> {
         if !align.is_power_of_two() {
             return Err(CoreError::BadAlignment {
@@ -181,14 +181,14 @@ impl BufferPool {
         let bytes = stride
             .checked_mul(count)
             .ok_or(CoreError::OutOfMemory { bytes: usize::MAX })?;
-        let slab = Slab::new(bytes, align)?;
+        let memory = PoolMemory::new(bytes, align)?;
         let mut free = Vec::with_capacity(count);
         for i in (0..count).rev() {
-            // SAFETY: buffer i covers bytes [i * stride, i * stride + buf_size) of the slab,
-            // inside it (count * stride bytes) and disjoint from every other buffer's; the slab
+            // SAFETY: buffer i covers bytes [i * stride, i * stride + buf_size) of the memory,
+            // inside it (count * stride bytes) and disjoint from every other buffer's; the memory
             // is dropped only after every buffer (see `PoolInner`).
             let buf = unsafe {
-                let ptr = NonNull::new_unchecked(slab.ptr().as_ptr().add(i * stride));
+                let ptr = NonNull::new_unchecked(memory.ptr().as_ptr().add(i * stride));
                 AlignedBuf::carved(ptr, buf_size, align)
             };
             free.push((i, buf));
@@ -202,14 +202,14 @@ impl BufferPool {
                     free,
                     lent: vec![false; count],
                 }),
-                _slab: slab,
+                _memory: memory,
             }),
         })
     }
 
     /// Lend one buffer (length reset to its full size), or `None` when all are lent.
     pub fn take(&self) -> Option<PoolBuf> {
-        let mut st = self.lock();
+        let mut st = lock(&self.inner.state);
         let (index, mut buf) = st.free.pop()?;
         st.lent[index] = true;
         drop(st);
@@ -238,7 +238,7 @@ impl BufferPool {
 
     /// Buffers ready to lend.
     pub fn available(&self) -> usize {
-        self.lock().free.len()
+        lock(&self.inner.state).free.len()
     }
 
     /// Buffers lent out (to ops, tiers or callers).
@@ -248,16 +248,16 @@ impl BufferPool {
 
     /// Whether buffer `index` is lent out right now.
     pub fn is_lent(&self, index: usize) -> bool {
-        self.lock().lent.get(index).copied().unwrap_or(false)
+        lock(&self.inner.state)
+            .lent
+            .get(index)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// True when every buffer is back.
     pub fn is_whole(&self) -> bool {
         self.available() == self.inner.count
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        lock(&self.inner.state)
     }
 }
 
@@ -422,8 +422,8 @@ mod tests {
     }
 
     #[test]
-    fn slab_buffers_are_aligned_zeroed_disjoint_and_outlive_the_pool_handle() {
-        // 5000 bytes: a stride of two 4 KiB pages; 600 buffers make a slab of huge pages.
+    fn pool_buffers_are_aligned_zeroed_disjoint_and_outlive_the_pool_handle() {
+        // 5000 bytes: a stride of two 4 KiB pages; 600 buffers make a pool memory of huge pages.
         let pool = BufferPool::new(600, 5000, DEFAULT_ALIGN).unwrap();
         let mut all: Vec<PoolBuf> = (0..600).map(|_| pool.take().unwrap()).collect();
         for (i, b) in all.iter_mut().enumerate() {

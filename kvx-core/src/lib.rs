@@ -62,7 +62,7 @@ mod ids;
 mod layout;
 pub mod metrics;
 mod op;
-mod slab;
+mod pool_memory;
 pub mod sync;
 mod task;
 mod tensor_layout;

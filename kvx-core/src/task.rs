@@ -12,7 +12,8 @@ use crate::op::{BlockError, OpBlock};
 /// to the next (a load from a file is `[posix, host]`: file → staging buffer → engine memory).
 #[derive(Debug)]
 pub struct TaskSpec {
-    /// Request the task belongs to.
+    /// Request the task belongs to (a detached task runs on its behalf, outside its life: see
+    /// [`Tracker::submit_detached`](crate::Tracker::submit_detached)).
     pub request: RequestId,
     /// Load (into engine memory) or store (out of it).
     pub dir: Direction,

@@ -8,11 +8,12 @@
 //! waits for a parked request, so a frozen request cannot deadlock them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use fuser::Errno;
+use kvx_core::sync::{lock, wait, wait_timeout};
 
 /// A FUSE reply that can be answered with an error (implemented for the reply types we use).
 pub(crate) trait Fail: Send + 'static {
@@ -58,12 +59,8 @@ impl Gate {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn set_mode(&self, from: &[Mode], to: Mode) {
-        let mut st = self.lock();
+        let mut st = lock(&self.state);
         if from.contains(&st.mode) {
             st.mode = to;
         }
@@ -88,12 +85,12 @@ impl Gate {
 
     /// Whether requests currently block.
     pub(crate) fn is_frozen(&self) -> bool {
-        self.lock().mode == Mode::Frozen
+        lock(&self.state).mode == Mode::Frozen
     }
 
     /// Requests parked right now.
     pub(crate) fn blocked(&self) -> usize {
-        self.lock().blocked
+        lock(&self.state).blocked
     }
 
     /// Requests let through to the backing store so far.
@@ -104,17 +101,13 @@ impl Gate {
     /// Wait until at least `n` requests are parked; false if `timeout` passed first.
     pub(crate) fn wait_blocked(&self, n: usize, timeout: Duration) -> bool {
         let end = Instant::now() + timeout;
-        let mut st = self.lock();
+        let mut st = lock(&self.state);
         while st.blocked < n {
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            st = self
-                .changed
-                .wait_timeout(st, left)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            st = wait_timeout(&self.changed, st, left);
         }
         true
     }
@@ -126,7 +119,7 @@ impl Gate {
         reply: R,
         serve: impl FnOnce(R) + Send + 'static,
     ) {
-        let mut st = self.lock();
+        let mut st = lock(&self.state);
         match st.mode {
             Mode::Open => {
                 // Counted under the lock: a freeze that follows sees every request let through.
@@ -150,7 +143,7 @@ impl Gate {
                     // The closure (and with it the reply) is gone: fuser answers a dropped
                     // reply with EIO. Undo the count so waiters do not see a phantom request.
                     tracing::warn!("stallfs: cannot park a frozen request: {e}");
-                    self.lock().blocked -= 1;
+                    lock(&self.state).blocked -= 1;
                     self.changed.notify_all();
                 }
             }
@@ -159,12 +152,9 @@ impl Gate {
 
     /// Body of a parked request: wait while frozen, then serve or fail.
     fn park<R: Fail>(&self, reply: R, serve: impl FnOnce(R)) {
-        let mut st = self.lock();
+        let mut st = lock(&self.state);
         while st.mode == Mode::Frozen {
-            st = self
-                .changed
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
+            st = wait(&self.changed, st);
         }
         st.blocked -= 1;
         let mode = st.mode;

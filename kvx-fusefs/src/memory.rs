@@ -5,10 +5,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{OsStr, OsString};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::Mutex;
 use std::time::SystemTime;
 
 use fuser::{Errno, FileAttr, FileType, INodeNo};
+use kvx_core::sync::lock;
 
 use crate::backing::{
     DirEntry, FsResult, Owner, ROOT_INO, StatFs, Store, rename_noreplace, rename_unsupported,
@@ -215,10 +216,6 @@ impl MemoryStore {
             }),
         }
     }
-
-    fn tree(&self) -> MutexGuard<'_, Tree> {
-        self.tree.lock().unwrap_or_else(PoisonError::into_inner)
-    }
 }
 
 fn perm(mode: u32) -> u16 {
@@ -227,7 +224,7 @@ fn perm(mode: u32) -> u16 {
 
 impl Store for MemoryStore {
     fn lookup(&self, parent: u64, name: &OsStr) -> FsResult<FileAttr> {
-        let tree = self.tree();
+        let tree = lock(&self.tree);
         let ino = tree.child(parent, name)?;
         Ok(tree.node(ino)?.attr(ino))
     }
@@ -237,11 +234,11 @@ impl Store for MemoryStore {
     }
 
     fn getattr(&self, ino: u64, _fh: Option<u64>) -> FsResult<FileAttr> {
-        Ok(self.tree().node(ino)?.attr(ino))
+        Ok(lock(&self.tree).node(ino)?.attr(ino))
     }
 
     fn truncate(&self, ino: u64, _fh: Option<u64>, size: u64) -> FsResult<FileAttr> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let node = tree.node_mut(ino)?;
         let Content::File(data) = &mut node.content else {
             return Err(Errno::EISDIR);
@@ -254,7 +251,7 @@ impl Store for MemoryStore {
     }
 
     fn mkdir(&self, parent: u64, name: &OsStr, mode: u32, owner: Owner) -> FsResult<FileAttr> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let node = Node::new(Content::Dir(BTreeMap::new()), parent, perm(mode), owner);
         let ino = tree.insert(parent, name, node)?;
         Ok(tree.node(ino)?.attr(ino))
@@ -268,7 +265,7 @@ impl Store for MemoryStore {
         flags: i32,
         owner: Owner,
     ) -> FsResult<(FileAttr, u64)> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let ino = match tree.child(parent, name) {
             Ok(_) if flags & libc::O_EXCL != 0 => return Err(Errno::EEXIST),
             Ok(ino) => {
@@ -290,7 +287,7 @@ impl Store for MemoryStore {
     }
 
     fn open(&self, ino: u64, flags: i32) -> FsResult<u64> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let node = tree.node_mut(ino)?;
         if let Content::File(data) = &mut node.content {
             if flags & libc::O_TRUNC != 0 {
@@ -301,7 +298,7 @@ impl Store for MemoryStore {
     }
 
     fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let node = tree.file_of(fh)?;
         node.atime = SystemTime::now();
         let Content::File(data) = &node.content else {
@@ -315,7 +312,7 @@ impl Store for MemoryStore {
     }
 
     fn write(&self, fh: u64, offset: u64, bytes: &[u8]) -> FsResult<u32> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let node = tree.file_of(fh)?;
         let Content::File(data) = &mut node.content else {
             return Err(Errno::EISDIR);
@@ -333,11 +330,11 @@ impl Store for MemoryStore {
     }
 
     fn fsync(&self, fh: u64, _datasync: bool) -> FsResult<()> {
-        self.tree().file_of(fh).map(|_| ())
+        lock(&self.tree).file_of(fh).map(|_| ())
     }
 
     fn release(&self, fh: u64) {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let Some(ino) = tree.handles.remove(&fh) else {
             return;
         };
@@ -360,7 +357,7 @@ impl Store for MemoryStore {
         if rename_unsupported(flags) {
             return Err(Errno::EINVAL);
         }
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let ino = tree.child(parent, name)?;
         let moving_dir = tree.node(ino)?.is_dir();
         if moving_dir && tree.is_within(newparent, ino) {
@@ -391,7 +388,7 @@ impl Store for MemoryStore {
     }
 
     fn unlink(&self, parent: u64, name: &OsStr) -> FsResult<()> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let ino = tree.child(parent, name)?;
         tree.replaceable(ino, false)?;
         tree.children_mut(parent)?.remove(name);
@@ -401,7 +398,7 @@ impl Store for MemoryStore {
     }
 
     fn rmdir(&self, parent: u64, name: &OsStr) -> FsResult<()> {
-        let mut tree = self.tree();
+        let mut tree = lock(&self.tree);
         let ino = tree.child(parent, name)?;
         tree.replaceable(ino, true)?;
         tree.children_mut(parent)?.remove(name);
@@ -411,7 +408,7 @@ impl Store for MemoryStore {
     }
 
     fn readdir(&self, ino: u64) -> FsResult<Vec<DirEntry>> {
-        let tree = self.tree();
+        let tree = lock(&self.tree);
         let parent = tree.node(ino)?.parent;
         let mut out = vec![
             DirEntry {
@@ -441,7 +438,7 @@ impl Store for MemoryStore {
     }
 
     fn statfs(&self) -> FsResult<StatFs> {
-        let tree = self.tree();
+        let tree = lock(&self.tree);
         let used: u64 = tree
             .nodes
             .values()

@@ -12,10 +12,11 @@ use std::fs::{self, DirBuilder, File, Metadata, OpenOptions};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, DirEntryExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{Errno, FileAttr, FileType, INodeNo};
+use kvx_core::sync::lock;
 
 use crate::FuseError;
 use crate::backing::{
@@ -158,23 +159,19 @@ impl PassthroughStore {
         })
     }
 
-    fn table(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn full(&self, rel: &Path) -> PathBuf {
         self.root.join(rel)
     }
 
     /// Relative path of `name` in directory `parent`.
     fn child(&self, parent: u64, name: &OsStr) -> FsResult<PathBuf> {
-        Ok(self.table().path(parent)?.join(name))
+        Ok(lock(&self.table).path(parent)?.join(name))
     }
 
     /// Stat `rel` and count a kernel reference to it.
     fn entry(&self, rel: PathBuf) -> FsResult<FileAttr> {
         let meta = fs::symlink_metadata(self.full(&rel)).map_err(|e| errno(&e))?;
-        let ino = self.table().remember(rel);
+        let ino = lock(&self.table).remember(rel);
         Ok(attr(ino, &meta))
     }
 }
@@ -229,7 +226,7 @@ impl Store for PassthroughStore {
         if ino == ROOT_INO {
             return;
         }
-        let mut table = self.table();
+        let mut table = lock(&self.table);
         let Some(inode) = table.inodes.get_mut(&ino) else {
             return;
         };
@@ -244,11 +241,11 @@ impl Store for PassthroughStore {
     }
 
     fn getattr(&self, ino: u64, fh: Option<u64>) -> FsResult<FileAttr> {
-        let handle = fh.and_then(|fh| self.table().handle(fh).ok());
+        let handle = fh.and_then(|fh| lock(&self.table).handle(fh).ok());
         let meta = match handle {
             Some(file) => file.metadata(),
             None => {
-                let rel = self.table().path(ino)?.to_owned();
+                let rel = lock(&self.table).path(ino)?.to_owned();
                 fs::symlink_metadata(self.full(&rel))
             }
         };
@@ -256,11 +253,11 @@ impl Store for PassthroughStore {
     }
 
     fn truncate(&self, ino: u64, fh: Option<u64>, size: u64) -> FsResult<FileAttr> {
-        let handle = fh.and_then(|fh| self.table().handle(fh).ok());
+        let handle = fh.and_then(|fh| lock(&self.table).handle(fh).ok());
         let file = match handle {
             Some(file) => file,
             None => {
-                let rel = self.table().path(ino)?.to_owned();
+                let rel = lock(&self.table).path(ino)?.to_owned();
                 let file = OpenOptions::new().write(true).open(self.full(&rel));
                 Arc::new(file.map_err(|e| errno(&e))?)
             }
@@ -301,24 +298,24 @@ impl Store for PassthroughStore {
         }
         let file = o.open(self.full(&rel)).map_err(|e| errno(&e))?;
         let meta = file.metadata().map_err(|e| errno(&e))?;
-        let mut table = self.table();
+        let mut table = lock(&self.table);
         let ino = table.remember(rel);
         let fh = table.add_handle(file);
         Ok((attr(ino, &meta), fh))
     }
 
     fn open(&self, ino: u64, flags: i32) -> FsResult<u64> {
-        let rel = self.table().path(ino)?.to_owned();
+        let rel = lock(&self.table).path(ino)?.to_owned();
         let mut o = options(flags);
         if flags & libc::O_TRUNC != 0 {
             o.truncate(true);
         }
         let file = o.open(self.full(&rel)).map_err(|e| errno(&e))?;
-        Ok(self.table().add_handle(file))
+        Ok(lock(&self.table).add_handle(file))
     }
 
     fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
-        let file = self.table().handle(fh)?;
+        let file = lock(&self.table).handle(fh)?;
         let mut buf = vec![0u8; size as usize];
         let mut filled = 0;
         while filled < buf.len() {
@@ -334,13 +331,13 @@ impl Store for PassthroughStore {
     }
 
     fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
-        let file = self.table().handle(fh)?;
+        let file = lock(&self.table).handle(fh)?;
         file.write_all_at(data, offset).map_err(|e| errno(&e))?;
         u32::try_from(data.len()).map_err(|_| Errno::EINVAL)
     }
 
     fn fsync(&self, fh: u64, datasync: bool) -> FsResult<()> {
-        let file = self.table().handle(fh)?;
+        let file = lock(&self.table).handle(fh)?;
         let res = if datasync {
             file.sync_data()
         } else {
@@ -350,7 +347,7 @@ impl Store for PassthroughStore {
     }
 
     fn release(&self, fh: u64) {
-        self.table().handles.remove(&fh);
+        lock(&self.table).handles.remove(&fh);
     }
 
     fn rename(
@@ -371,7 +368,7 @@ impl Store for PassthroughStore {
             return Err(Errno::EEXIST);
         }
         fs::rename(&full_from, &full_to).map_err(|e| errno(&e))?;
-        let mut table = self.table();
+        let mut table = lock(&self.table);
         if from != to {
             table.vanish(&to);
             table.moved(&from, &to);
@@ -382,19 +379,19 @@ impl Store for PassthroughStore {
     fn unlink(&self, parent: u64, name: &OsStr) -> FsResult<()> {
         let rel = self.child(parent, name)?;
         fs::remove_file(self.full(&rel)).map_err(|e| errno(&e))?;
-        self.table().vanish(&rel);
+        lock(&self.table).vanish(&rel);
         Ok(())
     }
 
     fn rmdir(&self, parent: u64, name: &OsStr) -> FsResult<()> {
         let rel = self.child(parent, name)?;
         fs::remove_dir(self.full(&rel)).map_err(|e| errno(&e))?;
-        self.table().vanish(&rel);
+        lock(&self.table).vanish(&rel);
         Ok(())
     }
 
     fn readdir(&self, ino: u64) -> FsResult<Vec<DirEntry>> {
-        let rel = self.table().path(ino)?.to_owned();
+        let rel = lock(&self.table).path(ino)?.to_owned();
         let dir = self.full(&rel);
         let mut out = vec![
             DirEntry {

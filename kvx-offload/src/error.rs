@@ -3,7 +3,6 @@
 use kvx_core::{CoreError, RequestId};
 
 use crate::tier::Tier;
-use crate::worker::PreemptionFence;
 
 /// What went wrong in kvx-offload.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -31,10 +30,6 @@ pub enum OffloadError {
         /// Engine blocks given.
         blocks: usize,
     },
-    /// The step was started, but the fence of the requests it preempted did not hold within
-    /// `preempt_wait`: reuse none of their blocks until the fence handed back here holds.
-    #[error("preemption fence not held yet for {:?}: poll it before reusing their blocks", .0.requests())]
-    FenceNotHeld(PreemptionFence),
     /// Bad configuration: `field` names the setting (dotted for nested ones, e.g. `file.blocks`).
     #[error("invalid offload config: {field}: {reason}")]
     Config {

@@ -34,14 +34,15 @@
 //! let key = BlockKey::chain(None, b"prompt tokens");
 //! sched.save_blocks(RequestId(1), &[(key, EngineBlockId(0))]);
 //! sched.request_finished(RequestId(1));
-//! worker.start_step(sched.build_meta())?;
+//! // Nothing was preempted, so no preemption fence is outstanding.
+//! assert!(worker.start_step(sched.build_meta())?.fence().is_none());
 //! let out = worker.drain(Duration::from_secs(5))?;
 //! sched.update_from_worker(&out);
 //!
 //! // Request 2 has the same prefix: 16 tokens can be loaded into its engine block 5.
 //! assert_eq!(sched.get_num_new_matched_tokens(RequestId(2), &[key], 0), Some(16));
 //! sched.update_state_after_alloc(RequestId(2), &[EngineBlockId(5)])?;
-//! worker.start_step(sched.build_meta())?;
+//! assert!(worker.start_step(sched.build_meta())?.fence().is_none());
 //! let out = worker.drain(Duration::from_secs(5))?;
 //! assert_eq!(out.finished_recving, vec![RequestId(2)]);
 //! assert!(out.invalid_blocks.is_empty());
@@ -62,7 +63,7 @@
 //!
 //! - [`WorkerSide::start_step`]: that, plus at most [`WorkerConfig::preempt_wait`] (default
 //!   1 ms) when its metadata preempts requests; a fence that does not hold by then is handed
-//!   back in [`OffloadError::FenceNotHeld`] to poll;
+//!   back in [`StepStarted::FenceOutstanding`] to poll;
 //! - [`WorkerSide::get_finished`] and [`WorkerSide::reset`]: no waiting at all (`reset` hands
 //!   back a fence);
 //! - [`WorkerSide::handle_preemptions`]: at most its `budget`; [`WorkerSide::drain`]: at most
@@ -96,10 +97,12 @@ pub use file_hook::{FileTierHook, FileTierProbe};
 pub use kvx_posix::{IoEngine, Listing, ProbeAnswer, SharedMount};
 pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
 pub use meta::{
-    JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput, WriteBackJob,
+    JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, StepMeta, StoreJob, WorkerOutput,
+    WriteBackJob,
 };
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;
 pub use worker::{
-    DEFAULT_PREEMPT_WAIT, PreemptionFence, TierRoutes, WorkerConfig, WorkerReset, WorkerSide,
+    DEFAULT_PREEMPT_WAIT, PreemptionFence, StepStarted, TierRoutes, WorkerConfig, WorkerReset,
+    WorkerSide,
 };

@@ -56,6 +56,10 @@ pub struct WriteBackJob {
     pub keys: Vec<BlockKey>,
 }
 
+/// The request a write-back's task and [`JobResult`] name: a write-back serves no request
+/// (the scheduler half matches every result by its job).
+pub const NO_REQUEST: RequestId = RequestId(u64::MAX);
+
 /// Per-step instructions from the scheduler half to the worker half.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepMeta {
@@ -100,7 +104,7 @@ pub enum JobPart {
 pub struct JobResult {
     /// Job id.
     pub job: JobId,
-    /// Request.
+    /// Request the job served ([`NO_REQUEST`] for a write-back).
     pub request: RequestId,
     /// Which part of the job.
     pub part: JobPart,

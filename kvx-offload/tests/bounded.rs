@@ -111,8 +111,8 @@ fn ops_that_never_complete_leave_every_call_bounded() {
         let meta = r.sched.build_meta();
         let started = timed("start_step", &mut worst, || r.w().start_step(meta));
         match started {
-            Ok(()) => {}
-            Err(OffloadError::FenceNotHeld(f)) => fences.push(f),
+            Ok(StepStarted::Clear) => {}
+            Ok(StepStarted::FenceOutstanding(f)) => fences.push(f),
             Err(e) => panic!("start_step: {e}"),
         }
         let polled = Instant::now();
@@ -219,7 +219,7 @@ fn a_preemption_fence_holds_only_once_the_ops_returned() {
         "start_step took {:?}",
         t0.elapsed()
     );
-    let Err(OffloadError::FenceNotHeld(fence)) = started else {
+    let Ok(StepStarted::FenceOutstanding(fence)) = started else {
         panic!("the preemption fence cannot hold while the store is out: {started:?}");
     };
     assert_eq!(fence.requests(), &[RequestId(1)]);
@@ -315,7 +315,7 @@ fn a_backend_panic_turns_every_call_into_an_error() {
         let end = Instant::now() + T;
         while stopped.is_none() && Instant::now() < end {
             let meta = r.sched.build_meta();
-            match r.w().start_step(meta).and_then(|()| r.w().get_finished()) {
+            match r.w().start_step(meta).and_then(|_| r.w().get_finished()) {
                 Ok(out) => {
                     r.sched.update_from_worker(&out);
                     if r.sched.job_count() == 0 {
@@ -336,7 +336,7 @@ fn a_backend_panic_turns_every_call_into_an_error() {
     let calls: Vec<(&str, Call)> = vec![
         (
             "start_step",
-            Box::new(|r| r.w().start_step(StepMeta::default())),
+            Box::new(|r| r.w().start_step(StepMeta::default()).map(drop)),
         ),
         ("get_finished", Box::new(|r| r.w().get_finished().map(drop))),
         (

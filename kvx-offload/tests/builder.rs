@@ -187,7 +187,13 @@ fn a_toml_config_builds_the_file_tier_it_names() {
     let key = BlockKey::chain(None, b"toml");
     sched.save_blocks(RequestId(1), &[(key, EngineBlockId(1))]);
     sched.request_finished(RequestId(1));
-    worker.start_step(sched.build_meta()).unwrap();
+    assert!(
+        worker
+            .start_step(sched.build_meta())
+            .unwrap()
+            .fence()
+            .is_none()
+    );
     let out = worker.drain(T).unwrap();
     sched.update_from_worker(&out);
     assert!(files.contains(key), "written through to the file tier");

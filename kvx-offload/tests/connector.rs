@@ -175,7 +175,7 @@ fn complete_store_per_job() {
     let j2 = r.save(1, &ks[2..], &[2, 3]).unwrap();
     // Run both stores for real, but hold their results back from the scheduler.
     let meta = r.sched.build_meta();
-    r.w().start_step(meta).unwrap();
+    assert!(r.w().start_step(meta).unwrap().fence().is_none());
     let mut outs = r.w().drain(T).unwrap();
     assert_eq!(
         outs.jobs
@@ -371,7 +371,7 @@ fn idle_flush_submits_queued_stores_at_once() {
     // another step.
     let meta = r.sched.build_meta();
     assert!(meta.submit_stores_now);
-    r.w().start_step(meta).unwrap();
+    assert!(r.w().start_step(meta).unwrap().fence().is_none());
     // Only poll from now on (no further step).
     let end = Instant::now() + T;
     let mut out = WorkerOutput::default();

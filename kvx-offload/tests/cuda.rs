@@ -34,14 +34,14 @@ fn round_trip(device: CudaDevice) -> Result<(), Failed> {
     let key = BlockKey::chain(None, b"gpu block");
     sched.save_blocks(RequestId(1), &[(key, EngineBlockId(3))]);
     sched.request_finished(RequestId(1));
-    worker.start_step(sched.build_meta())?;
+    assert!(worker.start_step(sched.build_meta())?.fence().is_none());
     let out = worker.drain(Duration::from_secs(10))?;
     sched.update_from_worker(&out);
     if sched.get_num_new_matched_tokens(RequestId(2), &[key], 0) != Some(16) {
         return Err("the stored block is not found".into());
     }
     sched.update_state_after_alloc(RequestId(2), &[EngineBlockId(9)])?;
-    worker.start_step(sched.build_meta())?;
+    assert!(worker.start_step(sched.build_meta())?.fence().is_none());
     let out = worker.drain(Duration::from_secs(10))?;
     if out.finished_recving != vec![RequestId(2)] || !out.invalid_blocks.is_empty() {
         return Err(format!("load did not finish cleanly: {out:?}").into());

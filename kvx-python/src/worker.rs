@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_core::KvLayout;
-use kvx_offload::{JobPart, OffloadBuilder, OffloadError, OffloadRuntime};
+use kvx_offload::{JobPart, OffloadBuilder, OffloadRuntime, StepStarted};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -140,10 +140,10 @@ impl WorkerSide {
                         .insert(l.request.0, l.blocks.iter().map(|b| b.engine.0).collect());
                 }
                 match r.worker.start_step(meta) {
-                    Ok(()) => Ok(()),
+                    Ok(StepStarted::Clear) => Ok(()),
                     // The forward may overwrite the preempted requests' blocks right after
                     // this call: wait for the fence here (their stores' deadline bounds it).
-                    Err(OffloadError::FenceNotHeld(fence)) => {
+                    Ok(StepStarted::FenceOutstanding(fence)) => {
                         if fence.wait(Instant::now() + r.store_timeout) {
                             Ok(())
                         } else {

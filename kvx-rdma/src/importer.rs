@@ -107,7 +107,9 @@ impl Registry {
     }
 }
 
-struct Shared {
+/// What the importer shares with its op tasks: settings, ops, registered descriptors,
+/// transports and the runtime they run on.
+struct ImporterState {
     cfg: ImporterConfig,
     /// Ops in flight (each with its cancel source) and finished ops.
     ops: CompletionBoard<CancelSource>,
@@ -116,7 +118,7 @@ struct Shared {
     rt: Handle,
 }
 
-impl Shared {
+impl ImporterState {
     fn transport(&self, kind: TransportKind) -> Option<Arc<dyn Transport>> {
         self.transports.iter().find(|t| t.kind() == kind).cloned()
     }
@@ -125,7 +127,7 @@ impl Shared {
 /// The consumer-side backend. Register descriptors through an [`ImporterHandle`].
 pub struct Importer {
     name: String,
-    shared: Arc<Shared>,
+    state: Arc<ImporterState>,
     rt: Option<Runtime>,
 }
 
@@ -133,7 +135,7 @@ pub struct Importer {
 /// and to say when this reader is done with them.
 #[derive(Clone)]
 pub struct ImporterHandle {
-    shared: Arc<Shared>,
+    state: Arc<ImporterState>,
 }
 
 impl Importer {
@@ -154,7 +156,7 @@ impl Importer {
             .enable_all()
             .build()
             .map_err(|e| RdmaError::Runtime(format!("cannot start the importer runtime: {e}")))?;
-        let shared = Arc::new(Shared {
+        let state = Arc::new(ImporterState {
             cfg,
             ops: CompletionBoard::default(),
             registry: Mutex::new(Registry::default()),
@@ -163,7 +165,7 @@ impl Importer {
         });
         Ok(Importer {
             name: "rdma".into(),
-            shared,
+            state,
             rt: Some(rt),
         })
     }
@@ -171,7 +173,7 @@ impl Importer {
     /// A handle for registering descriptors (keep it when the importer moves into a driver).
     pub fn handle(&self) -> ImporterHandle {
         ImporterHandle {
-            shared: self.shared.clone(),
+            state: self.state.clone(),
         }
     }
 }
@@ -181,12 +183,12 @@ impl ImporterHandle {
     pub fn register(&self, desc: RemoteDescriptor) -> Result<(), RdmaError> {
         desc.validate()?;
         let transport = self
-            .shared
+            .state
             .transport(desc.transport)
             .ok_or_else(|| RdmaError::TransportUnavailable(desc.transport.to_string()))?;
         let request = desc.request;
         let desc = Arc::new(desc);
-        let mut reg = lock(&self.shared.registry);
+        let mut reg = lock(&self.state.registry);
         if reg.descs.contains_key(&request) {
             return Err(RdmaError::BadDescriptor {
                 request,
@@ -215,8 +217,8 @@ impl ImporterHandle {
             },
         );
         drop(reg);
-        if self.shared.cfg.heartbeats {
-            self.shared
+        if self.state.cfg.heartbeats {
+            self.state
                 .rt
                 .spawn(heartbeats(transport, desc, stop_rx, lost));
         }
@@ -225,18 +227,18 @@ impl ImporterHandle {
 
     /// Why the producer refused a heartbeat for `request` (its lease ended), if it did.
     pub fn lease_lost(&self, request: RequestId) -> Option<String> {
-        let reg = lock(&self.shared.registry);
+        let reg = lock(&self.state.registry);
         reg.descs.get(&request).and_then(|r| lock(&r.lost).clone())
     }
 
     /// Requests registered now.
     pub fn registered(&self) -> usize {
-        lock(&self.shared.registry).descs.len()
+        lock(&self.state.registry).descs.len()
     }
 
     /// Stop renewing `request`'s lease and unregister it, without telling the producer.
     pub fn forget(&self, request: RequestId) -> Result<(), RdmaError> {
-        let reg = lock(&self.shared.registry)
+        let reg = lock(&self.state.registry)
             .remove(request)
             .ok_or(RdmaError::NotRegistered(request))?;
         let _ = reg.stop.send(true);
@@ -246,20 +248,20 @@ impl ImporterHandle {
     /// This reader is done with `request`: stop heartbeats, unregister, and tell the producer
     /// (waits at most the control timeout).
     pub fn done(&self, request: RequestId) -> Result<(), RdmaError> {
-        let reg = lock(&self.shared.registry)
+        let reg = lock(&self.state.registry)
             .remove(request)
             .ok_or(RdmaError::NotRegistered(request))?;
         let _ = reg.stop.send(true);
         let transport = self
-            .shared
+            .state
             .transport(reg.desc.transport)
             .ok_or_else(|| RdmaError::TransportUnavailable(reg.desc.transport.to_string()))?;
         let (tx, rx) = std::sync::mpsc::channel();
         let desc = reg.desc.clone();
-        self.shared.rt.spawn(async move {
+        self.state.rt.spawn(async move {
             let _ = tx.send(transport.done(&desc).await);
         });
-        let wait = self.shared.cfg.control_timeout + Duration::from_millis(500);
+        let wait = self.state.cfg.control_timeout + Duration::from_millis(500);
         rx.recv_timeout(wait).map_err(|_| RdmaError::TimedOut {
             what: "done",
             addr: reg.desc.addr,
@@ -294,7 +296,7 @@ async fn heartbeats(
     }
 }
 
-async fn run_op(shared: Arc<Shared>, mut op: Op, cancel: CancelToken) {
+async fn run_op(state: Arc<ImporterState>, mut op: Op, cancel: CancelToken) {
     let n = op.blocks.len();
     let mut results: Vec<Option<Result<(), BlockError>>> = vec![None; n];
     // Resolve keys and group blocks by remote request.
@@ -302,7 +304,7 @@ async fn run_op(shared: Arc<Shared>, mut op: Op, cancel: CancelToken) {
     type Group = (Arc<RemoteDescriptor>, Vec<(usize, u32)>);
     let mut groups: Vec<Group> = Vec::new();
     {
-        let reg = lock(&shared.registry);
+        let reg = lock(&state.registry);
         for (pos, b) in op.blocks.iter().enumerate() {
             let Some((desc, index)) = reg.lookup(b.key) else {
                 results[pos] = Some(Err(BlockError::NotFound));
@@ -331,7 +333,7 @@ async fn run_op(shared: Arc<Shared>, mut op: Op, cancel: CancelToken) {
         let mut bufs: Vec<Option<&mut PoolBuf>> =
             op.blocks.iter_mut().map(|b| b.buf.as_owned_mut()).collect();
         for (desc, members) in groups {
-            let Some(transport) = shared.transport(desc.transport) else {
+            let Some(transport) = state.transport(desc.transport) else {
                 for (pos, _) in members {
                     results[pos] = Some(Err(BlockError::Unavailable(format!(
                         "no {} transport",
@@ -360,7 +362,7 @@ async fn run_op(shared: Arc<Shared>, mut op: Op, cancel: CancelToken) {
         .into_iter()
         .map(|r| r.unwrap_or_else(|| Err(BlockError::Io("block was not read".into()))))
         .collect();
-    shared.ops.complete(OpCompletion { op, results });
+    state.ops.complete(OpCompletion { op, results });
 }
 
 impl Backend for Importer {
@@ -373,7 +375,7 @@ impl Backend for Importer {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        self.shared.ops.set_notifier(notifier);
+        self.state.ops.set_notifier(notifier);
     }
 
     fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
@@ -385,37 +387,37 @@ impl Backend for Importer {
         }
         let (source, token) = CancelToken::new();
         if !self
-            .shared
+            .state
             .ops
-            .begin_bounded(op.id, source, self.shared.cfg.max_ops)
+            .begin_bounded(op.id, source, self.state.cfg.max_ops)
         {
-            let msg = format!("{} remote ops in flight", self.shared.ops.pending_len());
+            let msg = format!("{} remote ops in flight", self.state.ops.pending_len());
             return Err(SubmitError {
                 op,
                 kind: SubmitErrorKind::Busy(msg),
             });
         }
-        let shared = self.shared.clone();
-        self.shared.rt.spawn(run_op(shared, op, token));
+        let state = self.state.clone();
+        self.state.rt.spawn(run_op(state, op, token));
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        self.shared.ops.drain(out);
+        self.state.ops.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
-        self.shared.ops.with_pending(op, |s| s.cancel());
+        self.state.ops.with_pending(op, |s| s.cancel());
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        self.shared.ops.wait(ops, until)
+        self.state.ops.wait(ops, until)
     }
 }
 
 impl Drop for Importer {
     fn drop(&mut self) {
-        for r in lock(&self.shared.registry).descs.values() {
+        for r in lock(&self.state.registry).descs.values() {
             let _ = r.stop.send(true);
         }
         if let Some(rt) = self.rt.take() {

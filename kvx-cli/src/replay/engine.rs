@@ -272,7 +272,8 @@ impl Engine<'_> {
             }
         }
         let w = self.rig.worker()?;
-        w.start_step(meta)?;
+        let started = w.start_step(meta)?;
+        debug_assert!(started.fence().is_none(), "the replay preempts no request");
         let out = w.get_finished()?;
         self.rig.sched.update_from_worker(&out);
         Ok(out)

@@ -8,9 +8,9 @@ use std::time::Instant;
 use crate::error::CoreError;
 use crate::sync::{lock, wait_timeout};
 
-use super::shared::Shared;
+use super::mailbox::Mailbox;
 
-/// Shared state of one fence: set (never cleared) by the driver thread once the fence holds.
+/// The state of one fence: set (never cleared) by the driver thread once the fence holds.
 #[derive(Default)]
 pub(super) struct FenceSlot {
     ready: AtomicBool,
@@ -32,14 +32,15 @@ impl FenceSlot {
 /// false, [`FenceHandle::wait`] returns false at once and [`FenceHandle::poll`] returns
 /// [`CoreError::DriverStopped`].
 #[derive(Clone)]
+#[must_use = "reuse no fenced engine block before the fence holds"]
 pub struct FenceHandle {
     slot: Arc<FenceSlot>,
-    shared: Arc<Shared>,
+    mailbox: Arc<Mailbox>,
 }
 
 impl FenceHandle {
-    pub(super) fn new(slot: Arc<FenceSlot>, shared: Arc<Shared>) -> FenceHandle {
-        FenceHandle { slot, shared }
+    pub(super) fn new(slot: Arc<FenceSlot>, mailbox: Arc<Mailbox>) -> FenceHandle {
+        FenceHandle { slot, mailbox }
     }
 
     /// True once the fence holds. Never blocks.
@@ -53,24 +54,24 @@ impl FenceHandle {
         if self.is_ready() {
             return Ok(true);
         }
-        self.shared.check().map(|()| false)
+        self.mailbox.check().map(|()| false)
     }
 
     /// Block until the fence holds (true), `until` passes or the driver stops (false).
     pub fn wait(&self, until: Instant) -> bool {
-        let mut out = lock(&self.shared.out);
+        let mut out = lock(&self.mailbox.out);
         loop {
             if self.is_ready() {
                 return true;
             }
-            if self.shared.stopped.get().is_some() {
+            if self.mailbox.stopped.get().is_some() {
                 return false;
             }
             let now = Instant::now();
             if now >= until {
                 return false;
             }
-            out = wait_timeout(&self.shared.cv, out, until - now);
+            out = wait_timeout(&self.mailbox.cv, out, until - now);
         }
     }
 }

@@ -4,8 +4,8 @@
 mod fence;
 #[cfg(feature = "tokio")]
 mod future;
+mod mailbox;
 mod run;
-mod shared;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -18,12 +18,12 @@ use crate::error::CoreError;
 use crate::ids::{BackendId, EngineBlockId, RequestId, TaskId};
 use crate::sync::{lock, wait_timeout};
 use crate::task::{TaskReport, TaskSpec};
-use crate::tracker::{TrackerConfig, TrackerStats};
+use crate::tracker::{Bond, TrackerConfig, TrackerStats};
 pub use fence::FenceHandle;
 use fence::FenceSlot;
 #[cfg(feature = "tokio")]
 pub use future::TaskFuture;
-use shared::{Cmd, Shared};
+use mailbox::{Cmd, Mailbox};
 
 /// The driver's timer granularity (1 ms).
 ///
@@ -104,26 +104,26 @@ impl DriverBuilder {
 
     /// Start the driver thread.
     pub fn spawn(self) -> Result<Driver, CoreError> {
-        let (tx, rx) = mpsc::channel::<Arc<Shared>>();
+        let (tx, rx) = mpsc::channel::<Arc<Mailbox>>();
         let DriverBuilder { cfg, backends } = self;
         crate::metrics::register_counters();
         let thread = std::thread::Builder::new()
             .name("kvx-driver".into())
             .spawn(move || {
-                if let Ok(shared) = rx.recv() {
-                    run::run(shared, cfg, backends)
+                if let Ok(mailbox) = rx.recv() {
+                    run::run(mailbox, cfg, backends)
                 }
             })
             .map_err(|e| CoreError::DriverStopped {
                 reason: format!("cannot spawn the driver thread: {e}"),
             })?;
-        let shared = Arc::new(Shared::new(thread.thread().clone()));
-        tx.send(shared.clone())
+        let mailbox = Arc::new(Mailbox::new(thread.thread().clone()));
+        tx.send(mailbox.clone())
             .map_err(|_| CoreError::DriverStopped {
                 reason: "the driver thread exited at start".into(),
             })?;
         Ok(Driver {
-            handle: DriverHandle { shared },
+            handle: DriverHandle { mailbox },
             thread: Some(thread),
         })
     }
@@ -131,6 +131,7 @@ impl DriverBuilder {
 
 /// The running driver. Dropping it stops the driver and waits for its thread to finish its
 /// current pass and drop the backends (zombie ops are abandoned to them).
+#[must_use = "dropping the driver stops it"]
 pub struct Driver {
     handle: DriverHandle,
     thread: Option<JoinHandle<()>>,
@@ -152,9 +153,9 @@ impl std::ops::Deref for Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let shared = &self.handle.shared;
-        shared.stop_requested.store(true, Ordering::Release);
-        shared.thread.unpark();
+        let mailbox = &self.handle.mailbox;
+        mailbox.stop_requested.store(true, Ordering::Release);
+        mailbox.thread.unpark();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -191,49 +192,61 @@ impl Drop for Driver {
 /// milliseconds keeps its hook short (the default hook with `RUST_BACKTRACE=1` symbolizes a
 /// backtrace, which can take hundreds of milliseconds).
 #[derive(Clone)]
+#[must_use]
 pub struct DriverHandle {
-    shared: Arc<Shared>,
+    mailbox: Arc<Mailbox>,
 }
 
 impl DriverHandle {
     /// Submit a task; returns at once with its id. Its verdict comes through `get_finished`.
     pub fn submit(&self, spec: TaskSpec) -> Result<TaskId, CoreError> {
-        let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
-        self.shared.send(Cmd::Submit(id, spec, None))?;
+        let id = TaskId(self.mailbox.next_task.fetch_add(1, Ordering::Relaxed));
+        self.mailbox
+            .send(Cmd::Submit(id, spec, Bond::Request, None))?;
+        Ok(id)
+    }
+
+    /// Submit a detached task (see [`Tracker::submit_detached`](crate::Tracker::submit_detached)):
+    /// it runs on behalf of `spec.request` but outside its life, and names no engine block.
+    /// Returns at once with its id; its verdict comes through `get_finished`.
+    pub fn submit_detached(&self, spec: TaskSpec) -> Result<TaskId, CoreError> {
+        let id = TaskId(self.mailbox.next_task.fetch_add(1, Ordering::Relaxed));
+        self.mailbox
+            .send(Cmd::Submit(id, spec, Bond::Detached, None))?;
         Ok(id)
     }
 
     /// Submit deferred tasks now (call at the start of each engine step).
     pub fn start_step(&self) -> Result<(), CoreError> {
-        self.shared.send(Cmd::StartStep)
+        self.mailbox.send(Cmd::StartStep)
     }
 
     /// Cancel a task (best effort: a task that already ended is unaffected).
     pub fn cancel(&self, task: TaskId) -> Result<(), CoreError> {
-        self.shared.send(Cmd::Cancel(task))
+        self.mailbox.send(Cmd::Cancel(task))
     }
 
     /// Preempt a request: cancel its loads, flush its stores. Wait for the fence before reusing
     /// its blocks.
     pub fn preempt(&self, req: RequestId) -> Result<FenceHandle, CoreError> {
         let slot = Arc::new(FenceSlot::default());
-        self.shared.send(Cmd::Preempt(req, slot.clone()))?;
-        Ok(FenceHandle::new(slot, self.shared.clone()))
+        self.mailbox.send(Cmd::Preempt(req, slot.clone()))?;
+        Ok(FenceHandle::new(slot, self.mailbox.clone()))
     }
 
     /// A fence over engine blocks about to be handed to someone else (flushes queued stores).
     pub fn fence_blocks(&self, blocks: &[EngineBlockId]) -> Result<FenceHandle, CoreError> {
         let slot = Arc::new(FenceSlot::default());
-        self.shared
+        self.mailbox
             .send(Cmd::FenceBlocks(blocks.to_vec(), slot.clone()))?;
-        Ok(FenceHandle::new(slot, self.shared.clone()))
+        Ok(FenceHandle::new(slot, self.mailbox.clone()))
     }
 
     /// The engine is done with a request: its loads are cancelled, its queued stores flushed.
     /// Returns at once. The request is reported once in [`Finished::released`] as soon as no
     /// op of it is out (in the next pass when nothing was out); free its blocks then.
     pub fn finish(&self, req: RequestId) -> Result<(), CoreError> {
-        self.shared.send(Cmd::Finish(req))
+        self.mailbox.send(Cmd::Finish(req))
     }
 
     /// Forget every live task without reporting it; late completions of their ops are dropped
@@ -244,52 +257,53 @@ impl DriverHandle {
     /// [`Finished::released`] once its own engine-memory ops have returned.
     pub fn reset(&self) -> Result<FenceHandle, CoreError> {
         let slot = Arc::new(FenceSlot::default());
-        self.shared.send(Cmd::Reset(slot.clone()))?;
-        Ok(FenceHandle::new(slot, self.shared.clone()))
+        self.mailbox.send(Cmd::Reset(slot.clone()))?;
+        Ok(FenceHandle::new(slot, self.mailbox.clone()))
     }
 
     /// Everything that finished since the last call. Never blocks.
     pub fn get_finished(&self) -> Finished {
-        std::mem::take(&mut lock(&self.shared.out).finished)
+        std::mem::take(&mut lock(&self.mailbox.out).finished)
     }
 
     /// Block until `task`'s report arrives (taken out of the finished set), `until` passes or
     /// the driver stops (`None`). For tests and simple callers.
     pub fn wait_report(&self, task: TaskId, until: Instant) -> Option<TaskReport> {
-        let mut out = lock(&self.shared.out);
+        let mut out = lock(&self.mailbox.out);
         loop {
             if let Some(i) = out.finished.reports.iter().position(|r| r.task == task) {
                 return Some(out.finished.reports.remove(i));
             }
             let now = Instant::now();
-            if now >= until || self.shared.stopped.get().is_some() {
+            if now >= until || self.mailbox.stopped.get().is_some() {
                 return None;
             }
-            out = wait_timeout(&self.shared.cv, out, until - now);
+            out = wait_timeout(&self.mailbox.cv, out, until - now);
         }
     }
 
     /// Tracker counters as of the driver's last pass, and whether the tracker is completely
     /// empty with no command of this driver still queued. Never blocks.
     pub fn stats(&self) -> Result<(TrackerStats, bool), CoreError> {
-        self.shared.check()?;
-        let out = lock(&self.shared.out);
-        let current = out.applied == self.shared.sent.load(Ordering::Acquire);
+        self.mailbox.check()?;
+        let out = lock(&self.mailbox.out);
+        let current = out.applied == self.mailbox.sent.load(Ordering::Acquire);
         Ok((out.stats.clone(), out.empty && current))
     }
 
     /// Why the driver stopped and which engine blocks may still be touched; `None` while it
     /// runs. Never blocks.
     pub fn stopped(&self) -> Option<Stopped> {
-        self.shared.stopped.get().cloned()
+        self.mailbox.stopped.get().cloned()
     }
 
     /// Submit a task and get a future of its report (feature `tokio`).
     #[cfg(feature = "tokio")]
     pub fn submit_async(&self, spec: TaskSpec) -> Result<TaskFuture, CoreError> {
-        let id = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
-        let (fut, watcher) = TaskFuture::new(id, self.shared.clone());
-        self.shared.send(Cmd::Submit(id, spec, Some(watcher)))?;
+        let id = TaskId(self.mailbox.next_task.fetch_add(1, Ordering::Relaxed));
+        let (fut, watcher) = TaskFuture::new(id, self.mailbox.clone());
+        self.mailbox
+            .send(Cmd::Submit(id, spec, Bond::Request, Some(watcher)))?;
         Ok(fut)
     }
 }

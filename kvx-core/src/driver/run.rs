@@ -19,12 +19,12 @@ use crate::task::TaskReport;
 use crate::tracker::{BackendCommand, Event, Fence, Tracker};
 
 use super::fence::FenceSlot;
-use super::shared::{Cmd, Shared, Watcher};
+use super::mailbox::{Cmd, Mailbox, Watcher};
 use super::{DriverConfig, Stopped};
 
 /// Records a stop even if the thread unwinds past every other handler, so no caller can wait
 /// on a driver that is gone.
-struct StopGuard(Arc<Shared>);
+struct StopGuard(Arc<Mailbox>);
 
 impl Drop for StopGuard {
     fn drop(&mut self) {
@@ -36,10 +36,10 @@ impl Drop for StopGuard {
 }
 
 /// Body of the driver thread.
-pub(super) fn run(shared: Arc<Shared>, cfg: DriverConfig, backends: Vec<Box<dyn Backend>>) {
-    let _guard = StopGuard(shared.clone());
+pub(super) fn run(mailbox: Arc<Mailbox>, cfg: DriverConfig, backends: Vec<Box<dyn Backend>>) {
+    let _guard = StopGuard(mailbox.clone());
     let mut l = Loop {
-        shared: shared.clone(),
+        mailbox: mailbox.clone(),
         tracker: Tracker::new(cfg.tracker.clone()),
         backends,
         batch: VecDeque::new(),
@@ -64,7 +64,7 @@ pub(super) fn run(shared: Arc<Shared>, cfg: DriverConfig, backends: Vec<Box<dyn 
     };
     let blocks_at_risk = catch_unwind(AssertUnwindSafe(|| l.tracker.engine_blocks_out())).ok();
     // Record first: futures woken by the dropped watchers below read the reason.
-    shared.stop(Stopped {
+    mailbox.stop(Stopped {
         reason,
         blocks_at_risk,
     });
@@ -84,7 +84,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 struct Loop {
-    shared: Arc<Shared>,
+    mailbox: Arc<Mailbox>,
     tracker: Tracker,
     backends: Vec<Box<dyn Backend>>,
     /// Commands taken from the queue and not yet applied (kept here, not on the stack, so a
@@ -117,7 +117,7 @@ impl Loop {
     }
 
     fn run(&mut self, max_park: Duration) {
-        while !self.shared.stop_requested.load(Ordering::Acquire) {
+        while !self.mailbox.stop_requested.load(Ordering::Acquire) {
             if !self.turn() {
                 let park = match self.tracker.poll_timeout() {
                     Some(at) => at.saturating_duration_since(Instant::now()).min(max_park),
@@ -135,7 +135,7 @@ impl Loop {
     fn turn(&mut self) -> bool {
         let mut busy = false;
         self.batch
-            .extend(std::mem::take(&mut *lock(&self.shared.cmds)));
+            .extend(std::mem::take(&mut *lock(&self.mailbox.cmds)));
         let now = Instant::now();
         while let Some(cmd) = self.batch.pop_front() {
             busy = true;
@@ -206,7 +206,7 @@ impl Loop {
         }
         let empty = self.tracker.is_empty();
         {
-            let mut out = lock(&self.shared.out);
+            let mut out = lock(&self.mailbox.out);
             out.finished.reports.append(&mut self.reports);
             out.finished.released.extend(released);
             out.stats = stats;
@@ -214,17 +214,17 @@ impl Loop {
             out.applied = self.applied;
         }
         if news {
-            self.shared.cv.notify_all();
+            self.mailbox.cv.notify_all();
         }
     }
 
     fn apply(&mut self, cmd: Cmd, now: Instant) {
         match cmd {
-            Cmd::Submit(id, spec, watcher) => {
+            Cmd::Submit(id, spec, bond, watcher) => {
                 if let Some(w) = watcher {
                     self.watchers.insert(id, w);
                 }
-                if let Err(e) = self.tracker.submit_as(id, spec, now) {
+                if let Err(e) = self.tracker.submit_as(id, spec, bond, now) {
                     tracing::error!(%id, error = %e, "driver: task id reused");
                     self.watchers.remove(&id);
                 }

@@ -34,8 +34,9 @@ impl Default for HostBackendConfig {
     }
 }
 
-/// What the backend shares with its workers. A pending op's state is its cancel flag.
-struct Shared {
+/// What the copy threads work with: the completion board (a pending op's state is its cancel
+/// flag), the engine memory's layout, and the test delay.
+struct CopyContext {
     board: CompletionBoard<bool>,
     layout: KvLayout,
     delay: Duration,
@@ -48,7 +49,7 @@ struct Shared {
 pub struct HostBackend {
     name: String,
     tx: Option<Sender<Op>>,
-    shared: Arc<Shared>,
+    ctx: Arc<CopyContext>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -66,7 +67,7 @@ impl HostBackend {
                 what: "device memory".into(),
             });
         }
-        let shared = Arc::new(Shared {
+        let ctx = Arc::new(CopyContext {
             board: CompletionBoard::default(),
             layout,
             delay: cfg.delay,
@@ -75,24 +76,24 @@ impl HostBackend {
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..cfg.threads.max(1))
             .map(|i| {
-                let shared = shared.clone();
+                let ctx = ctx.clone();
                 let rx = rx.clone();
                 std::thread::Builder::new()
                     .name(format!("kvx-host-{i}"))
-                    .spawn(move || worker(shared, rx))
+                    .spawn(move || worker(ctx, rx))
                     .map_err(|e| CoreError::BadLayout(format!("cannot spawn host worker: {e}")))
             })
             .collect::<Result<_, _>>()?;
         Ok(HostBackend {
             name: "host".into(),
             tx: Some(tx),
-            shared,
+            ctx,
             workers,
         })
     }
 }
 
-fn worker(shared: Arc<Shared>, rx: Arc<Mutex<Receiver<Op>>>) {
+fn worker(ctx: Arc<CopyContext>, rx: Arc<Mutex<Receiver<Op>>>) {
     loop {
         let op = {
             let rx = lock(&rx);
@@ -101,16 +102,16 @@ fn worker(shared: Arc<Shared>, rx: Arc<Mutex<Receiver<Op>>>) {
                 Err(_) => return,
             }
         };
-        if !shared.delay.is_zero() {
-            std::thread::sleep(shared.delay);
+        if !ctx.delay.is_zero() {
+            std::thread::sleep(ctx.delay);
         }
-        let cancelled = shared.board.with_pending(op.id, |c| *c).unwrap_or(false);
+        let cancelled = ctx.board.with_pending(op.id, |c| *c).unwrap_or(false);
         let completion = if cancelled {
             OpCompletion::all(op, Err(BlockError::Cancelled))
         } else {
-            run(&shared.layout, op)
+            run(&ctx.layout, op)
         };
-        shared.board.complete(completion);
+        ctx.board.complete(completion);
     }
 }
 
@@ -153,7 +154,7 @@ impl Backend for HostBackend {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        self.shared.board.set_notifier(notifier);
+        self.ctx.board.set_notifier(notifier);
     }
 
     fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
@@ -164,9 +165,9 @@ impl Backend for HostBackend {
                 kind: SubmitErrorKind::Unavailable("host backend is shutting down".into()),
             });
         };
-        self.shared.board.begin(id, false);
+        self.ctx.board.begin(id, false);
         tx.send(op).map_err(|std::sync::mpsc::SendError(op)| {
-            self.shared.board.abandon(id);
+            self.ctx.board.abandon(id);
             SubmitError {
                 op,
                 kind: SubmitErrorKind::Unavailable("host workers stopped".into()),
@@ -175,15 +176,15 @@ impl Backend for HostBackend {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        self.shared.board.drain(out);
+        self.ctx.board.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
-        self.shared.board.with_pending(op, |c| *c = true);
+        self.ctx.board.with_pending(op, |c| *c = true);
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        self.shared.board.wait(ops, until)
+        self.ctx.board.wait(ops, until)
     }
 }
 

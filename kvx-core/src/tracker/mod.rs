@@ -3,7 +3,8 @@
 //! The files of this module, one idea each: `types` (the public types), `stages` (a task's
 //! stage machine: submit, hand ops out, complete, time out, terminate), `ordering` (who may
 //! touch an engine block when: per-block queues and fences), `lifecycle` (a request's life:
-//! preempt, finish, release, reset), `requests` (a request's list of live tasks), and the data
+//! preempt, finish, release, reset), `requests` (a request's list of live tasks; a detached
+//! task, see [`Tracker::submit_detached`], is in none), and the data
 //! structures: `slab` (where tasks, ops and requests live), `task_index`, `engine_set`,
 //! `holders` and `deadlines`.
 //!
@@ -57,6 +58,15 @@ enum Phase {
     InFlight(u32),
     /// Its last op returned; it is being given its verdict.
     Finishing,
+}
+
+/// Whether a task is part of its request's life.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub(crate) enum Bond {
+    /// In its request's list: preemption, finish and the request's release see it.
+    Request,
+    /// Detached ([`Tracker::submit_detached`]): in no request's list, names no engine block.
+    Detached,
 }
 
 /// Where some blocks of a task sit in its spec: the first `n` positions in order (the common

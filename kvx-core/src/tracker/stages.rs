@@ -10,7 +10,7 @@ use super::engine_set::EngineSet;
 use super::holders::Holder;
 use super::slab::NIL;
 use super::{
-    BackendCommand, Event, OpEntry, Phase, Positions, TaskEntry, Tracker, deadline_is_live,
+    BackendCommand, Bond, Event, OpEntry, Phase, Positions, TaskEntry, Tracker, deadline_is_live,
 };
 use crate::backend::SubmitError;
 use crate::error::CoreError;
@@ -27,7 +27,20 @@ impl Tracker {
     pub fn submit(&mut self, spec: TaskSpec, now: Instant) -> TaskId {
         let id = TaskId(self.next_task);
         self.next_task += 1;
-        self.insert(id, spec, now);
+        self.insert(id, spec, Bond::Request, now);
+        id
+    }
+
+    /// Submit a detached task under a fresh id: one that runs on behalf of `spec.request` (its
+    /// report names it) but outside that request's life. It names no engine block (a spec that
+    /// does is refused), so no fence waits for it: the request's preemption neither cancels
+    /// nor flushes it, its release does not wait for it, and it is accepted after the request
+    /// finished. A store of buffers kvx already holds (host memory written on to a file) is
+    /// one; a reset drops it like any task.
+    pub fn submit_detached(&mut self, spec: TaskSpec, now: Instant) -> TaskId {
+        let id = TaskId(self.next_task);
+        self.next_task += 1;
+        self.insert(id, spec, Bond::Detached, now);
         id
     }
 
@@ -37,17 +50,18 @@ impl Tracker {
         &mut self,
         id: TaskId,
         spec: TaskSpec,
+        bond: Bond,
         now: Instant,
     ) -> Result<(), CoreError> {
         if self.task_slots.contains(id) {
             return Err(CoreError::DuplicateTask(id));
         }
         self.next_task = self.next_task.max(id.0 + 1);
-        self.insert(id, spec, now);
+        self.insert(id, spec, bond, now);
         Ok(())
     }
 
-    pub(super) fn insert(&mut self, id: TaskId, spec: TaskSpec, now: Instant) {
+    pub(super) fn insert(&mut self, id: TaskId, spec: TaskSpec, bond: Bond, now: Instant) {
         let TaskSpec {
             request,
             dir,
@@ -67,8 +81,11 @@ impl Tracker {
             [b] => vec![report(b)],
             _ => blocks.iter().map(report).collect(),
         };
-        let span = tracing::debug_span!("kvx_task", task = %id, request = %request, dir = %dir, blocks = n);
-        let req_slot = self.request_slots.get(&request).copied();
+        let span = tracing::debug_span!("kvx_task", task = %id, request = %request, dir = %dir, blocks = n, ?bond);
+        let req_slot = match bond {
+            Bond::Request => self.request_slots.get(&request).copied(),
+            Bond::Detached => None,
+        };
         // Refusals: the task ends at once, buffers handed back.
         let refuse = if n == 0 {
             Some(TaskState::Failed(FailReason::Invalid(
@@ -82,6 +99,10 @@ impl Tracker {
             Some(TaskState::Failed(FailReason::Invalid(format!(
                 "{b} is not registered"
             ))))
+        } else if bond == Bond::Detached && blocks.iter().any(|b| b.engine.is_some()) {
+            Some(TaskState::Failed(FailReason::Invalid(
+                "a detached task names no engine block".into(),
+            )))
         } else if req_slot
             .and_then(|rs| self.requests.get(rs))
             .is_some_and(|r| r.finished)
@@ -124,9 +145,11 @@ impl Tracker {
         let engine_blocks = EngineSet::of(&blocks);
         let slot = self.tasks.next_slot();
         let first = self.holders.register(&engine_blocks, Holder::Task(slot));
-        let req_slot = match req_slot {
-            Some(rs) => rs,
-            None => self.request_slot(request),
+        let req_slot = match (req_slot, bond) {
+            (Some(rs), _) => rs,
+            (None, Bond::Request) => self.request_slot(request),
+            // In no request's list: its `prev`, `next` and request slot stay NIL.
+            (None, Bond::Detached) => NIL,
         };
         span.in_scope(|| debug!(?deadline, deferred, first, "task submitted"));
         let phase = match (first, deferred) {

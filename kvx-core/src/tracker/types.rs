@@ -55,6 +55,7 @@ pub enum Event {
 /// fence was made (or was queued to) is still outstanding. Check it with
 /// [`Tracker::fence_holds`](crate::Tracker::fence_holds).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "reuse no fenced engine block before the fence holds"]
 pub struct Fence {
     pub(super) blocks: Vec<EngineBlockId>,
     /// Holders registered at or before this sequence number are waited for.

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use kvx_core::{BlockError, Op, OpCompletion};
 
-use super::Shared;
+use super::Ledger;
 use crate::driver::Ctx;
 use crate::error::CudaError;
 use crate::stream::{Event, Stream};
@@ -24,7 +24,7 @@ use crate::stream::{Event, Stream};
 pub(crate) trait Fence: Send + 'static {
     /// Block until the op's copies finished. `Err` only when their fate is unknown because the
     /// context itself broke (a sticky error aborts all of its work).
-    fn wait(self, shared: &Shared) -> Result<(), CudaError>;
+    fn wait(self, ledger: &Ledger) -> Result<(), CudaError>;
 }
 
 /// The CUDA fence of an op: its event, or failing that its whole stream.
@@ -38,11 +38,11 @@ pub(crate) struct CudaFence {
 }
 
 impl Fence for CudaFence {
-    fn wait(self, shared: &Shared) -> Result<(), CudaError> {
+    fn wait(self, ledger: &Ledger) -> Result<(), CudaError> {
         if let Some(ev) = self.event {
             match ev.synchronize() {
                 Ok(()) => {
-                    shared.put_event(ev);
+                    ledger.put_event(ev);
                     return Ok(());
                 }
                 Err(e) => {
@@ -87,25 +87,21 @@ impl<F: Fence> Lane<F> {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<F>> {
-        kvx_core::lock(&self.q)
-    }
-
     /// Queue an op whose fence is already set (its event recorded).
     pub(crate) fn push(&self, f: InFlight<F>) {
-        self.lock().items.push_back(f);
+        kvx_core::lock(&self.q).items.push_back(f);
         self.cv.notify_one();
     }
 
     /// Ask the completer to exit once the queue is drained.
     pub(crate) fn shutdown(&self) {
-        self.lock().shutdown = true;
+        kvx_core::lock(&self.q).shutdown = true;
         self.cv.notify_all();
     }
 
     /// The oldest op, or `None` once shut down and drained. Blocks while the lane is idle.
     fn next(&self) -> Option<InFlight<F>> {
-        let mut q = self.lock();
+        let mut q = kvx_core::lock(&self.q);
         loop {
             if let Some(f) = q.items.pop_front() {
                 return Some(f);
@@ -119,23 +115,23 @@ impl<F: Fence> Lane<F> {
 }
 
 /// Body of a completer thread: wait for each op's fence in order and complete the op.
-pub(crate) fn run<F: Fence>(lane: Arc<Lane<F>>, shared: Arc<Shared>) {
+pub(crate) fn run<F: Fence>(lane: Arc<Lane<F>>, ledger: Arc<Ledger>) {
     while let Some(f) = lane.next() {
         let InFlight {
             op,
             mut results,
             fence,
         } = f;
-        if let Err(e) = fence.wait(&shared) {
+        if let Err(e) = fence.wait(&ledger) {
             // The copies' fate is unknown only if the context itself is broken (a sticky
             // error aborts all of its work), so the buffers are safe to hand back; the
             // blocks are reported failed.
-            shared.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+            ledger.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
             let msg = format!("CUDA copy did not complete: {e}");
             for r in results.iter_mut().filter(|r| r.is_ok()) {
                 *r = Err(BlockError::Io(msg.clone()));
             }
         }
-        shared.complete(OpCompletion { op, results });
+        ledger.complete(OpCompletion { op, results });
     }
 }

@@ -103,16 +103,17 @@ pub(crate) struct OpState {
     abandoned_at: Option<Instant>,
 }
 
-/// What the backend shares with its completer threads.
-pub(crate) struct Shared {
+/// The backend's ledger, shared with its completer threads: its ops (pending and finished, on
+/// the completion board), the CUDA events kept for reuse, and its counters.
+pub(crate) struct Ledger {
     board: CompletionBoard<OpState>,
     events: Mutex<Vec<Event>>,
     stats: Counters,
 }
 
-impl Shared {
-    fn new() -> Shared {
-        Shared {
+impl Ledger {
+    fn new() -> Ledger {
+        Ledger {
             board: CompletionBoard::default(),
             events: Mutex::new(Vec::new()),
             stats: Counters::default(),
@@ -178,13 +179,13 @@ impl Shared {
 /// Reads a backend's counters after the backend moved into a driver.
 #[derive(Clone)]
 pub struct CudaStatsHandle {
-    shared: Arc<Shared>,
+    ledger: Arc<Ledger>,
 }
 
 impl CudaStatsHandle {
     /// The counters now.
     pub fn snapshot(&self) -> CudaStats {
-        self.shared.snapshot()
+        self.ledger.snapshot()
     }
 }
 
@@ -204,7 +205,7 @@ pub struct CudaBackend {
     streams: [Arc<Stream>; 2],
     /// The ops queued on each stream, in the same order.
     lanes: [Arc<Lane<CudaFence>>; 2],
-    shared: Arc<Shared>,
+    ledger: Arc<Ledger>,
     batch: AtomicBool,
     completers: Vec<JoinHandle<()>>,
 }
@@ -240,19 +241,19 @@ impl CudaBackend {
             pinned: PinnedRanges::default(),
             streams,
             lanes,
-            shared: Arc::new(Shared::new()),
+            ledger: Arc::new(Ledger::new()),
             batch: AtomicBool::new(batch),
             completers: Vec::new(),
         };
         for (lane, what) in backend.lanes.iter().zip(["load", "store"]) {
-            let (lane, shared, ctx) = (lane.clone(), backend.shared.clone(), ctx.clone());
+            let (lane, ledger, ctx) = (lane.clone(), backend.ledger.clone(), ctx.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("kvx-cuda-{what}"))
                 .spawn(move || {
                     if let Err(e) = ctx.bind() {
                         tracing::error!(error = %e, "kvx-cuda completer cannot bind the CUDA context");
                     }
-                    lane::run(lane, shared)
+                    lane::run(lane, ledger)
                 })
                 .map_err(|e| CudaError::Spawn {
                     what: format!("the kvx-cuda {what} completer"),
@@ -293,13 +294,13 @@ impl CudaBackend {
 
     /// The counters now.
     pub fn stats(&self) -> CudaStats {
-        self.shared.snapshot()
+        self.ledger.snapshot()
     }
 
     /// A handle to read the counters later (e.g. after the backend moved into a driver).
     pub fn stats_handle(&self) -> CudaStatsHandle {
         CudaStatsHandle {
-            shared: self.shared.clone(),
+            ledger: self.ledger.clone(),
         }
     }
 
@@ -308,7 +309,7 @@ impl CudaBackend {
     }
 
     fn take_event(&self) -> Result<Event, CudaError> {
-        let pooled = kvx_core::lock(&self.shared.events).pop();
+        let pooled = kvx_core::lock(&self.ledger.events).pop();
         match pooled {
             Some(ev) => Ok(ev),
             None => Event::new(self.ctx().clone()),
@@ -393,11 +394,11 @@ impl Backend for CudaBackend {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        self.shared.board.set_notifier(notifier);
+        self.ledger.board.set_notifier(notifier);
     }
 
     fn submit(&mut self, mut op: Op) -> Result<(), SubmitError> {
-        let in_flight = self.shared.board.pending_len();
+        let in_flight = self.ledger.board.pending_len();
         if in_flight >= self.cfg.max_inflight_ops {
             return Err(SubmitError {
                 op,
@@ -428,7 +429,7 @@ impl Backend for CudaBackend {
             }
             results.push(r.map(|_| ()));
         }
-        let stats = &self.shared.stats;
+        let stats = &self.ledger.stats;
         stats.ops.fetch_add(1, Ordering::Relaxed);
         stats
             .blocks
@@ -446,10 +447,10 @@ impl Backend for CudaBackend {
                 Vec::new()
             }
         };
-        self.shared.board.begin(op.id, OpState::default());
+        self.ledger.board.begin(op.id, OpState::default());
         if runs.is_empty() {
-            self.shared.put_event(event);
-            self.shared.complete(OpCompletion { op, results });
+            self.ledger.put_event(event);
+            self.ledger.complete(OpCompletion { op, results });
             return Ok(());
         }
         let (lane, stream, copy_dir) = match dir {
@@ -517,17 +518,17 @@ impl Backend for CudaBackend {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        self.shared.board.drain(out);
+        self.ledger.board.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
         // A queued DMA cannot be withdrawn: mark the op abandoned; it completes when its
         // event does, holding its buffers until then (see the module docs).
-        self.shared.abandon(op);
+        self.ledger.abandon(op);
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        self.shared.board.wait(ops, until)
+        self.ledger.board.wait(ops, until)
     }
 }
 

@@ -14,7 +14,7 @@ use kvx_core::{
 };
 
 use super::lane::{self, Fence, InFlight, Lane};
-use super::{OpState, Shared};
+use super::{Ledger, OpState};
 use crate::error::CudaError;
 
 /// The driver's timer granularity (kvx-core's tick) and the allowance these 2-core machines
@@ -34,7 +34,7 @@ impl Latch {
 }
 
 impl Fence for Latch {
-    fn wait(self, _: &Shared) -> Result<(), CudaError> {
+    fn wait(self, _: &Ledger) -> Result<(), CudaError> {
         let mut open = self.0.0.lock().unwrap();
         while !*open {
             open = self.0.1.wait(open).unwrap();
@@ -46,7 +46,7 @@ impl Fence for Latch {
 /// `CudaBackend`'s completion side over a latch: submit queues the op on a lane, a completer
 /// thread waits for the latch, and poll, cancel and wait are the backend's own.
 struct Wedged {
-    shared: Arc<Shared>,
+    ledger: Arc<Ledger>,
     lane: Arc<Lane<Latch>>,
     latch: Latch,
     submitted: Arc<Mutex<Vec<OpId>>>,
@@ -55,14 +55,14 @@ struct Wedged {
 
 impl Wedged {
     fn new(latch: Latch) -> Wedged {
-        let shared = Arc::new(Shared::new());
+        let ledger = Arc::new(Ledger::new());
         let lane = Arc::new(Lane::new());
         let completer = {
-            let (lane, shared) = (lane.clone(), shared.clone());
-            std::thread::spawn(move || lane::run(lane, shared))
+            let (lane, ledger) = (lane.clone(), ledger.clone());
+            std::thread::spawn(move || lane::run(lane, ledger))
         };
         Wedged {
-            shared,
+            ledger,
             lane,
             latch,
             submitted: Arc::default(),
@@ -81,11 +81,11 @@ impl Backend for Wedged {
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
-        self.shared.board.set_notifier(notifier);
+        self.ledger.board.set_notifier(notifier);
     }
 
     fn submit(&mut self, op: Op) -> Result<(), SubmitError> {
-        self.shared.board.begin(op.id, OpState::default());
+        self.ledger.board.begin(op.id, OpState::default());
         self.submitted.lock().unwrap().push(op.id);
         let results = vec![Ok(()); op.blocks.len()];
         let fence = self.latch.clone();
@@ -94,15 +94,15 @@ impl Backend for Wedged {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        self.shared.board.drain(out);
+        self.ledger.board.drain(out);
     }
 
     fn cancel(&mut self, op: OpId) {
-        self.shared.abandon(op);
+        self.ledger.abandon(op);
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
-        self.shared.board.wait(ops, until)
+        self.ledger.board.wait(ops, until)
     }
 }
 
@@ -131,7 +131,7 @@ fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 fn a_wedged_copy_gets_its_verdict_at_the_deadline_and_stays_a_zombie() {
     let latch = Latch::default();
     let backend = Wedged::new(latch.clone());
-    let shared = backend.shared.clone();
+    let ledger = backend.ledger.clone();
     let submitted = backend.submitted.clone();
     let mut b = DriverBuilder::new(DriverConfig::default());
     let id = b.backend(Box::new(backend));
@@ -182,17 +182,17 @@ fn a_wedged_copy_gets_its_verdict_at_the_deadline_and_stays_a_zombie() {
     );
 
     // The driver cancelled the op: it is marked abandoned, and still holds its buffer.
-    assert!(eventually(Duration::from_secs(1), || shared
+    assert!(eventually(Duration::from_secs(1), || ledger
         .snapshot()
         .abandoned_ops
         == 1));
-    let s = shared.snapshot();
+    let s = ledger.snapshot();
     assert_eq!((s.zombies, s.in_flight, s.late_completions), (1, 1, 0));
     assert_eq!(pool.lent(), 1, "the pinned buffer stays with the op");
     let op = submitted.lock().unwrap()[0];
     // A fence over the op does not hold while the copy runs, cancelled or not.
     assert_eq!(
-        shared
+        ledger
             .board
             .wait(&[op], Instant::now() + Duration::from_millis(20)),
         WaitOutcome::TimedOut
@@ -201,7 +201,7 @@ fn a_wedged_copy_gets_its_verdict_at_the_deadline_and_stays_a_zombie() {
     // The copy finally completes: the buffer goes back, the late completion is counted.
     latch.open();
     assert_eq!(
-        shared
+        ledger
             .board
             .wait(&[op], Instant::now() + Duration::from_secs(2)),
         WaitOutcome::Completed
@@ -214,7 +214,7 @@ fn a_wedged_copy_gets_its_verdict_at_the_deadline_and_stays_a_zombie() {
         "{} buffers still out after the copy completed",
         pool.lent()
     );
-    let s = shared.snapshot();
+    let s = ledger.snapshot();
     assert_eq!(
         (s.abandoned_ops, s.late_completions, s.zombies, s.in_flight),
         (1, 1, 0, 0)
@@ -224,11 +224,11 @@ fn a_wedged_copy_gets_its_verdict_at_the_deadline_and_stays_a_zombie() {
 
 #[test]
 fn abandon_marks_once_and_ignores_unknown_ops() {
-    let shared = Shared::new();
-    shared.board.begin(OpId(7), OpState::default());
-    shared.abandon(OpId(7));
-    shared.abandon(OpId(7));
-    shared.abandon(OpId(8));
-    let s = shared.snapshot();
+    let ledger = Ledger::new();
+    ledger.board.begin(OpId(7), OpState::default());
+    ledger.abandon(OpId(7));
+    ledger.abandon(OpId(7));
+    ledger.abandon(OpId(8));
+    let s = ledger.snapshot();
     assert_eq!((s.abandoned_ops, s.zombies, s.in_flight), (1, 1, 1));
 }

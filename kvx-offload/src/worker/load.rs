@@ -19,14 +19,22 @@ use kvx_core::metrics;
 /// still write listed in `WorkerOutput::blocks_in_use`.
 pub(super) const LOAD_FENCE_GRACE: Duration = Duration::from_millis(5);
 
+/// One block of a load in flight, in the job's order.
+struct LoadedBlock {
+    key: BlockKey,
+    engine: EngineBlockId,
+    /// Read from the file tier (else from the host tier).
+    from_file: bool,
+    /// Keep it in the host tier once read from its file.
+    promote: bool,
+    /// Its verdict, once its task ended (or it failed before one ran).
+    result: Option<Result<(), BlockError>>,
+}
+
 /// A load in flight.
 pub(super) struct LoadState {
     pub(super) request: RequestId,
-    blocks: Vec<(BlockKey, EngineBlockId)>,
-    ok: Vec<Option<Result<(), BlockError>>>,
-    promote: Vec<bool>,
-    /// Per block: read from the file tier (else from the host tier).
-    from_file: Vec<bool>,
+    blocks: Vec<LoadedBlock>,
     promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
     tasks_left: u32,
     /// A task of it was cut short while an op of it was out: an engine copy may still run.
@@ -43,13 +51,19 @@ impl WorkerSide {
     /// Start a load: one task per source tier (host buffers are shared with the host tier;
     /// file blocks are read into staging buffers, then copied).
     pub(super) fn start_load(&mut self, job: LoadJob) -> Result<(), OffloadError> {
-        let n = job.blocks.len();
         let mut st = LoadState {
             request: job.request,
-            blocks: job.blocks.iter().map(|b| (b.key, b.engine)).collect(),
-            ok: vec![None; n],
-            promote: job.blocks.iter().map(|b| b.promote).collect(),
-            from_file: job.blocks.iter().map(|b| b.tier == Tier::File).collect(),
+            blocks: job
+                .blocks
+                .iter()
+                .map(|b| LoadedBlock {
+                    key: b.key,
+                    engine: b.engine,
+                    from_file: b.tier == Tier::File,
+                    promote: b.promote,
+                    result: None,
+                })
+                .collect(),
             promoted: Vec::new(),
             tasks_left: 0,
             dirty: false,
@@ -57,16 +71,15 @@ impl WorkerSide {
             abandoned: false,
             started: Instant::now(),
         };
-        let mut host_part = (Vec::new(), Vec::new());
-        let mut file_part = (Vec::new(), Vec::new());
-        for (i, b) in job.blocks.iter().enumerate() {
+        let (mut host_part, mut file_part) = (Vec::new(), Vec::new());
+        for (b, loaded) in job.blocks.iter().zip(&mut st.blocks) {
             let buf = match b.tier {
                 Tier::Host => self.host.get(&b.key).map(Buf::Shared),
                 Tier::File if self.routes.file.is_some() => self.pool.take().map(Buf::Owned),
                 Tier::File => None,
             };
             let Some(buf) = buf else {
-                st.ok[i] = Some(Err(BlockError::Unavailable(format!(
+                loaded.result = Some(Err(BlockError::Unavailable(format!(
                     "no {:?}-tier buffer for {}",
                     b.tier, b.key
                 ))));
@@ -77,18 +90,16 @@ impl WorkerSide {
             } else {
                 &mut file_part
             };
-            part.0.push(i);
-            part.1.push(OpBlock {
+            part.push(OpBlock {
                 key: b.key,
                 engine: Some(b.engine),
                 buf,
             });
         }
         let deadline = self.deadline(Direction::Load);
-        for (role, (positions, blocks), route) in [
-            (Role::LoadHost, host_part, vec![self.routes.engine]),
+        for (blocks, route) in [
+            (host_part, vec![self.routes.engine]),
             (
-                Role::LoadFile,
                 file_part,
                 self.routes
                     .file
@@ -106,7 +117,7 @@ impl WorkerSide {
                 deadline,
                 deferred: false,
             })?;
-            self.tasks.insert(task, (job.job, role, positions));
+            self.tasks.insert(task, (job.job, Role::Load));
             st.tasks_left += 1;
         }
         self.loads.insert(job.job, st);
@@ -114,14 +125,10 @@ impl WorkerSide {
         Ok(())
     }
 
-    /// A task of a load ended.
-    pub(super) fn on_load_report(
-        &mut self,
-        job: JobId,
-        role: Role,
-        positions: Vec<usize>,
-        r: TaskReport,
-    ) {
+    /// A task of a load ended. Its report names each block's engine block, which is how the
+    /// block finds its place in the job (a job fills each engine block once, and a task's
+    /// blocks keep the job's order).
+    pub(super) fn on_load_report(&mut self, job: JobId, r: TaskReport) {
         let Some(st) = self.loads.get_mut(&job) else {
             return;
         };
@@ -133,15 +140,19 @@ impl WorkerSide {
         {
             st.dirty = true;
         }
-        for (pos, b) in positions.into_iter().zip(r.blocks) {
-            if matches!(role, Role::LoadFile)
-                && st.promote[pos]
+        let mut rest = st.blocks.iter_mut();
+        for b in r.blocks {
+            let Some(loaded) = rest.find(|l| Some(l.engine) == b.engine) else {
+                break;
+            };
+            if loaded.from_file
+                && loaded.promote
                 && b.result.is_ok()
                 && let Some(buf) = b.buf
             {
                 st.promoted.push((b.key, buf.into_shared()));
             }
-            st.ok[pos] = Some(b.result);
+            loaded.result = Some(b.result);
         }
     }
 
@@ -159,7 +170,7 @@ impl WorkerSide {
         let mut in_use = None;
         if st.dirty && !st.abandoned {
             if st.fence.is_none() {
-                let blocks: Vec<EngineBlockId> = st.blocks.iter().map(|b| b.1).collect();
+                let blocks: Vec<EngineBlockId> = st.blocks.iter().map(|b| b.engine).collect();
                 match self.driver.fence_blocks(&blocks) {
                     Ok(f) => st.fence = Some((f, Instant::now())),
                     Err(_) => st.dirty = false, // the driver stopped: every call reports it
@@ -180,10 +191,9 @@ impl WorkerSide {
         let outcomes: Vec<BlockOutcome> = st
             .blocks
             .iter()
-            .zip(&st.ok)
-            .map(|((_, e), ok)| BlockOutcome {
-                block: *e,
-                ok: matches!(ok, Some(Ok(()))),
+            .map(|b| BlockOutcome {
+                block: b.engine,
+                ok: matches!(b.result, Some(Ok(()))),
             })
             .collect();
         let total = st.blocks.len() as u64 * self.cfg.block_tokens as u64;
@@ -194,11 +204,11 @@ impl WorkerSide {
         self.record_load_metrics(&st);
         let mut ok = Vec::new();
         let mut failed = Vec::new();
-        for ((k, _), r) in st.blocks.iter().zip(st.ok) {
-            match r {
-                Some(Ok(())) => ok.push(*k),
-                Some(Err(e)) => failed.push((*k, e)),
-                None => failed.push((*k, BlockError::Cancelled)),
+        for b in st.blocks {
+            match b.result {
+                Some(Ok(())) => ok.push(b.key),
+                Some(Err(e)) => failed.push((b.key, e)),
+                None => failed.push((b.key, BlockError::Cancelled)),
             }
         }
         let mut promoted = Vec::new();
@@ -240,12 +250,10 @@ impl WorkerSide {
         let bytes = self.cfg.block_bytes as u64;
         for (tier, from_file) in [("host", false), ("file", true)] {
             let (mut ok, mut failed) = (0u64, 0u64);
-            for (r, file) in st.ok.iter().zip(&st.from_file) {
-                if *file == from_file {
-                    match r {
-                        Some(Ok(())) => ok += 1,
-                        _ => failed += 1,
-                    }
+            for b in st.blocks.iter().filter(|b| b.from_file == from_file) {
+                match b.result {
+                    Some(Ok(())) => ok += 1,
+                    _ => failed += 1,
                 }
             }
             if ok + failed > 0 {

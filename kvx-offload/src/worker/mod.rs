@@ -23,7 +23,6 @@ use crate::meta::{JobId, StepMeta, WorkerOutput};
 use host_tier::HostTier;
 use load::LoadState;
 use store::StoreState;
-use write_through::INTERNAL_BASE;
 
 pub use preempt::PreemptionFence;
 
@@ -40,7 +39,7 @@ pub struct WorkerConfig {
     pub policy: LoadFailurePolicy,
     /// Longest `start_step` waits for the fence of the requests preempted in its metadata;
     /// if the fence does not hold by then, `start_step` hands it back in
-    /// [`OffloadError::FenceNotHeld`] (default 1 ms: see [`DEFAULT_PREEMPT_WAIT`]).
+    /// [`StepStarted::FenceOutstanding`] (default 1 ms: see [`DEFAULT_PREEMPT_WAIT`]).
     pub preempt_wait: Duration,
 }
 
@@ -85,16 +84,43 @@ pub struct TierRoutes {
     pub file: Option<BackendId>,
 }
 
-/// What a driver task does for a job.
+/// What a driver task does for a job (named after the [`JobPart`](crate::meta::JobPart) it
+/// reports).
 enum Role {
-    LoadHost,
-    LoadFile,
+    /// Blocks of a load, from one source tier into engine memory.
+    Load,
+    /// A store's copy out of engine memory into host-tier buffers.
     StoreHost,
+    /// Host-tier buffers written to the file tier: a detached task (a store's write-through,
+    /// or a write-back), so the request's life never waits for it.
     StoreFile,
+}
+
+/// What [`WorkerSide::start_step`] hands back: the step started (everything its metadata asked
+/// for was done), and whether the fence of the requests it preempted is still outstanding.
+#[must_use = "reuse no preempted request's block before an outstanding fence holds"]
+#[derive(Debug)]
+pub enum StepStarted {
+    /// No fence is outstanding: the blocks of the requests it preempted (if any) may be reused.
+    Clear,
+    /// The fence of the requests it preempted did not hold within
+    /// [`WorkerConfig::preempt_wait`]: reuse none of their blocks until it holds.
+    FenceOutstanding(PreemptionFence),
+}
+
+impl StepStarted {
+    /// The outstanding fence, if any.
+    pub fn fence(self) -> Option<PreemptionFence> {
+        match self {
+            StepStarted::Clear => None,
+            StepStarted::FenceOutstanding(f) => Some(f),
+        }
+    }
 }
 
 /// What [`WorkerSide::reset`] hands back.
 #[derive(Debug)]
+#[must_use = "reuse no engine block before the reset's fence holds; free the delayed requests then"]
 pub struct WorkerReset {
     /// Holds once every engine-memory op that was out at the reset has returned: reuse no
     /// engine block before it holds.
@@ -114,12 +140,10 @@ pub struct WorkerSide {
     file_hook: Option<Arc<dyn FileTierHook>>,
     cfg: WorkerConfig,
     host: HostTier,
-    tasks: FxHashMap<TaskId, (JobId, Role, Vec<usize>)>,
+    tasks: FxHashMap<TaskId, (JobId, Role)>,
     loads: FxHashMap<JobId, LoadState>,
     stores: FxHashMap<JobId, StoreState>,
     finishing: FxHashSet<RequestId>,
-    internal: FxHashSet<RequestId>,
-    next_internal: u64,
     /// Engine blocks reported in `blocks_in_use`, with the fence that frees them.
     held: Vec<(FenceHandle, Vec<EngineBlockId>)>,
     out: WorkerOutput,
@@ -158,8 +182,6 @@ impl WorkerSide {
             loads: FxHashMap::default(),
             stores: FxHashMap::default(),
             finishing: FxHashSet::default(),
-            internal: FxHashSet::default(),
-            next_internal: INTERNAL_BASE,
             held: Vec::new(),
             out: WorkerOutput::default(),
         })
@@ -178,10 +200,10 @@ impl WorkerSide {
 
     /// Start this step: submit the stores queued last step, drop evicted blocks, start loads,
     /// queue this step's stores, flush and fence the preempted requests, pass finished
-    /// requests on. [`OffloadError::FenceNotHeld`] means all of that was done, but the
+    /// requests on. [`StepStarted::FenceOutstanding`] means all of that was done, but the
     /// preemption's fence did not hold within `preempt_wait`: poll the fence it carries before
-    /// reusing those requests' blocks. Any other error means the driver stopped.
-    pub fn start_step(&mut self, meta: StepMeta) -> Result<(), OffloadError> {
+    /// reusing those requests' blocks. An error means the driver stopped.
+    pub fn start_step(&mut self, meta: StepMeta) -> Result<StepStarted, OffloadError> {
         self.driver.start_step()?;
         if let Some(keep) = meta.retain_host {
             self.host.retain(keep);
@@ -207,11 +229,11 @@ impl WorkerSide {
         for job in meta.stores {
             self.queue_store(job)?;
         }
-        let mut not_held = None;
+        let mut started = StepStarted::Clear;
         if !meta.preempted.is_empty() {
             let fence = self.handle_preemptions(&meta.preempted, self.cfg.preempt_wait)?;
             if !fence.is_ready() {
-                not_held = Some(fence);
+                started = StepStarted::FenceOutstanding(fence);
             }
         }
         self.abandon_loads(&meta.finished);
@@ -227,10 +249,7 @@ impl WorkerSide {
         if meta.submit_stores_now {
             self.driver.start_step()?;
         }
-        match not_held {
-            None => Ok(()),
-            Some(fence) => Err(OffloadError::FenceNotHeld(fence)),
-        }
+        Ok(started)
     }
 
     fn deadline(&self, dir: Direction) -> Instant {
@@ -251,9 +270,6 @@ impl WorkerSide {
             self.on_report(r);
         }
         for req in f.released {
-            if self.internal.remove(&req) {
-                continue;
-            }
             if self.finishing.remove(&req) {
                 self.out.finished_sending.push(req);
             }
@@ -280,11 +296,11 @@ impl WorkerSide {
     }
 
     fn on_report(&mut self, r: TaskReport) {
-        let Some((job, role, positions)) = self.tasks.remove(&r.task) else {
+        let Some((job, role)) = self.tasks.remove(&r.task) else {
             return; // a task from before a reset
         };
         match role {
-            Role::LoadHost | Role::LoadFile => self.on_load_report(job, role, positions, r),
+            Role::Load => self.on_load_report(job, r),
             Role::StoreHost => self.on_store_report(job, r),
             Role::StoreFile => self.on_write_through_report(job, r),
         }
@@ -299,7 +315,6 @@ impl WorkerSide {
         self.tasks.clear();
         self.loads.clear();
         self.stores.clear();
-        self.internal.clear();
         let mut delayed_free: Vec<RequestId> = self.finishing.drain().collect();
         delayed_free.sort();
         self.out = WorkerOutput::default();
@@ -325,7 +340,6 @@ impl WorkerSide {
             + self.loads.len()
             + self.stores.len()
             + self.finishing.len()
-            + self.internal.len()
             + self.held.len()
     }
 

@@ -12,6 +12,7 @@ use crate::error::OffloadError;
 /// store of theirs has really returned (flushed) and every load copy has been cancelled or
 /// has returned. Reuse none of their blocks before it holds.
 #[derive(Debug, Clone)]
+#[must_use = "reuse no preempted request's block before the fence holds"]
 pub struct PreemptionFence {
     requests: Vec<RequestId>,
     fences: Vec<FenceHandle>,
@@ -45,15 +46,6 @@ impl PreemptionFence {
         self.fences.iter().all(|f| f.wait(until))
     }
 }
-
-impl PartialEq for PreemptionFence {
-    /// Fences of the same requests are equal (what an error comparison needs).
-    fn eq(&self, other: &Self) -> bool {
-        self.requests == other.requests
-    }
-}
-
-impl Eq for PreemptionFence {}
 
 impl WorkerSide {
     /// Before the engine may overwrite anything: flush the preempted requests' stores and

@@ -34,12 +34,10 @@ impl WorkerSide {
     /// Queue a store: a deferred task, submitted at the start of the next step.
     pub(super) fn queue_store(&mut self, job: StoreJob) -> Result<(), OffloadError> {
         let mut blocks = Vec::with_capacity(job.blocks.len());
-        let mut positions = Vec::new();
         let mut failed = Vec::new();
-        for (i, (key, engine)) in job.blocks.iter().enumerate() {
+        for (key, engine) in &job.blocks {
             match self.pool.take() {
                 Some(b) => {
-                    positions.push(i);
                     blocks.push(OpBlock {
                         key: *key,
                         engine: Some(*engine),
@@ -77,8 +75,7 @@ impl WorkerSide {
             deadline: self.deadline(Direction::Store),
             deferred: true,
         })?;
-        self.tasks
-            .insert(task, (job.job, Role::StoreHost, positions));
+        self.tasks.insert(task, (job.job, Role::StoreHost));
         self.stores.insert(
             job.job,
             StoreState {

@@ -1,6 +1,7 @@
-//! Write-through: blocks just stored in the host tier are written to the file tier as a task
-//! of an internal request that never touches engine memory. Write-back (a shared mount) writes
-//! blocks the same way as they leave the host tier.
+//! Write-through: blocks just stored in the host tier are written to the file tier as a
+//! detached task (`DriverHandle::submit_detached`): it names no engine block, so the request's
+//! preemption and release never wait for it. Write-back (a shared mount) writes blocks the same
+//! way as they leave the host tier.
 
 use std::sync::Arc;
 
@@ -12,10 +13,7 @@ use tracing::warn;
 use super::Role;
 use super::WorkerSide;
 use super::store::StoreState;
-use crate::meta::{JobId, JobPart, WriteBackJob};
-
-/// Internal request ids (file write-through) live at the top of the id space.
-pub(super) const INTERNAL_BASE: u64 = 1 << 62;
+use crate::meta::{JobId, JobPart, NO_REQUEST, WriteBackJob};
 
 impl WorkerSide {
     /// Write stored host blocks through to the file tier. Blocks that failed earlier are
@@ -45,11 +43,9 @@ impl WorkerSide {
                 return;
             }
         };
-        let internal = RequestId(self.next_internal);
-        self.next_internal += 1;
         let keys: Vec<BlockKey> = blocks.iter().map(|b| b.0).collect();
         let spec = TaskSpec {
-            request: internal,
+            request,
             dir: Direction::Store,
             route: vec![file],
             blocks: blocks
@@ -63,12 +59,9 @@ impl WorkerSide {
             deadline: self.deadline(Direction::Store),
             deferred: false,
         };
-        match self.driver.submit(spec) {
+        match self.driver.submit_detached(spec) {
             Ok(task) => {
-                self.tasks.insert(task, (job, Role::StoreFile, Vec::new()));
-                if self.driver.finish(internal).is_ok() {
-                    self.internal.insert(internal);
-                }
+                self.tasks.insert(task, (job, Role::StoreFile));
             }
             Err(e) => {
                 warn!(error = %e, "write-through not submitted");
@@ -87,9 +80,10 @@ impl WorkerSide {
     }
 
     /// Write host-tier blocks into the file tier (they are about to leave the host tier; the
-    /// write holds their buffers until it ends). A key the host tier lacks fails.
+    /// write holds their buffers until it ends). A key the host tier lacks fails. A write-back
+    /// serves no request: its task and its result name [`NO_REQUEST`].
     pub(super) fn write_back(&mut self, job: WriteBackJob) {
-        let request = RequestId(self.next_internal);
+        let request = NO_REQUEST;
         let mut blocks = Vec::with_capacity(job.keys.len());
         let mut failed = Vec::new();
         for key in job.keys {

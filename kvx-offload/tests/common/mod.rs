@@ -211,8 +211,8 @@ impl Rig {
     pub fn step(&mut self) -> WorkerOutput {
         let meta = self.sched.build_meta();
         match self.w().start_step(meta) {
-            Ok(()) => {}
-            Err(OffloadError::FenceNotHeld(f)) => self.fences.push(f),
+            Ok(StepStarted::Clear) => {}
+            Ok(StepStarted::FenceOutstanding(f)) => self.fences.push(f),
             Err(e) => panic!("start_step: {e}"),
         }
         let out = self.w().get_finished().unwrap();

@@ -41,15 +41,11 @@ fn internal(e: RdmaError) -> Refusal {
 }
 
 impl Side {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        kvx_core::lock(&self.state)
-    }
-
     fn grant(&self, request: RequestId, blocks: &[u32]) -> Result<Vec<Vec<Seg>>, Refusal> {
         // Lock order: side state, then the exporter's table (the release hook takes only the
         // side state, and runs without the table lock), so a release racing this grant waits
         // and then deregisters what we register here.
-        let mut st = self.lock();
+        let mut st = kvx_core::lock(&self.state);
         self.exporter.check_readable(request)?;
         if let std::collections::hash_map::Entry::Vacant(slot) = st.mrs.entry(request) {
             let segs = self.exporter.segments_of(request).ok_or((
@@ -102,7 +98,11 @@ impl SideChannel for Side {
                 let qp = Qp::new_rc(&self.pd, &self.cq, 1).map_err(internal)?;
                 qp.connect(&remote, true).map_err(internal)?;
                 let me = qp.endpoint();
-                self.lock().qps.entry(conn).or_default().push(qp);
+                kvx_core::lock(&self.state)
+                    .qps
+                    .entry(conn)
+                    .or_default()
+                    .push(qp);
                 Ok(VerbsMsg::Accept(me).encode())
             }
             VerbsMsg::Grant { request, blocks } => {
@@ -116,7 +116,7 @@ impl SideChannel for Side {
     }
 
     fn closed(&self, conn: u64) {
-        if let Some(qps) = self.lock().qps.remove(&conn) {
+        if let Some(qps) = kvx_core::lock(&self.state).qps.remove(&conn) {
             for qp in qps {
                 let _ = qp.to_error();
             }
@@ -130,7 +130,7 @@ impl ReleaseHook for Hook {
     fn released(&self, request: RequestId) {
         if let Some(side) = self.0.upgrade() {
             // Dropping the regions deregisters them: from here on the NIC refuses reads.
-            side.lock().mrs.remove(&request);
+            kvx_core::lock(&side.state).mrs.remove(&request);
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Deterministic tests of the tracker: fake time, ops completed by hand.
 
 mod block_order;
+mod detached;
 mod request_end;
 mod timeouts;
 mod transfers;

@@ -9,7 +9,7 @@ use crate::error::CoreError;
 use crate::ids::{EngineBlockId, RequestId, TaskId};
 use crate::sync::lock;
 use crate::task::{TaskReport, TaskSpec};
-use crate::tracker::TrackerStats;
+use crate::tracker::{Bond, TrackerStats};
 
 use super::fence::FenceSlot;
 use super::{Finished, Stopped};
@@ -20,7 +20,7 @@ pub(super) type Watcher = Box<dyn FnOnce(TaskReport) + Send>;
 /// A handle call, queued for the driver thread. None of them has a reply channel: answers come
 /// back through the outbox or a fence slot.
 pub(super) enum Cmd {
-    Submit(TaskId, TaskSpec, Option<Watcher>),
+    Submit(TaskId, TaskSpec, Bond, Option<Watcher>),
     StartStep,
     Cancel(TaskId),
     Preempt(RequestId, Arc<FenceSlot>),
@@ -38,11 +38,13 @@ pub(super) struct Outbox {
     pub(super) stats: TrackerStats,
     /// The tracker was empty after the pass.
     pub(super) empty: bool,
-    /// Commands applied so far (compared with `Shared::sent`).
+    /// Commands applied so far (compared with `Mailbox::sent`).
     pub(super) applied: u64,
 }
 
-pub(super) struct Shared {
+/// The meeting point of the engine's threads and the driver thread: the commands they queue,
+/// the outbox the driver publishes, the condvar waiters sleep on, and the stop record.
+pub(super) struct Mailbox {
     pub(super) cmds: Mutex<Vec<Cmd>>,
     /// Commands queued so far (counted under the `cmds` lock).
     pub(super) sent: AtomicU64,
@@ -56,9 +58,9 @@ pub(super) struct Shared {
     pub(super) stopped: OnceLock<Stopped>,
 }
 
-impl Shared {
-    pub(super) fn new(thread: Thread) -> Shared {
-        Shared {
+impl Mailbox {
+    pub(super) fn new(thread: Thread) -> Mailbox {
+        Mailbox {
             cmds: Mutex::new(Vec::new()),
             sent: AtomicU64::new(0),
             thread,
