@@ -8,7 +8,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvx_core::Direction;
 use kvx_posix::bench::{BenchRig, bench_keys};
-use kvx_posix::{EngineKind, PosixConfig};
+use kvx_posix::{IoEngine, PosixConfig};
 
 const PER_ITER: usize = 64 << 20;
 /// Deadline of each benchmark op.
@@ -28,7 +28,7 @@ fn posix(c: &mut Criterion) {
         g.sample_size(10)
             .warm_up_time(Duration::from_millis(300))
             .measurement_time(Duration::from_secs(2));
-        for engine in [EngineKind::Uring, EngineKind::Psync] {
+        for engine in [IoEngine::Uring, IoEngine::Psync] {
             for size in [256 << 10, 1 << 20, 4 << 20] {
                 for qd in [1usize, 8, 32] {
                     let mut cfg = PosixConfig::new(root.join(format!("{engine}-{size}")));

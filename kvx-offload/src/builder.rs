@@ -329,8 +329,8 @@ fn posix_config(f: &crate::config::FileTierConfig, block_bytes: usize) -> kvx_po
     let mut p = kvx_posix::PosixConfig::new(f.roots[0].clone());
     p.roots = f.roots.clone();
     p.engine = match f.io_engine {
-        crate::config::IoEngine::Uring => kvx_posix::EngineKind::Uring,
-        crate::config::IoEngine::Psync => kvx_posix::EngineKind::Psync,
+        crate::config::IoEngine::Uring => kvx_posix::IoEngine::Uring,
+        crate::config::IoEngine::Psync => kvx_posix::IoEngine::Psync,
     };
     p.direct = f.direct;
     p.queue_depth = f.queue_depth;

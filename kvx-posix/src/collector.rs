@@ -118,7 +118,7 @@ impl PosixHandle {
         stop: &AtomicBool,
     ) -> Result<CollectReport, PosixError> {
         cfg.validate()?;
-        let layout = &self.shared.layout;
+        let layout = &self.state.layout;
         let started = Instant::now();
         let now = SystemTime::now();
         let mut report = CollectReport::default();
@@ -179,11 +179,7 @@ impl PosixHandle {
 
     /// Keep `keys`, what the walk that began at `started` found, as the newest listing.
     fn publish_listing(&self, started: Instant, keys: FxHashSet<BlockKey>) {
-        let mut slot = self
-            .shared
-            .listing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut slot = kvx_core::sync::lock(&self.state.listing);
         let pass = slot.as_ref().map_or(0, |l| l.pass) + 1;
         *slot = Some(Arc::new(Listing {
             pass,
@@ -195,16 +191,12 @@ impl PosixHandle {
     /// The newest complete listing of the mount a collector pass on this store made (`None`
     /// before the first).
     pub fn listing(&self) -> Option<Arc<Listing>> {
-        self.shared
-            .listing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        kvx_core::sync::lock(&self.state.listing).clone()
     }
 
     /// Wait until the maintenance lane has room for another remove without delaying probes.
     fn wait_for_lane(&self, stop: &AtomicBool) {
-        while self.shared.engine.snapshot().maintenance >= MAINTENANCE_DEPTH
+        while self.state.io_engine.snapshot().maintenance >= MAINTENANCE_DEPTH
             && !stop.load(Ordering::Acquire)
         {
             std::thread::sleep(Duration::from_micros(200));

@@ -10,7 +10,7 @@ use crate::error::PosixError;
 
 /// Which I/O engine runs the store's file operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EngineKind {
+pub enum IoEngine {
     /// io_uring: every open, read, write, sync, close, rename, unlink and mkdir is a ring op
     /// submitted with `IOSQE_ASYNC` (Linux only; the default there).
     Uring,
@@ -19,38 +19,38 @@ pub enum EngineKind {
     Psync,
 }
 
-impl EngineKind {
+impl IoEngine {
     /// `uring` or `psync`.
     pub fn as_str(self) -> &'static str {
         match self {
-            EngineKind::Uring => "uring",
-            EngineKind::Psync => "psync",
+            IoEngine::Uring => "uring",
+            IoEngine::Psync => "psync",
         }
     }
 }
 
-impl Default for EngineKind {
+impl Default for IoEngine {
     fn default() -> Self {
         if cfg!(target_os = "linux") {
-            EngineKind::Uring
+            IoEngine::Uring
         } else {
-            EngineKind::Psync
+            IoEngine::Psync
         }
     }
 }
 
-impl std::fmt::Display for EngineKind {
+impl std::fmt::Display for IoEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-impl FromStr for EngineKind {
+impl FromStr for IoEngine {
     type Err = PosixError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "uring" | "io_uring" => Ok(EngineKind::Uring),
-            "psync" => Ok(EngineKind::Psync),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            "psync" => Ok(IoEngine::Psync),
             other => Err(PosixError::BadConfig(format!(
                 "unknown engine {other:?} (expected uring or psync)"
             ))),
@@ -64,7 +64,7 @@ pub struct PosixConfig {
     /// Root directories (one per disk or mount); blocks are spread over them by key.
     pub roots: Vec<PathBuf>,
     /// I/O engine (default: uring on Linux).
-    pub engine: EngineKind,
+    pub engine: IoEngine,
     /// Block I/Os in flight per ring (uring) or worker threads (psync); default 32.
     pub queue_depth: usize,
     /// Rings, each with its own thread (uring only); ops go to them in turn; default 1.
@@ -176,7 +176,7 @@ impl PosixConfig {
     pub fn new(root: impl Into<PathBuf>) -> PosixConfig {
         PosixConfig {
             roots: vec![root.into()],
-            engine: EngineKind::default(),
+            engine: IoEngine::default(),
             queue_depth: 32,
             rings: 1,
             max_stuck: 256,
@@ -257,7 +257,7 @@ impl PosixConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {
     /// The engine in use.
-    pub engine: EngineKind,
+    pub engine: IoEngine,
     /// True when every root uses O_DIRECT.
     pub direct: bool,
     /// O_DIRECT per root, in the order of the configuration.

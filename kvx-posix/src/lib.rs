@@ -91,7 +91,7 @@ mod tests;
 mod touch;
 
 pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
-pub use config::{Capabilities, EngineKind, PosixConfig, SharedMount};
+pub use config::{Capabilities, IoEngine, PosixConfig, SharedMount};
 pub use error::PosixError;
 pub use handle::{PosixHandle, PosixStats};
 pub use probes::ProbeAnswer;

@@ -11,9 +11,9 @@ use kvx_core::{
 use kvx_policy::Admission;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::config::{Capabilities, EngineKind, PosixConfig};
+use crate::config::{Capabilities, IoEngine, PosixConfig};
 use crate::error::PosixError;
-use crate::handle::{Counters, PosixHandle, Shared};
+use crate::handle::{Counters, PosixHandle, StoreState};
 use crate::health::Health;
 use crate::index::{Index, scan};
 use crate::io::fault::Faults;
@@ -23,7 +23,7 @@ use crate::probe::probe_root;
 
 struct BlockSlot {
     key: BlockKey,
-    engine: Option<EngineBlockId>,
+    engine_block: Option<EngineBlockId>,
     root: usize,
     buf: Option<Buf>,
     result: Option<Result<(), BlockError>>,
@@ -46,7 +46,7 @@ struct OpState {
 pub struct PosixStore {
     name: String,
     cfg: PosixConfig,
-    shared: Arc<Shared>,
+    state: Arc<StoreState>,
     direct: Vec<bool>,
     /// Inline I/O per root (see [`PosixConfig::inline_io`]).
     inline: Vec<bool>,
@@ -108,7 +108,7 @@ impl PosixStore {
         if spares.is_some() {
             dirs.extend(crate::spare::make_fan_out_dirs(&cfg.roots, &with_spares)?);
         }
-        let (sink, engine) = crate::io::start(&cfg, faults)?;
+        let (sink, io_engine) = crate::io::start(&cfg, faults)?;
         let caps = Capabilities {
             engine: cfg.engine,
             direct: direct.iter().all(|d| *d),
@@ -142,11 +142,11 @@ impl PosixStore {
             blocks = caps.scanned_blocks, removed_temps = caps.removed_temps, "posix store opened");
         Ok(PosixStore {
             name,
-            shared: Arc::new(Shared {
+            state: Arc::new(StoreState {
                 index,
                 health,
                 layout,
-                engine,
+                io_engine,
                 sink,
                 caps,
                 counters: Counters::default(),
@@ -169,18 +169,18 @@ impl PosixStore {
     /// A thread-safe handle for lookups, removal, health and counters.
     pub fn handle(&self) -> PosixHandle {
         PosixHandle {
-            shared: self.shared.clone(),
+            state: self.state.clone(),
         }
     }
 
     /// What the store found out when it opened.
     pub fn capabilities(&self) -> &Capabilities {
-        &self.shared.caps
+        &self.state.caps
     }
 
     /// How many of `keys`, from the first, the store holds.
     pub fn lookup(&self, keys: &[BlockKey]) -> usize {
-        self.shared.index.lookup(keys)
+        self.state.index.lookup(keys)
     }
 
     /// Forget `key` and unlink its file in the background; true if the store held it.
@@ -197,14 +197,14 @@ impl PosixStore {
         let now = Instant::now();
         for mut job in jobs {
             if job.action == FileOp::Probe {
-                if let Some(t) = &self.shared.probes {
-                    t.answered(job.key, &job.result, now, &self.shared.health);
+                if let Some(t) = &self.state.probes {
+                    t.answered(job.key, &job.result, now, &self.state.health);
                 }
                 continue;
             }
-            self.shared.give_back_spare(&mut job);
-            if let (Some(r), Some(spares)) = (&mut self.recycling, &self.shared.spares) {
-                r.job_returned(&mut job, spares, &self.shared.counters.recycled);
+            self.state.give_back_spare(&mut job);
+            if let (Some(r), Some(spares)) = (&mut self.recycling, &self.state.spares) {
+                r.job_returned(&mut job, spares, &self.state.counters.recycled);
             }
             if job.action == FileOp::Remove {
                 if let Err(e) = &job.result {
@@ -223,7 +223,7 @@ impl PosixStore {
             if job.action == FileOp::Load && result.is_ok() {
                 result = job.check_payload();
             }
-            let c = &self.shared.counters;
+            let c = &self.state.counters;
             match (job.action, &result) {
                 (FileOp::Store, Ok(())) => {
                     let cancelled = st.cancel.load(Ordering::Acquire);
@@ -235,15 +235,15 @@ impl PosixStore {
                             BlockError::TimedOut
                         });
                         c.undone.fetch_add(1, Ordering::Relaxed);
-                        self.shared.unlink(job.key, job.nonce());
+                        self.state.unlink(job.key, job.nonce());
                     } else {
                         c.stored.fetch_add(1, Ordering::Relaxed);
-                        self.shared.index.insert(job.key);
+                        self.state.index.insert(job.key);
                     }
                 }
                 (FileOp::Load, Ok(())) => {
-                    self.shared.index.insert(job.key);
-                    if let Some(t) = &self.shared.touch {
+                    self.state.index.insert(job.key);
+                    if let Some(t) = &self.state.touch {
                         t.touch(&job.block_path(), crate::touch::Stamp::Now);
                     }
                     if st.cancel.load(Ordering::Acquire) {
@@ -256,16 +256,16 @@ impl PosixStore {
                     }
                 }
                 (FileOp::Load, Err(BlockError::NotFound)) => {
-                    self.shared.index.remove(job.key);
-                    if let Some(t) = &self.shared.probes {
+                    self.state.index.remove(job.key);
+                    if let Some(t) = &self.state.probes {
                         t.forget(job.key);
                     }
                 }
                 (FileOp::Load, Err(BlockError::Corrupt(m))) => {
                     tracing::warn!(key = %job.key, error = %m, "posix: corrupt block");
                     c.corrupt.fetch_add(1, Ordering::Relaxed);
-                    self.shared.index.remove(job.key);
-                    if let Some(t) = &self.shared.probes {
+                    self.state.index.remove(job.key);
+                    if let Some(t) = &self.state.probes {
                         t.forget(job.key);
                     }
                 }
@@ -307,9 +307,9 @@ impl PosixStore {
                     }
                 }
                 if failed {
-                    self.shared.health.failure(root, now);
+                    self.state.health.failure(root, now);
                 } else if !only_cancelled {
-                    self.shared.health.success(
+                    self.state.health.success(
                         root,
                         now,
                         now.saturating_duration_since(st.submitted),
@@ -329,7 +329,7 @@ impl PosixStore {
             results.push(s.result.unwrap_or(Err(BlockError::Io("no result".into()))));
             blocks.push(kvx_core::OpBlock {
                 key: s.key,
-                engine: s.engine,
+                engine: s.engine_block,
                 buf,
             });
         }
@@ -348,13 +348,13 @@ impl PosixStore {
         JobParams {
             direct: self.direct.get(root).copied().unwrap_or(false),
             inline: self.inline.get(root).copied().unwrap_or(false),
-            crc_off_ring: self.cfg.engine == EngineKind::Uring,
+            crc_off_ring: self.cfg.engine == IoEngine::Uring,
             fdatasync: self.cfg.fdatasync,
             make_dirs: dir == Direction::Store && !self.dirs.contains(&(root, Self::prefix(key))),
             deadline,
             cancel: cancel.clone(),
             margin: self.cfg.visibility_margin,
-            nonce: (dir == Direction::Store).then(|| self.shared.layout.nonce()),
+            nonce: (dir == Direction::Store).then(|| self.state.layout.nonce()),
         }
     }
 }
@@ -370,30 +370,30 @@ impl Backend for PosixStore {
 
     fn set_notifier(&mut self, notifier: Notifier) {
         self.notifier = notifier.clone();
-        self.shared.sink.set_notifier(notifier);
+        self.state.sink.set_notifier(notifier);
     }
 
     fn submit(&mut self, mut op: Op) -> Result<(), SubmitError> {
-        let engine = &self.shared.engine;
-        let stuck = engine.snapshot().written_off;
+        let io_engine = &self.state.io_engine;
+        let stuck = io_engine.snapshot().written_off;
         if stuck >= self.cfg.max_stuck {
             return Err(SubmitError {
                 op,
                 kind: SubmitErrorKind::Busy(format!(
                     "busy: {} ({} engine): {stuck} I/Os stuck in the kernel (limit {})",
                     self.name,
-                    engine.name(),
+                    io_engine.name(),
                     self.cfg.max_stuck
                 )),
             });
         }
-        let room = engine.room();
+        let room = io_engine.room();
         if op.blocks.len() > room {
             return Err(SubmitError {
                 kind: SubmitErrorKind::Busy(format!(
                     "busy: {} ({} engine): job queue full ({} blocks, room for {room}, max_queued {})",
                     self.name,
-                    engine.name(),
+                    io_engine.name(),
                     op.blocks.len(),
                     self.cfg.max_queued
                 )),
@@ -401,16 +401,16 @@ impl Backend for PosixStore {
             });
         }
         let now = Instant::now();
-        let layout = &self.shared.layout;
+        let layout = &self.state.layout;
         let mut admission: FxHashMap<usize, Admission> = FxHashMap::default();
         for b in &op.blocks {
             let root = layout.root_of(b.key);
             admission
                 .entry(root)
-                .or_insert_with(|| self.shared.health.admit(root, now));
+                .or_insert_with(|| self.state.health.admit(root, now));
         }
         if !op.blocks.is_empty() && admission.values().all(|a| *a == Admission::Rejected) {
-            self.shared
+            self.state
                 .counters
                 .rejected
                 .fetch_add(op.blocks.len() as u64, Ordering::Relaxed);
@@ -431,16 +431,13 @@ impl Backend for PosixStore {
             let root = layout.root_of(b.key);
             let mut slot = BlockSlot {
                 key: b.key,
-                engine: b.engine,
+                engine_block: b.engine,
                 root,
                 buf: None,
                 result: None,
             };
             let refuse = if admission.get(&root) == Some(&Admission::Rejected) {
-                self.shared
-                    .counters
-                    .rejected
-                    .fetch_add(1, Ordering::Relaxed);
+                self.state.counters.rejected.fetch_add(1, Ordering::Relaxed);
                 Some(BlockError::Unavailable(format!(
                     "breaker open on {}",
                     layout.roots()[root].display()
@@ -473,7 +470,7 @@ impl Backend for PosixStore {
                 paths,
                 params,
             ));
-            if let (Some(len), Some(spares)) = (job.store_file_len(), &self.shared.spares)
+            if let (Some(len), Some(spares)) = (job.store_file_len(), &self.state.spares)
                 && let Some(spare) = spares.take(root, len)
             {
                 job.use_spare(spare);
@@ -501,7 +498,7 @@ impl Backend for PosixStore {
         for job in jobs {
             let index = job.index;
             let key = job.key;
-            match self.shared.engine.submit(job) {
+            match self.state.io_engine.submit(job) {
                 Ok(()) => {
                     st.pending += 1;
                     if let (Some(r), Direction::Load) = (&mut self.recycling, st.op.dir) {
@@ -510,7 +507,7 @@ impl Backend for PosixStore {
                 }
                 Err(r) => {
                     let mut job = r.job;
-                    self.shared.give_back_spare(&mut job);
+                    self.state.give_back_spare(&mut job);
                     st.slots[index].buf = job.buf.take();
                     st.slots[index].result = Some(Err(BlockError::Unavailable(r.reason)));
                 }
@@ -526,7 +523,7 @@ impl Backend for PosixStore {
     }
 
     fn poll(&mut self, out: &mut Vec<OpCompletion>) {
-        let jobs = self.shared.sink.take();
+        let jobs = self.state.sink.take();
         if !jobs.is_empty() {
             self.absorb(jobs);
         }
@@ -543,15 +540,15 @@ impl Backend for PosixStore {
             // A timeout: count it now, while the I/O may still be stuck.
             st.health_recorded = true;
             for &root in &st.roots {
-                self.shared.health.failure(root, now);
+                self.state.health.failure(root, now);
             }
         }
-        self.shared.engine.write_off_overdue();
+        self.state.io_engine.write_off_overdue();
     }
 
     fn wait(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
         loop {
-            let jobs = self.shared.sink.take();
+            let jobs = self.state.sink.take();
             if !jobs.is_empty() {
                 self.absorb(jobs);
             }
@@ -562,7 +559,7 @@ impl Backend for PosixStore {
             if now >= until {
                 return WaitOutcome::TimedOut;
             }
-            let jobs = self.shared.sink.take_or_wait(until - now);
+            let jobs = self.state.sink.take_or_wait(until - now);
             self.absorb(jobs);
         }
     }

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId};
 use kvx_offload::{EvictionKind, Lookup, SchedulerConfig, SchedulerSide, Tier};
-use kvx_posix::{EngineKind, PosixConfig, PosixStore};
+use kvx_posix::{IoEngine, PosixConfig, PosixStore};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -48,7 +48,7 @@ fn scan_file_tier(dirs: Vec<PathBuf>) -> PyResult<Vec<BlockKey>> {
     check_file_dirs(&dirs)?;
     let mut cfg = PosixConfig::new(dirs[0].clone());
     cfg.roots = dirs;
-    cfg.engine = EngineKind::Psync;
+    cfg.engine = IoEngine::Psync;
     cfg.queue_depth = 1;
     let store =
         PosixStore::open(cfg).map_err(|e| PyValueError::new_err(format!("file_dirs: {e}")))?;

@@ -14,7 +14,7 @@ use std::time::Duration;
 use clap::Args;
 use kvx_core::Direction;
 use kvx_posix::bench::{BenchRig, Phase, bench_keys};
-use kvx_posix::{EngineKind, PosixConfig};
+use kvx_posix::{IoEngine, PosixConfig};
 
 /// Options of `kvx bench posix`.
 #[derive(Args)]
@@ -200,7 +200,7 @@ fn backlog(args: &PosixArgs) -> usize {
 
 fn one_round(
     args: &PosixArgs,
-    engine: EngineKind,
+    engine: IoEngine,
     work: &Path,
     round: usize,
 ) -> Result<(Round, bool), String> {
@@ -305,7 +305,7 @@ fn one_round(
 
 /// Run the benchmark; returns the exit code.
 pub fn run(args: PosixArgs) -> i32 {
-    let engine: EngineKind = match args.engine.parse() {
+    let engine: IoEngine = match args.engine.parse() {
         Ok(e) => e,
         Err(e) => {
             eprintln!("kvx bench posix: {e}");

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use kvx_offload::EvictionKind;
 use kvx_policy::LoadFailurePolicy;
-use kvx_posix::EngineKind;
+use kvx_posix::IoEngine;
 
 use super::error::ReplayError;
 use super::fault::{StallSpec, parse_fault};
@@ -63,8 +63,8 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value_t = Eviction::Lru)]
     pub eviction: Eviction,
     /// File tier I/O engine.
-    #[arg(long, value_enum, default_value_t = IoEngine::Uring)]
-    pub io_engine: IoEngine,
+    #[arg(long, value_enum, default_value_t = IoEngineArg::Uring)]
+    pub io_engine: IoEngineArg,
     /// Inject a fault: stall-disk@T+D freezes the file tier (on a FUSE mount) from T to T+D s.
     #[arg(long)]
     pub fault: Vec<String>,
@@ -164,7 +164,7 @@ pub enum Eviction {
 
 /// `--io-engine`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IoEngine {
+pub enum IoEngineArg {
     /// io_uring.
     Uring,
     /// A thread pool of blocking syscalls.
@@ -195,7 +195,7 @@ pub struct Settings {
     /// Eviction order.
     pub eviction: EvictionKind,
     /// File tier I/O engine.
-    pub io_engine: EngineKind,
+    pub io_engine: IoEngine,
     /// Stalls of the file tier.
     pub stalls: Vec<StallSpec>,
     /// File tier directory given by the user.
@@ -350,8 +350,8 @@ impl ReplayArgs {
                 Eviction::Arc => EvictionKind::Arc,
             },
             io_engine: match self.io_engine {
-                IoEngine::Uring => EngineKind::Uring,
-                IoEngine::Psync => EngineKind::Psync,
+                IoEngineArg::Uring => IoEngine::Uring,
+                IoEngineArg::Psync => IoEngine::Psync,
             },
             stalls,
             dir: self.shared_dir.clone().or_else(|| self.dir.clone()),

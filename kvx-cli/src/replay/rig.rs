@@ -12,7 +12,7 @@ use kvx_offload::{
     SchedulerSide, SharedMountConfig, WorkerSide,
 };
 use kvx_policy::{BreakerConfig, TimeoutConfig};
-use kvx_posix::{EngineKind, PosixHandle};
+use kvx_posix::PosixHandle;
 use tempfile::TempDir;
 
 use super::args::{Settings, SharedWrites};
@@ -75,8 +75,8 @@ fn offload_config(s: &Settings, root: Option<&Path>) -> OffloadConfig {
         load_failure: s.policy,
         file: root.map(|root| FileTierConfig {
             io_engine: match s.io_engine {
-                EngineKind::Uring => IoEngine::Uring,
-                EngineKind::Psync => IoEngine::Psync,
+                kvx_posix::IoEngine::Uring => IoEngine::Uring,
+                kvx_posix::IoEngine::Psync => IoEngine::Psync,
             },
             breaker: BreakerConfig {
                 failure_threshold: 3,

@@ -1,4 +1,4 @@
-//! I/O engines: `uring` and `psync`, side by side behind [`IoEngine`].
+//! I/O engines: `uring` and `psync`, side by side behind [`Engine`].
 //!
 //! An engine takes boxed [`BlockJob`]s (which own their buffers), runs each job's syscalls and
 //! hands the finished job back through the [`Sink`]. Two lanes: loads and stores (bounded by
@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use kvx_core::Notifier;
 
-use crate::config::{EngineKind, PosixConfig};
+use crate::config::{IoEngine, PosixConfig};
 use crate::error::PosixError;
 use crate::job::BlockJob;
 
@@ -168,9 +168,9 @@ pub(crate) struct Refused {
 pub(crate) fn start(
     cfg: &PosixConfig,
     faults: Option<Arc<fault::Faults>>,
-) -> Result<(Arc<Sink>, Box<dyn IoEngine>), PosixError> {
+) -> Result<(Arc<Sink>, Box<dyn Engine>), PosixError> {
     let sink = Arc::new(Sink::default());
-    if cfg.engine == EngineKind::Uring {
+    if cfg.engine == IoEngine::Uring {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
         sink.start_verify_lane(threads)
             .map_err(|e| PosixError::Engine {
@@ -178,8 +178,8 @@ pub(crate) fn start(
                 msg: format!("cannot start the verify threads: {e}"),
             })?;
     }
-    let engine: Box<dyn IoEngine> = match cfg.engine {
-        EngineKind::Psync => Box::new(psync::PsyncEngine::new(
+    let engine: Box<dyn Engine> = match cfg.engine {
+        IoEngine::Psync => Box::new(psync::PsyncEngine::new(
             cfg.queue_depth,
             cfg.max_stuck,
             cfg.max_queued,
@@ -187,7 +187,7 @@ pub(crate) fn start(
             faults,
         )?),
         #[cfg(target_os = "linux")]
-        EngineKind::Uring => Box::new(uring::UringEngine::new(
+        IoEngine::Uring => Box::new(uring::UringEngine::new(
             cfg.rings,
             cfg.queue_depth,
             cfg.max_stuck,
@@ -196,7 +196,7 @@ pub(crate) fn start(
             faults,
         )?),
         #[cfg(not(target_os = "linux"))]
-        EngineKind::Uring => {
+        IoEngine::Uring => {
             return Err(PosixError::Engine {
                 engine: "uring",
                 msg: "io_uring needs Linux".into(),
@@ -207,7 +207,7 @@ pub(crate) fn start(
 }
 
 /// A way to run block jobs. Every method returns promptly, whatever the filesystem does.
-pub(crate) trait IoEngine: Send + Sync {
+pub(crate) trait Engine: Send + Sync {
     /// `uring` or `psync`.
     fn name(&self) -> &'static str;
     /// Start a job (a remove goes to the maintenance lane); it comes back through the sink,

@@ -17,7 +17,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use rustc_hash::FxHashMap;
 
 use super::fault::Faults;
-use super::{EngineCounters, IoEngine, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
 use crate::error::PosixError;
 use crate::job::{BlockJob, Next};
 
@@ -28,8 +28,9 @@ struct Running {
     written_off: bool,
 }
 
+/// The workers and what each is running, with the live and written-off counts.
 #[derive(Default)]
-struct Pool {
+struct Roster {
     /// Worker id -> its current job, if any.
     workers: FxHashMap<u64, Option<Running>>,
     next_id: u64,
@@ -39,8 +40,9 @@ struct Pool {
     stuck: usize,
 }
 
-struct Shared {
-    pool: Mutex<Pool>,
+/// The worker threads' common state: their roster, the two job queues, the sink and counters.
+struct WorkerPool {
+    roster: Mutex<Roster>,
     rx: Receiver<Box<BlockJob>>,
     maintenance_rx: Receiver<Box<BlockJob>>,
     sink: Arc<Sink>,
@@ -52,12 +54,12 @@ struct Shared {
     faults: Option<Arc<Faults>>,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Pool> {
-        kvx_core::lock(&self.pool)
+impl WorkerPool {
+    fn lock(&self) -> MutexGuard<'_, Roster> {
+        kvx_core::lock(&self.roster)
     }
 
-    fn set_live(&self, p: &Pool) {
+    fn set_live(&self, p: &Roster) {
         self.counters.workers.store(p.live, Ordering::Release);
         self.counters
             .threads
@@ -83,7 +85,7 @@ impl Shared {
 pub(crate) struct PsyncEngine {
     tx: Sender<Box<BlockJob>>,
     maintenance_tx: Sender<Box<BlockJob>>,
-    shared: Arc<Shared>,
+    shared: Arc<WorkerPool>,
     capacity: usize,
 }
 
@@ -101,8 +103,8 @@ impl PsyncEngine {
         let capacity = max_queued.max(1);
         let (tx, rx) = crossbeam_channel::bounded(capacity);
         let (maintenance_tx, maintenance_rx) = crossbeam_channel::bounded(MAINTENANCE_QUEUE);
-        let shared = Arc::new(Shared {
-            pool: Mutex::new(Pool::default()),
+        let shared = Arc::new(WorkerPool {
+            roster: Mutex::new(Roster::default()),
             rx,
             maintenance_rx,
             sink,
@@ -135,7 +137,7 @@ impl PsyncEngine {
     }
 }
 
-fn spawn_worker(shared: &Arc<Shared>) -> std::io::Result<()> {
+fn spawn_worker(shared: &Arc<WorkerPool>) -> std::io::Result<()> {
     let id = reserve_worker(shared, &mut shared.lock());
     start_worker(shared, id)
 }
@@ -143,7 +145,7 @@ fn spawn_worker(shared: &Arc<Shared>) -> std::io::Result<()> {
 /// Count a worker about to start as live, under the pool's lock: a written-off worker that
 /// comes back meanwhile then sees the pool at target and exits, instead of rejoining it next
 /// to its replacement (which left the pool above target for good).
-fn reserve_worker(shared: &Shared, p: &mut Pool) -> u64 {
+fn reserve_worker(shared: &WorkerPool, p: &mut Roster) -> u64 {
     let id = p.next_id;
     p.next_id += 1;
     p.workers.insert(id, None);
@@ -153,7 +155,7 @@ fn reserve_worker(shared: &Shared, p: &mut Pool) -> u64 {
 }
 
 /// Start the thread of reserved worker `id`; if it cannot start, its reservation is undone.
-fn start_worker(shared: &Arc<Shared>, id: u64) -> std::io::Result<()> {
+fn start_worker(shared: &Arc<WorkerPool>, id: u64) -> std::io::Result<()> {
     let s = shared.clone();
     let r = std::thread::Builder::new()
         .name(format!("kvx-psync-{id}"))
@@ -165,7 +167,7 @@ fn start_worker(shared: &Arc<Shared>, id: u64) -> std::io::Result<()> {
 }
 
 /// Worker `id` is gone (or never started): it no longer counts as live.
-fn remove_worker(shared: &Shared, id: u64) {
+fn remove_worker(shared: &WorkerPool, id: u64) {
     let mut p = shared.lock();
     if p.workers.remove(&id).is_some() {
         p.live = p.live.saturating_sub(1);
@@ -173,7 +175,7 @@ fn remove_worker(shared: &Shared, id: u64) {
     }
 }
 
-fn worker(shared: Arc<Shared>, id: u64) {
+fn worker(shared: Arc<WorkerPool>, id: u64) {
     loop {
         let mut job = match shared.rx.recv_timeout(Duration::from_millis(200)) {
             Ok(job) => job,
@@ -221,7 +223,7 @@ fn worker(shared: Arc<Shared>, id: u64) {
     remove_worker(&shared, id);
 }
 
-fn maintenance_worker(shared: Arc<Shared>) {
+fn maintenance_worker(shared: Arc<WorkerPool>) {
     loop {
         let mut job = match shared
             .maintenance_rx
@@ -243,7 +245,7 @@ fn maintenance_worker(shared: Arc<Shared>) {
     }
 }
 
-impl IoEngine for PsyncEngine {
+impl Engine for PsyncEngine {
     fn name(&self) -> &'static str {
         "psync"
     }

@@ -9,7 +9,7 @@ use kvx_core::*;
 
 use super::{FaultRig, SOON, key, wait_until};
 use crate::io::fault::Late;
-use crate::{EngineKind, PosixStore};
+use crate::{IoEngine, PosixStore};
 
 both_engines!(
     eviction_burst_leaves_the_tier_serving,
@@ -22,7 +22,7 @@ both_engines!(
 /// 5,000 removes of block files on disk, then 1,000 stores and 1,000 loads submitted while the
 /// removes are still running: every store and load succeeds within its deadline, nothing is
 /// written off, and every removed file is gone at the end.
-fn eviction_burst_leaves_the_tier_serving(engine: EngineKind) {
+fn eviction_burst_leaves_the_tier_serving(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
     // 5,000 block files already on disk (the store adopts them when it opens).
     let doomed: Vec<BlockKey> = (0..5000).map(|i| key(1_000_000 + i)).collect();
@@ -79,7 +79,7 @@ fn eviction_burst_leaves_the_tier_serving(engine: EngineKind) {
 /// 300 ops queued behind a 3 s stall, then a thaw: once the breaker's cool-down has passed,
 /// every new store and load succeeds, nothing is left written off, and the engine is back at
 /// its target; psync never runs more than `queue_depth + max_stuck` load and store threads.
-fn stall_then_thaw_recovers_every_worker(engine: EngineKind) {
+fn stall_then_thaw_recovers_every_worker(engine: IoEngine) {
     const QD: usize = 8;
     const MAX_STUCK: usize = 16;
     let cool_down = Duration::from_millis(300);
@@ -130,7 +130,7 @@ fn stall_then_thaw_recovers_every_worker(engine: EngineKind) {
         during.written_off > 0,
         "{engine}: stuck ops are written off"
     );
-    if engine == EngineKind::Psync {
+    if engine == IoEngine::Psync {
         assert!(
             most_threads <= QD + MAX_STUCK,
             "psync ran {most_threads} threads, bound {}",
@@ -162,7 +162,7 @@ fn stall_then_thaw_recovers_every_worker(engine: EngineKind) {
     let after = r.engine();
     assert_eq!(after.written_off, 0);
     assert_eq!(after.workers, after.target, "{engine}: back at target");
-    if engine == EngineKind::Psync {
+    if engine == IoEngine::Psync {
         assert!(
             wait_until(SOON, || r.engine().threads == QD),
             "{:?}",
@@ -174,7 +174,7 @@ fn stall_then_thaw_recovers_every_worker(engine: EngineKind) {
 
 /// A store whose rename lands after its deadline undoes only its own file: a newer store of the
 /// same key that landed meanwhile survives; without one, the late block is removed.
-fn late_rename_never_deletes_a_newer_block(engine: EngineKind) {
+fn late_rename_never_deletes_a_newer_block(engine: IoEngine) {
     let r = FaultRig::new(engine, 16, |_| {});
     let k = key(42);
     r.faults.late(Late::Rename, 1, Duration::from_millis(700));
@@ -218,7 +218,7 @@ fn late_rename_never_deletes_a_newer_block(engine: EngineKind) {
 
 /// A load whose read returns after the op's deadline is reported timed out by the store
 /// itself (called as a driver calls it, so no tracker decides first).
-fn read_after_the_deadline_is_timed_out(engine: EngineKind) {
+fn read_after_the_deadline_is_timed_out(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
     let faults = std::sync::Arc::new(crate::io::fault::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
@@ -292,7 +292,7 @@ fn walk(dir: &std::path::Path) -> HashSet<String> {
 
 /// The job queue is bounded: with the one worker stuck and `max_queued` jobs waiting, the next
 /// op is refused with `Busy` at submit, whole; after the thaw every accepted op completes once.
-fn full_queue_is_busy_at_submit(engine: EngineKind) {
+fn full_queue_is_busy_at_submit(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
     let faults = std::sync::Arc::new(crate::io::fault::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
@@ -352,7 +352,7 @@ fn full_queue_is_busy_at_submit(engine: EngineKind) {
 #[test]
 fn closing_store_leaves_its_io_slot_uring() {
     const HOLD: Duration = Duration::from_millis(800);
-    let r = FaultRig::new(EngineKind::Uring, 4, |c| c.queue_depth = 1);
+    let r = FaultRig::new(IoEngine::Uring, 4, |c| c.queue_depth = 1);
     assert!(
         r.files.capabilities().inline_per_root[0],
         "this test needs its temporary directory on a local block file system"

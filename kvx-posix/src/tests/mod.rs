@@ -3,14 +3,14 @@
 //! the spares while a load of its block is in flight). The FUSE tests in `tests/acceptance` cover the same
 //! faults on a really frozen mount.
 
-/// One `#[test]` per engine for each named `fn(EngineKind)`.
+/// One `#[test]` per engine for each named `fn(IoEngine)`.
 macro_rules! both_engines {
     ($($name:ident),* $(,)?) => {
         mod uring {
-            $(#[test] fn $name() { super::$name(crate::EngineKind::Uring) })*
+            $(#[test] fn $name() { super::$name(crate::IoEngine::Uring) })*
         }
         mod psync {
-            $(#[test] fn $name() { super::$name(crate::EngineKind::Psync) })*
+            $(#[test] fn $name() { super::$name(crate::IoEngine::Psync) })*
         }
     };
 }
@@ -27,7 +27,7 @@ use kvx_core::*;
 
 use crate::io::EngineSnapshot;
 use crate::io::fault::Faults;
-use crate::{EngineKind, PosixConfig, PosixHandle, PosixStore};
+use crate::{IoEngine, PosixConfig, PosixHandle, PosixStore};
 
 /// Bound for "happens promptly" (never a performance assertion).
 const SOON: Duration = Duration::from_secs(20);
@@ -47,12 +47,12 @@ struct FaultRig {
 }
 
 impl FaultRig {
-    fn new(engine: EngineKind, bufs: usize, tune: impl FnOnce(&mut PosixConfig)) -> FaultRig {
+    fn new(engine: IoEngine, bufs: usize, tune: impl FnOnce(&mut PosixConfig)) -> FaultRig {
         FaultRig::with_dir(engine, bufs, tempfile::tempdir().expect("temp dir"), tune)
     }
 
     fn with_dir(
-        engine: EngineKind,
+        engine: IoEngine,
         bufs: usize,
         dir: tempfile::TempDir,
         tune: impl FnOnce(&mut PosixConfig),
@@ -78,7 +78,7 @@ impl FaultRig {
     /// A store with `spares` spare files made at open and none topped up; panics unless the
     /// temporary directory is on a local block file system (spares live only there).
     fn with_spares(
-        engine: EngineKind,
+        engine: IoEngine,
         spares: usize,
         tune: impl FnOnce(&mut PosixConfig),
     ) -> FaultRig {

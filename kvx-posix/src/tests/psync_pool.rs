@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use kvx_core::*;
 
 use super::{FaultRig, SOON, key, wait_until};
-use crate::EngineKind;
+use crate::IoEngine;
 
 /// Queue depth 1. A store hangs in its open (the engine frozen) past its 100 ms deadline, so
 /// its worker is written off and a replacement counted; the replacement's thread is held back
@@ -26,7 +26,7 @@ impl Drop for LetGo<'_> {
 
 #[test]
 fn a_worker_back_while_its_replacement_starts_leaves_the_pool_at_target() {
-    let r = FaultRig::new(EngineKind::Psync, 4, |c| c.queue_depth = 1);
+    let r = FaultRig::new(IoEngine::Psync, 4, |c| c.queue_depth = 1);
     assert_eq!((r.engine().workers, r.engine().target), (1, 1));
     r.faults.hold_replacements(true);
     // Let the replacements go whatever happens, or a failed assert leaves the driver blocked

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use kvx_core::*;
 
 use super::{FaultRig, SOON, key, wait_until};
-use crate::EngineKind;
+use crate::IoEngine;
 use crate::io::fault::Late;
 
 both_engines!(recycled_file_waits_for_the_loads_of_its_block);
@@ -15,7 +15,7 @@ both_engines!(recycled_file_waits_for_the_loads_of_its_block);
 /// but is no spare yet (a store writing into it could change the bytes under the load). The
 /// load then returns `k`'s bytes, the file becomes a spare, and after the older spare the
 /// next store writes into that very file.
-fn recycled_file_waits_for_the_loads_of_its_block(engine: EngineKind) {
+fn recycled_file_waits_for_the_loads_of_its_block(engine: IoEngine) {
     const HOLD: Duration = Duration::from_millis(600);
     let r = FaultRig::with_spares(engine, 2, |c| c.spare_block_bytes = 8192);
     let spare_dir = r.spare_dir();

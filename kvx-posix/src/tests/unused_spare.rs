@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use kvx_core::*;
 
 use super::{FaultRig, SOON, key, wait_until};
-use crate::EngineKind;
+use crate::IoEngine;
 
 both_engines!(a_store_that_never_opens_its_spare_gives_it_back);
 
@@ -15,7 +15,7 @@ both_engines!(a_store_that_never_opens_its_spare_gives_it_back);
 /// `a` is stored and `b` ends at its deadline before opening anything: `b`'s spare is a spare
 /// again, and the next three stores write into exactly the three files left in the spare
 /// folder, none creating a file of its own.
-fn a_store_that_never_opens_its_spare_gives_it_back(engine: EngineKind) {
+fn a_store_that_never_opens_its_spare_gives_it_back(engine: IoEngine) {
     const FREEZE: Duration = Duration::from_millis(400);
     let r = FaultRig::with_spares(engine, 4, |c| {
         c.queue_depth = 1;

@@ -5,11 +5,11 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 use kvx_policy::{BreakerConfig, BreakerState};
-use kvx_posix::EngineKind;
+use kvx_posix::IoEngine;
 
 use crate::rig::*;
 
-pub fn breaker(engine: EngineKind) {
+pub fn breaker(engine: IoEngine) {
     let r = Rig::new(engine, Place::Fuse, |c| {
         c.breaker = BreakerConfig {
             failure_threshold: 3,

@@ -5,12 +5,12 @@ use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
 
 use kvx_core::*;
-use kvx_posix::EngineKind;
+use kvx_posix::IoEngine;
 use kvx_posix::format::HEADER_LEN;
 
 use crate::rig::*;
 
-pub fn corrupt_block(engine: EngineKind, place: Place) {
+pub fn corrupt_block(engine: IoEngine, place: Place) {
     let r = Rig::new(engine, place, |_| {});
     // The disk here is a local block file system: its loads read without a statx and are
     // issued inline; a FUSE mount's never are. Both must fail the same blocks the same way.

@@ -12,7 +12,7 @@ mod step;
 mod stuck;
 mod torn;
 
-use kvx_posix::EngineKind;
+use kvx_posix::IoEngine;
 use libtest_mimic::{Arguments, Trial};
 use rig::Place;
 
@@ -32,7 +32,7 @@ fn main() {
             true
         }
     };
-    let fuse = |name: String, f: fn(EngineKind), e: EngineKind| {
+    let fuse = |name: String, f: fn(IoEngine), e: IoEngine| {
         Trial::test(name, move || {
             f(e);
             Ok(())
@@ -40,7 +40,7 @@ fn main() {
         .with_ignored_flag(no_fuse)
     };
     let mut trials = Vec::new();
-    for e in [EngineKind::Uring, EngineKind::Psync] {
+    for e in [IoEngine::Uring, IoEngine::Psync] {
         let n = |what: &str| format!("{what}_{e}");
         trials.push(fuse(n("stuck_mount_load"), stuck::stuck_mount_load, e));
         trials.push(fuse(n("stuck_mount_store"), stuck::stuck_mount_store, e));

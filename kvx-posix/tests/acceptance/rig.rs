@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 use kvx_fusefs::{Backing, StallFs, StallMount};
-use kvx_posix::{EngineKind, PosixConfig, PosixHandle, PosixStore};
+use kvx_posix::{IoEngine, PosixConfig, PosixHandle, PosixStore};
 
 /// Deadline of the tasks that hit a frozen mount.
 pub const DEADLINE: Duration = Duration::from_millis(200);
@@ -99,13 +99,13 @@ pub const BLOCK: usize = 64 << 10;
 
 impl Rig {
     /// A rig for `engine` at `place`; `tune` adjusts the store's settings.
-    pub fn new(engine: EngineKind, place: Place, tune: impl FnOnce(&mut PosixConfig)) -> Rig {
+    pub fn new(engine: IoEngine, place: Place, tune: impl FnOnce(&mut PosixConfig)) -> Rig {
         Rig::with_pool(engine, place, 160, tune)
     }
 
     /// Same, with `bufs` staging buffers.
     pub fn with_pool(
-        engine: EngineKind,
+        engine: IoEngine,
         place: Place,
         bufs: usize,
         tune: impl FnOnce(&mut PosixConfig),

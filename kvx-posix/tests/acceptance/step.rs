@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 use kvx_fusefs::{Backing, StallFs};
-use kvx_posix::{EngineKind, PosixConfig, PosixStore};
+use kvx_posix::{IoEngine, PosixConfig, PosixStore};
 
 use crate::rig::*;
 
@@ -92,13 +92,13 @@ fn conn_of(path: &std::path::Path) -> u64 {
     (u64::from(libc::major(dev)) << 20) | u64::from(libc::minor(dev))
 }
 
-pub fn engine_step_never_blocks(engine: EngineKind) {
+pub fn engine_step_never_blocks(engine: IoEngine) {
     backend_calls(engine);
     driver_calls(engine);
 }
 
 /// Backend::submit and poll called directly, as a driver would, on a frozen mount.
-fn backend_calls(engine: EngineKind) {
+fn backend_calls(engine: IoEngine) {
     let dir = tempfile::tempdir().unwrap();
     let mount = StallFs::mount(dir.path(), Backing::Memory).unwrap();
     let mut cfg = PosixConfig::new(mount.path().join("kv"));
@@ -184,7 +184,7 @@ fn backend_calls(engine: EngineKind) {
 /// The driver handle's submit / start_step / get_finished on a frozen mount: each returns at
 /// once, and every task still ends by its deadline (timed out, or refused once the breaker
 /// opened).
-fn driver_calls(engine: EngineKind) {
+fn driver_calls(engine: IoEngine) {
     let r = Rig::new(engine, Place::Fuse, |_| {});
     let conn = conn_of(r.mount().path());
     r.mount().freeze();

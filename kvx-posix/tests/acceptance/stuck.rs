@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use kvx_core::*;
-use kvx_posix::EngineKind;
+use kvx_posix::IoEngine;
 
 use crate::rig::*;
 
@@ -16,7 +16,7 @@ const LOAD_DEADLINE: Duration = Duration::from_secs(1);
 /// 64 loads in flight when the mount freezes: every task ends TimedOut on time, its report
 /// reaches the waiting caller within a tick plus the allowance, and the engine's (host arena)
 /// blocks are never written.
-pub fn stuck_mount_load(engine: EngineKind) {
+pub fn stuck_mount_load(engine: IoEngine) {
     let mut r = Rig::new(engine, Place::Fuse, |_| {});
     let keys: Vec<BlockKey> = (0..64).map(key).collect();
     r.store_ok(&keys);
@@ -88,7 +88,7 @@ pub fn stuck_mount_load(engine: EngineKind) {
 
 /// Stores on a frozen mount time out on time; none becomes visible, even after thaw; no
 /// temporary file is left; a retried store succeeds.
-pub fn stuck_mount_store(engine: EngineKind) {
+pub fn stuck_mount_store(engine: IoEngine) {
     // The timeouts open the root's breaker; a short cool-down lets the retry be its probe.
     let r = Rig::new(engine, Place::Fuse, |c| c.breaker.cool_down_ms = 200);
     let keys: Vec<BlockKey> = (1000..1016).map(key).collect();
@@ -139,7 +139,7 @@ pub fn stuck_mount_store(engine: EngineKind) {
 
 /// The freeze catches the open / create itself (nothing was opened before it): the load of an
 /// existing block and the store of a new one still end on time.
-pub fn stuck_open(engine: EngineKind) {
+pub fn stuck_open(engine: IoEngine) {
     let r = Rig::new(engine, Place::Fuse, |_| {});
     let old = key(2000);
     // A new key in the same leaf directory: its store starts with the create, not a mkdir.
@@ -171,7 +171,7 @@ pub fn stuck_open(engine: EngineKind) {
 /// After timeouts the stuck ops' buffers stay lent (quarantined); buffers handed out meanwhile
 /// carry a canary that no late completion overwrites; after thaw the buffers come back and the
 /// zombie count returns to zero.
-pub fn late_completion_quarantine(engine: EngineKind) {
+pub fn late_completion_quarantine(engine: IoEngine) {
     let r = Rig::with_pool(engine, Place::Fuse, 16, |_| {});
     let keys: Vec<BlockKey> = (3000..3008).map(key).collect();
     r.store_ok(&keys);

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvx_core::*;
-use kvx_posix::{EngineKind, PosixConfig, PosixStore};
+use kvx_posix::{IoEngine, PosixConfig, PosixStore};
 
 use crate::rig::*;
 
@@ -93,7 +93,7 @@ fn temp_files(dir: &Path) -> usize {
 /// Start a child storing keys from `first` on, wait until it reports `at_least` blocks stored,
 /// then kill it with SIGKILL while its next batch is being written. Returns what it reported.
 fn kill_child_mid_write(
-    engine: EngineKind,
+    engine: IoEngine,
     root: &Path,
     first: u64,
     at_least: u64,
@@ -136,7 +136,7 @@ fn kill_child_mid_write(
 
 /// Reopen the store at `root`: no temporary file may remain, and every block it finds must
 /// load, verify and hold the payload the child wrote. Returns the blocks found.
-fn reopen_and_verify(engine: EngineKind, root: &Path, temps_before: usize) -> usize {
+fn reopen_and_verify(engine: IoEngine, root: &Path, temps_before: usize) -> usize {
     let r = {
         let mut cfg = PosixConfig::new(root);
         cfg.engine = engine;
@@ -185,7 +185,7 @@ fn reopen_and_verify(engine: EngineKind, root: &Path, temps_before: usize) -> us
     keys.len()
 }
 
-pub fn torn_write(engine: EngineKind) {
+pub fn torn_write(engine: IoEngine) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let root = dir.path().join("kv");
     // Kill children until one dies with temporary files on disk (a torn store), up to 10 tries;

@@ -13,13 +13,13 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use kvx_fusefs::{Backing, StallFs};
-use kvx_posix::{CollectorConfig, EngineKind};
+use kvx_posix::{CollectorConfig, IoEngine};
 use libtest_mimic::{Arguments, Trial};
 use node::*;
 
 /// A and two child nodes on one directory: B and C, opened before A stores anything, find every
 /// block by probing and load it byte-exact.
-fn three_nodes_share_blocks(engine: EngineKind) {
+fn three_nodes_share_blocks(engine: IoEngine) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temp dir");
     let root = dir.path().join("kv");
     let a = Node::open(&root, engine);
@@ -59,7 +59,7 @@ fn wait_gone(a: &Node, k: kvx_core::BlockKey) -> bool {
 /// with a quota of 16 blocks, while B loads the same blocks and C runs a collector of its own at
 /// the same time: every load is byte-exact (some generation, whole) or reports its block
 /// invalid, never a mix; two collectors at once fail no pass.
-fn collector_under_readers(engine: EngineKind) {
+fn collector_under_readers(engine: IoEngine) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temp dir");
     let root = dir.path().join("kv");
     let a = Node::open(&root, engine);
@@ -103,7 +103,7 @@ fn collector_under_readers(engine: EngineKind) {
 /// The shared root is a FUSE mount that freezes: B and C answer every lookup within the probe
 /// deadline (a miss), end every load by its deadline, open their breakers, and after the thaw
 /// find and load blocks again, byte-exact.
-fn frozen_mount_all_nodes(engine: EngineKind) {
+fn frozen_mount_all_nodes(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
     let mount = StallFs::mount(dir.path(), Backing::Memory).expect("FUSE mount");
     let root = mount.path().join("kv");
@@ -184,7 +184,7 @@ fn main() {
         }
     };
     let mut trials = Vec::new();
-    for e in [EngineKind::Uring, EngineKind::Psync] {
+    for e in [IoEngine::Uring, IoEngine::Psync] {
         trials.push(Trial::test(
             format!("three_nodes_share_blocks_{e}"),
             move || {

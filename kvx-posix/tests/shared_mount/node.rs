@@ -10,7 +10,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvx_core::*;
-use kvx_posix::{EngineKind, PosixConfig, PosixHandle, PosixStore, ProbeAnswer, SharedMount};
+use kvx_posix::{IoEngine, PosixConfig, PosixHandle, PosixStore, ProbeAnswer, SharedMount};
 
 /// Environment variable that turns the test binary into a child node on this root.
 pub const NODE_ENV: &str = "KVX_SHARED_MOUNT_NODE";
@@ -39,7 +39,7 @@ pub fn payload(k: BlockKey, generation: u8) -> Vec<u8> {
 }
 
 /// The settings of every node: a shared root, psync or uring, a short breaker cool-down.
-pub fn config(root: &Path, engine: EngineKind) -> PosixConfig {
+pub fn config(root: &Path, engine: IoEngine) -> PosixConfig {
     let mut c = PosixConfig::new(root);
     c.engine = engine;
     c.breaker.cool_down_ms = 200;
@@ -73,7 +73,7 @@ pub enum Loaded {
 
 impl Node {
     /// Open a node on `root`.
-    pub fn open(root: &Path, engine: EngineKind) -> Node {
+    pub fn open(root: &Path, engine: IoEngine) -> Node {
         let store = PosixStore::open(config(root, engine)).expect("open store");
         let files = store.handle();
         let mut b = DriverBuilder::new(DriverConfig::default());
@@ -196,7 +196,7 @@ impl Node {
 /// - `quit`.
 pub fn serve(spec: &str) {
     let (engine, root) = spec.split_once(' ').expect("node spec: <engine> <root>");
-    let engine: EngineKind = engine.parse().expect("engine");
+    let engine: IoEngine = engine.parse().expect("engine");
     let node = Node::open(Path::new(root), engine);
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready").expect("stdout");
@@ -320,7 +320,7 @@ pub struct ChildNode {
 
 impl ChildNode {
     /// Start this test binary as a node on `root` and wait for its `ready`.
-    pub fn spawn(root: &Path, engine: EngineKind) -> ChildNode {
+    pub fn spawn(root: &Path, engine: IoEngine) -> ChildNode {
         let exe: PathBuf = std::env::current_exe().expect("test binary");
         let mut child = Command::new(exe)
             .env(NODE_ENV, format!("{engine} {}", root.display()))

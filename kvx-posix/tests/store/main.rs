@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 use kvx_posix::format::HEADER_LEN;
-use kvx_posix::{EngineKind, PosixConfig, PosixHandle, PosixStore};
+use kvx_posix::{IoEngine, PosixConfig, PosixHandle, PosixStore};
 use libtest_mimic::{Arguments, Trial};
 
 mod spares;
 
-const ENGINES: [EngineKind; 2] = [EngineKind::Uring, EngineKind::Psync];
+const ENGINES: [IoEngine; 2] = [IoEngine::Uring, IoEngine::Psync];
 
 fn key(i: u64) -> BlockKey {
     BlockKey::chain(None, &i.to_le_bytes())
@@ -93,7 +93,7 @@ impl Rig {
 
     /// Load `keys` and check each comes back whole with the bytes `store` wrote for it at its
     /// length in `lens`.
-    fn assert_loads_back(&self, keys: &[BlockKey], lens: &[usize], engine: EngineKind) {
+    fn assert_loads_back(&self, keys: &[BlockKey], lens: &[usize], engine: IoEngine) {
         let rep = self.load(keys);
         assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
         for ((b, k), len) in rep.blocks.iter().zip(keys).zip(lens) {
@@ -267,7 +267,7 @@ fn disk_takes_direct() -> bool {
 /// An O_DIRECT store of a payload that does not fill its last sector, from a *shared* buffer
 /// whose bytes past the payload are not zero: the padding on disk is zeros, and the block loads
 /// back exactly.
-fn write_through_padding_is_zeros(engine: EngineKind) {
+fn write_through_padding_is_zeros(engine: IoEngine) {
     let dir = disk_dir();
     let mut cfg = PosixConfig::new(dir.path());
     cfg.engine = engine;
@@ -310,7 +310,7 @@ fn write_through_padding_is_zeros(engine: EngineKind) {
 
 /// A block whose header names a newer format version is a miss here, and stays on disk even
 /// when the caller then asks the store to remove it (as the connector does after a miss).
-fn newer_format_version_is_a_miss_and_stays(engine: EngineKind) {
+fn newer_format_version_is_a_miss_and_stays(engine: IoEngine) {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = PosixConfig::new(dir.path());
     cfg.engine = engine;

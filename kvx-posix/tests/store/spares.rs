@@ -6,13 +6,13 @@
 use std::path::PathBuf;
 
 use kvx_core::*;
-use kvx_posix::{EngineKind, PosixConfig, PosixStore};
+use kvx_posix::{IoEngine, PosixConfig, PosixStore};
 use libtest_mimic::Trial;
 
 use super::{ENGINES, files_with_suffix, key, rig, wait};
 
 /// One spare-file test, run once per engine.
-type EngineTest = fn(EngineKind);
+type EngineTest = fn(IoEngine);
 
 /// The spare-file trials for both engines, ignored (with one `skip:` line) where the temporary
 /// directory is not on a local block file system.
@@ -54,7 +54,7 @@ pub fn trials() -> Vec<Trial> {
 
 /// A fresh directory, its spare folder, and a store config on it with 4 spares made at open
 /// and none topped up.
-fn four_spares_no_refill(engine: EngineKind) -> (tempfile::TempDir, PathBuf, PosixConfig) {
+fn four_spares_no_refill(engine: IoEngine) -> (tempfile::TempDir, PathBuf, PosixConfig) {
     let dir = tempfile::tempdir().unwrap();
     let spare_dir = dir.path().join(".kvx-spare");
     let mut cfg = PosixConfig::new(dir.path());
@@ -67,7 +67,7 @@ fn four_spares_no_refill(engine: EngineKind) -> (tempfile::TempDir, PathBuf, Pos
 /// Stores write into spare files made at open (no create on the store's path); a spare found
 /// gone falls back to a fresh temporary file; a reopened store takes over the empty spares and
 /// removes a half-written one; a store of a shared mount makes none.
-fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
+fn spare_files_take_the_create_off_the_store_path(engine: IoEngine) {
     let (dir, spare_dir, mut cfg) = four_spares_no_refill(engine);
     let keys: Vec<BlockKey> = (500..503).map(key).collect();
     {
@@ -130,7 +130,7 @@ fn spare_files_take_the_create_off_the_store_path(engine: EngineKind) {
 /// size creates its own file and leaves them, and a reopened store takes over the spares of
 /// that length an earlier run left (whatever they hold), hands them out first, and removes
 /// any other file there.
-fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
+fn preallocated_spares_fit_one_block_size(engine: IoEngine) {
     use std::os::unix::fs::MetadataExt;
     const BLOCK: usize = 12_288;
     const FILE_LEN: u64 = 4096 + BLOCK as u64;
@@ -214,7 +214,7 @@ fn preallocated_spares_fit_one_block_size(engine: EngineKind) {
 /// removes in flight, are fewer than `spare_files`: of a burst of six removes, two are
 /// recycled and four unlinked. The next stores write into those very files and load back
 /// byte-exact. A file of another length is unlinked and its promise given back.
-fn evicted_block_files_become_spares(engine: EngineKind) {
+fn evicted_block_files_become_spares(engine: IoEngine) {
     use std::os::unix::fs::MetadataExt;
     const BLOCK: usize = 12_288;
     let (_dir, spare_dir, mut cfg) = four_spares_no_refill(engine);

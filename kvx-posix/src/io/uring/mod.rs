@@ -28,7 +28,7 @@ use std::time::Duration;
 use crossbeam_channel::{Sender, TrySendError};
 
 use super::fault::Faults;
-use super::{EngineCounters, IoEngine, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
 use crate::error::PosixError;
 use crate::job::BlockJob;
 
@@ -144,7 +144,7 @@ impl UringEngine {
     }
 }
 
-impl IoEngine for UringEngine {
+impl Engine for UringEngine {
     fn name(&self) -> &'static str {
         "uring"
     }
