@@ -70,29 +70,23 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
-pub mod collector;
 mod config;
 mod error;
 pub mod format;
-mod handle;
-mod health;
-mod index;
 mod io;
 mod job;
 pub mod maintenance;
 mod paths;
-mod probe;
-mod probes;
-mod recycle;
+mod shared_mount;
 mod spare;
 mod store;
 #[cfg(test)]
 mod tests;
-mod touch;
 
-pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use config::{Capabilities, IoEngine, PosixConfig, SharedMount};
 pub use error::PosixError;
-pub use handle::{PosixHandle, PosixStats};
-pub use probes::ProbeAnswer;
+pub use shared_mount::collector;
+pub use shared_mount::collector::{CollectReport, Collector, CollectorConfig, Listing};
+pub use shared_mount::probe_cache::ProbeAnswer;
 pub use store::PosixStore;
+pub use store::handle::{PosixHandle, PosixStats};

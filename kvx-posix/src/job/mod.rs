@@ -8,10 +8,10 @@
 //!
 //! Four machines, one per [`FileOp`]: [`load`], [`store`], [`remove`] (a store that must
 //! undo a late rename finishes with the remove machine, guarded by its write nonce) and
-//! [`probe`].
+//! [`header_probe`].
 
+mod header_probe;
 mod load;
-mod probe;
 mod remove;
 mod store;
 mod syscall;
@@ -50,7 +50,7 @@ enum Step {
     Load(load::LoadStep),
     Store(store::StoreStep),
     Remove(remove::RemoveStep),
-    Probe(probe::ProbeStep),
+    Probe(header_probe::ProbeStep),
     Finished,
 }
 

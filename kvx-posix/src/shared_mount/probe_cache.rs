@@ -20,7 +20,7 @@ use kvx_core::{BlockError, BlockKey};
 use rustc_hash::FxHashMap;
 
 use crate::config::SharedMount;
-use crate::health::Health;
+use crate::store::health::Health;
 
 /// What a probe of the shared mount says about a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,13 +9,13 @@ use kvx_core::{BlockKey, OpId};
 use kvx_policy::BreakerState;
 
 use crate::config::Capabilities;
-use crate::health::Health;
-use crate::index::Index;
 use crate::io::{Engine, Sink};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
-use crate::probes::{Begin, ProbeAnswer, ProbeTable};
-use crate::touch::TouchLane;
+use crate::shared_mount::probe_cache::{Begin, ProbeAnswer, ProbeTable};
+use crate::shared_mount::touch::TouchLane;
+use crate::store::health::Health;
+use crate::store::index::Index;
 
 /// Counters of a store (all since it opened).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -83,7 +83,7 @@ pub(crate) struct StoreState {
     /// Spare files for stores (see `PosixConfig::spare_files`).
     pub(crate) spares: Option<crate::spare::Spares>,
     /// What the newest collector pass found on the mount.
-    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::collector::Listing>>>,
+    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::shared_mount::collector::Listing>>>,
 }
 
 impl StoreState {
@@ -218,7 +218,7 @@ impl PosixHandle {
     /// blocks.
     pub fn set_last_use(&self, key: BlockKey, at: std::time::SystemTime) {
         if let Some(t) = &self.state.touch {
-            let stamp = crate::touch::Stamp::Back {
+            let stamp = crate::shared_mount::touch::Stamp::Back {
                 to: at,
                 unless_after: std::time::SystemTime::now(),
             };

@@ -1,5 +1,10 @@
 //! [`PosixStore`]: the file block store as a kvx [`Backend`].
 
+pub(crate) mod handle;
+pub(crate) mod health;
+pub(crate) mod index;
+pub(crate) mod root_check;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -13,13 +18,13 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::{Capabilities, IoEngine, PosixConfig};
 use crate::error::PosixError;
-use crate::handle::{Counters, PosixHandle, StoreState};
-use crate::health::Health;
-use crate::index::{Index, scan};
 use crate::io::fault::Faults;
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
-use crate::probe::probe_root;
+use crate::store::handle::{Counters, PosixHandle, StoreState};
+use crate::store::health::Health;
+use crate::store::index::{Index, scan};
+use crate::store::root_check::probe_root;
 
 struct BlockSlot {
     key: BlockKey,
@@ -55,7 +60,7 @@ pub struct PosixStore {
     ready: Vec<OpCompletion>,
     notifier: Notifier,
     /// Loads in flight per key, when removed block files are recycled as spares.
-    recycling: Option<crate::recycle::Recycling>,
+    recycling: Option<crate::spare::recycle::Recycling>,
 }
 
 impl PosixStore {
@@ -87,7 +92,7 @@ impl PosixStore {
         let inline: Vec<bool> = cfg
             .roots
             .iter()
-            .map(|r| cfg.inline_io && crate::probe::is_local_fs(r))
+            .map(|r| cfg.inline_io && crate::store::root_check::is_local_fs(r))
             .collect();
         let layout = Layout::new(cfg.roots.clone());
         let found = scan(&layout, cfg.stale_temp_age)?;
@@ -103,7 +108,7 @@ impl PosixStore {
         let recycling = spares
             .as_ref()
             .is_some_and(crate::spare::Spares::recycles)
-            .then(crate::recycle::Recycling::default);
+            .then(crate::spare::recycle::Recycling::default);
         let mut dirs: FxHashSet<(usize, u16)> = found.dirs.into_iter().collect();
         if spares.is_some() {
             dirs.extend(crate::spare::make_fan_out_dirs(&cfg.roots, &with_spares)?);
@@ -117,16 +122,17 @@ impl PosixStore {
             scanned_blocks: found.keys.len(),
             removed_temps: found.removed_temps,
         };
-        let touch =
-            match &cfg.shared {
-                Some(m) if m.touch_on_load => Some(crate::touch::TouchLane::start().map_err(
-                    |e| PosixError::Engine {
+        let touch = match &cfg.shared {
+            Some(m) if m.touch_on_load => {
+                Some(crate::shared_mount::touch::TouchLane::start().map_err(|e| {
+                    PosixError::Engine {
                         engine: "touch",
                         msg: format!("cannot start the touch thread: {e}"),
-                    },
-                )?),
-                _ => None,
-            };
+                    }
+                })?)
+            }
+            _ => None,
+        };
         let index = Index::default();
         index.extend(found.keys);
         let health = Health::new(&cfg.roots, cfg.breaker)?;
@@ -150,7 +156,10 @@ impl PosixStore {
                 sink,
                 caps,
                 counters: Counters::default(),
-                probes: cfg.shared.clone().map(crate::probes::ProbeTable::new),
+                probes: cfg
+                    .shared
+                    .clone()
+                    .map(crate::shared_mount::probe_cache::ProbeTable::new),
                 touch,
                 spares,
                 listing: std::sync::Mutex::new(None),
@@ -244,7 +253,7 @@ impl PosixStore {
                 (FileOp::Load, Ok(())) => {
                     self.state.index.insert(job.key);
                     if let Some(t) = &self.state.touch {
-                        t.touch(&job.block_path(), crate::touch::Stamp::Now);
+                        t.touch(&job.block_path(), crate::shared_mount::touch::Stamp::Now);
                     }
                     if st.cancel.load(Ordering::Acquire) {
                         result = Err(BlockError::Cancelled);

@@ -35,10 +35,10 @@ use kvx_core::BlockKey;
 use rustc_hash::FxHashSet;
 
 use crate::error::PosixError;
-use crate::handle::PosixHandle;
-use crate::index::{remove_stale_temp, visit_leaves};
 use crate::io::MAINTENANCE_DEPTH;
 use crate::paths::Entry;
+use crate::store::handle::PosixHandle;
+use crate::store::index::{remove_stale_temp, visit_leaves};
 
 /// Settings of a collector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,7 +88,7 @@ pub struct CollectReport {
     pub removed_temps: usize,
 }
 
-/// What one collector pass saw on the mount (see [`crate::collector`]).
+/// What one collector pass saw on the mount (see [`crate::shared_mount::collector`]).
 #[derive(Debug, Clone)]
 pub struct Listing {
     /// The pass's number on this handle, from 1: a newer listing has a larger one.
@@ -108,7 +108,7 @@ struct Found {
 }
 
 impl PosixHandle {
-    /// One collector pass over every root (see [`crate::collector`]): remove stale temporary
+    /// One collector pass over every root (see [`crate::shared_mount::collector`]): remove stale temporary
     /// files, then queue removes of the least recently used blocks until each root is under
     /// `cfg.quota_bytes`. Blocks on the walk; returns once every remove is queued. `stop` ends
     /// the pass early.
