@@ -11,6 +11,7 @@
 
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod fault;
+pub(crate) mod noop;
 pub(crate) mod psync;
 pub(crate) mod sys;
 #[cfg(target_os = "linux")]
@@ -163,13 +164,38 @@ pub(crate) struct Refused {
     pub(crate) reason: String,
 }
 
-/// The sink and the engine `cfg` names (with its verify lane for uring), faults injected
-/// around the engine when given (tests).
+/// What a store's tests change about the engine it starts.
+#[derive(Default)]
+pub(crate) struct EngineOverride {
+    /// Faults injected around the engine.
+    pub(crate) faults: Option<Arc<fault::Faults>>,
+    /// Run the [`noop`] engine instead of the one the config names.
+    pub(crate) noop: bool,
+}
+
+#[cfg(test)]
+impl EngineOverride {
+    /// The configured engine with `faults` injected around it.
+    pub(crate) fn with_faults(faults: Arc<fault::Faults>) -> EngineOverride {
+        EngineOverride {
+            faults: Some(faults),
+            noop: false,
+        }
+    }
+}
+
+/// The sink and the engine `cfg` names (with its verify lane for uring), or what `over` asks
+/// for instead (tests).
 pub(crate) fn start(
     cfg: &PosixConfig,
-    faults: Option<Arc<fault::Faults>>,
+    over: EngineOverride,
 ) -> Result<(Arc<Sink>, Box<dyn Engine>), PosixError> {
     let sink = Arc::new(Sink::default());
+    if over.noop {
+        let engine = noop::NoopEngine::new(cfg.queue_depth, cfg.max_queued, sink.clone());
+        return Ok((sink, Box::new(engine)));
+    }
+    let faults = over.faults;
     if cfg.engine == IoEngine::Uring {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
         sink.start_verify_lane(threads)

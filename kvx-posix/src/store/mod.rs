@@ -64,7 +64,7 @@ impl PosixStore {
     /// remove stale temporary files, and start the engine. Blocks while it scans: open a store
     /// before its mount is in the engine's critical path.
     pub fn open(cfg: PosixConfig) -> Result<PosixStore, PosixError> {
-        PosixStore::open_with(cfg, None)
+        PosixStore::open_with(cfg, crate::io::EngineOverride::default())
     }
 
     /// A thread-safe handle for lookups, removal, health and counters.

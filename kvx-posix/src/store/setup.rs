@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::PosixStore;
 use crate::config::{Capabilities, PosixConfig};
 use crate::error::PosixError;
-use crate::io::fault::Faults;
+use crate::io::EngineOverride;
 use crate::paths::Layout;
 use crate::store::handle::{Counters, StoreState};
 use crate::store::health::Health;
@@ -17,10 +17,10 @@ use crate::store::index::{Index, scan};
 use crate::store::root_check::probe_root;
 
 impl PosixStore {
-    /// [`PosixStore::open`] with faults injected around the engine (tests).
+    /// [`PosixStore::open`] with the engine changed as `over` says (tests).
     pub(crate) fn open_with(
         cfg: PosixConfig,
-        faults: Option<Arc<Faults>>,
+        over: EngineOverride,
     ) -> Result<PosixStore, PosixError> {
         cfg.validate()?;
         for r in &cfg.roots {
@@ -59,7 +59,7 @@ impl PosixStore {
         if spares.is_some() {
             dirs.extend(crate::spare::make_fan_out_dirs(&cfg.roots, &with_spares)?);
         }
-        let (sink, io_engine) = crate::io::start(&cfg, faults)?;
+        let (sink, io_engine) = crate::io::start(&cfg, over)?;
         let caps = Capabilities {
             engine: cfg.engine,
             direct: direct.iter().all(|d| *d),

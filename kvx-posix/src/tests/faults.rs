@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kvx_core::*;
 
 use super::{FaultRig, SOON, key, wait_until};
+use crate::io::EngineOverride;
 use crate::io::fault::Late;
 use crate::{IoEngine, PosixStore};
 
@@ -223,7 +224,8 @@ fn read_after_the_deadline_is_timed_out(engine: IoEngine) {
     let faults = std::sync::Arc::new(crate::io::fault::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
     cfg.engine = engine;
-    let mut store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open");
+    let mut store =
+        PosixStore::open_with(cfg, EngineOverride::with_faults(faults.clone())).expect("open");
     let pool = BufferPool::new(4, 8192, DEFAULT_ALIGN).expect("pool");
     let k = key(7);
     let op = |id: u64, dir: Direction, deadline: Duration| {
@@ -300,7 +302,8 @@ fn full_queue_is_busy_at_submit(engine: IoEngine) {
     cfg.queue_depth = 1;
     cfg.rings = 1;
     cfg.max_queued = 4;
-    let mut store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open");
+    let mut store =
+        PosixStore::open_with(cfg, EngineOverride::with_faults(faults.clone())).expect("open");
     let pool = BufferPool::new(8, 8192, DEFAULT_ALIGN).expect("pool");
     faults.freeze();
     let op = |id: u64| {

@@ -16,6 +16,7 @@ macro_rules! both_engines {
 }
 
 mod faults;
+mod noop;
 mod psync_pool;
 mod recycle;
 mod unused_spare;
@@ -25,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 
-use crate::io::EngineSnapshot;
 use crate::io::fault::Faults;
+use crate::io::{EngineOverride, EngineSnapshot};
 use crate::{IoEngine, PosixConfig, PosixHandle, PosixStore};
 
 /// Bound for "happens promptly" (never a performance assertion).
@@ -58,10 +59,38 @@ impl FaultRig {
         tune: impl FnOnce(&mut PosixConfig),
     ) -> FaultRig {
         let faults = Arc::new(Faults::default());
+        FaultRig::open(
+            engine,
+            bufs,
+            dir,
+            EngineOverride::with_faults(faults.clone()),
+            faults,
+            tune,
+        )
+    }
+
+    /// A store running the noop engine, in a driver, on a fresh directory.
+    fn noop(bufs: usize) -> FaultRig {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let over = EngineOverride {
+            faults: None,
+            noop: true,
+        };
+        FaultRig::open(IoEngine::Psync, bufs, dir, over, Arc::default(), |_| {})
+    }
+
+    fn open(
+        engine: IoEngine,
+        bufs: usize,
+        dir: tempfile::TempDir,
+        over: EngineOverride,
+        faults: Arc<Faults>,
+        tune: impl FnOnce(&mut PosixConfig),
+    ) -> FaultRig {
         let mut cfg = PosixConfig::new(dir.path());
         cfg.engine = engine;
         tune(&mut cfg);
-        let store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open store");
+        let store = PosixStore::open_with(cfg, over).expect("open store");
         let files = store.handle();
         let mut b = DriverBuilder::new(DriverConfig::default());
         let posix = b.backend(Box::new(store));
