@@ -5,7 +5,7 @@
 
 use kvx_core::BlockError;
 
-use super::{BlockJob, Next, Step, Syscall, errno_name};
+use super::{JobCore, Next, Syscall, errno_name};
 use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,14 +15,27 @@ pub(super) enum ProbeStep {
     Close,
 }
 
-impl BlockJob {
-    pub(super) fn probe_start(&mut self) -> Next {
-        if let Err(e) = self.header() {
-            return self.done(Err(e));
+/// What only the probe machine needs.
+#[derive(Default)]
+pub(super) struct Probe {
+    /// The pending syscall.
+    step: Option<ProbeStep>,
+}
+
+impl Probe {
+    fn call(&mut self, c: &mut JobCore, step: ProbeStep, s: Syscall) -> Next {
+        self.step = Some(step);
+        c.call(s)
+    }
+
+    pub(super) fn start(&mut self, c: &mut JobCore) -> Next {
+        if let Err(e) = c.header() {
+            return c.done(Err(e));
         }
-        let path = self.paths.block.as_ptr();
+        let path = c.paths.block.as_ptr();
         self.call(
-            Step::Probe(ProbeStep::Open),
+            c,
+            ProbeStep::Open,
             Syscall::Open {
                 path,
                 flags: libc::O_RDONLY | libc::O_CLOEXEC,
@@ -32,8 +45,8 @@ impl BlockJob {
     }
 
     /// What the header read says about the block.
-    fn probe_verdict(&self, n: usize) -> Result<(), BlockError> {
-        let Some(h) = self.header.as_ref() else {
+    fn verdict(c: &JobCore, n: usize) -> Result<(), BlockError> {
+        let Some(h) = c.header.as_ref() else {
             return Err(BlockError::Io("no header buffer".into()));
         };
         let bytes = &h.as_slice()[..n.min(HEADER_LEN)];
@@ -43,69 +56,61 @@ impl BlockJob {
             return Err(BlockError::NotFound);
         }
         match format::parse_header(bytes) {
-            Ok(h) if h.key == self.key => Ok(()),
+            Ok(h) if h.key == c.key => Ok(()),
             Ok(h) => Err(BlockError::Corrupt(format!(
                 "{:?} holds key {}",
-                self.block_path(),
+                c.block_path(),
                 h.key
             ))),
-            Err(e) => Err(BlockError::Corrupt(format!("{:?}: {e}", self.block_path()))),
+            Err(e) => Err(BlockError::Corrupt(format!("{:?}: {e}", c.block_path()))),
         }
     }
 
-    pub(super) fn probe_advance(&mut self, step: ProbeStep, res: i64) -> Next {
+    pub(super) fn advance(&mut self, c: &mut JobCore, res: i64) -> Next {
+        let Some(step) = self.step else {
+            return c.done(Err(BlockError::Io(
+                "a probe advanced before it started".into(),
+            )));
+        };
         match step {
             ProbeStep::Open => {
                 if res == -(libc::ENOENT as i64) {
-                    return self.done(Err(BlockError::NotFound));
+                    return c.done(Err(BlockError::NotFound));
                 }
                 if res < 0 {
-                    let msg = format!("open {:?}: {}", self.block_path(), errno_name(res));
-                    return self.done(Err(BlockError::Io(msg)));
+                    let msg = format!("open {:?}: {}", c.block_path(), errno_name(res));
+                    return c.done(Err(BlockError::Io(msg)));
                 }
                 let fd = res as i32;
-                self.fd = Some(fd);
-                let ptr = match self.header() {
-                    Ok(h) => h.as_mut_ptr(),
+                c.fd = Some(fd);
+                match c.read_header(fd) {
+                    Ok(read) => self.call(c, ProbeStep::Read, read),
                     Err(e) => {
-                        self.verdict = Some(Err(e));
-                        self.fd = None;
-                        return self.call(Step::Probe(ProbeStep::Close), Syscall::Close { fd });
+                        c.verdict = Some(Err(e));
+                        c.fd = None;
+                        self.call(c, ProbeStep::Close, Syscall::Close { fd })
                     }
-                };
-                self.iov[0] = libc::iovec {
-                    iov_base: ptr.cast(),
-                    iov_len: HEADER_LEN,
-                };
-                self.iov_n = 1;
-                self.call(
-                    Step::Probe(ProbeStep::Read),
-                    Syscall::Readv {
-                        fd,
-                        iov: self.iov.as_ptr(),
-                        n: 1,
-                    },
-                )
+                }
             }
             ProbeStep::Read => {
-                self.verdict = Some(if res < 0 {
+                c.verdict = Some(if res < 0 {
                     Err(BlockError::Io(format!(
                         "read {:?}: {}",
-                        self.block_path(),
+                        c.block_path(),
                         errno_name(res)
                     )))
                 } else {
-                    self.probe_verdict(res as usize)
+                    Probe::verdict(c, res as usize)
                 });
-                let fd = self.fd.take().unwrap_or(-1);
-                self.call(Step::Probe(ProbeStep::Close), Syscall::Close { fd })
+                let fd = c.fd.take().unwrap_or(-1);
+                self.call(c, ProbeStep::Close, Syscall::Close { fd })
             }
             ProbeStep::Close => {
-                let r = self
+                let r = c
                     .verdict
                     .take()
                     .unwrap_or(Err(BlockError::Io("probe without a verdict".into())));
-                self.done(r)
+                c.done(r)
             }
         }
     }

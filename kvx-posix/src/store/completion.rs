@@ -42,9 +42,9 @@ impl PosixStore {
     fn absorb(&mut self, jobs: Vec<Box<BlockJob>>) {
         let now = Instant::now();
         for mut job in jobs {
-            if job.action == FileOp::Probe {
+            if job.action() == FileOp::Probe {
                 if let Some(t) = &self.state.probes {
-                    t.answered(job.key, &job.result, now, &self.state.health);
+                    t.answered(job.core.key, &job.core.result, now, &self.state.health);
                 }
                 continue;
             }
@@ -52,25 +52,26 @@ impl PosixStore {
             if let (Some(r), Some(spares)) = (&mut self.recycling, &self.state.spares) {
                 r.job_returned(&mut job, spares, &self.state.counters.recycled);
             }
-            if job.action == FileOp::Remove {
-                if let Err(e) = &job.result {
-                    tracing::warn!(key = %job.key, error = %e, "posix: remove failed");
+            if job.action() == FileOp::Remove {
+                if let Err(e) = &job.core.result {
+                    tracing::warn!(key = %job.core.key, error = %e, "posix: remove failed");
                 }
                 continue;
             }
-            let Some(st) = self.ops.get_mut(&job.op) else {
-                tracing::error!(op = %job.op, "posix: completion of an unknown op");
+            let Some(st) = self.ops.get_mut(&job.core.op) else {
+                tracing::error!(op = %job.core.op, "posix: completion of an unknown op");
                 continue;
             };
-            if job.made_dirs {
-                self.dirs.insert((job.root, Self::prefix(job.key)));
+            if job.made_dirs() {
+                self.dirs
+                    .insert((job.core.root, Self::prefix(job.core.key)));
             }
-            let mut result = std::mem::replace(&mut job.result, Ok(()));
-            if job.action == FileOp::Load && result.is_ok() {
+            let mut result = std::mem::replace(&mut job.core.result, Ok(()));
+            if job.action() == FileOp::Load && result.is_ok() {
                 result = job.check_payload();
             }
             let c = &self.state.counters;
-            match (job.action, &result) {
+            match (job.action(), &result) {
                 (FileOp::Store, Ok(())) => {
                     let cancelled = st.cancel.load(Ordering::Acquire);
                     if cancelled || now + self.cfg.visibility_margin >= st.op.deadline {
@@ -81,14 +82,14 @@ impl PosixStore {
                             BlockError::TimedOut
                         });
                         c.undone.fetch_add(1, Ordering::Relaxed);
-                        self.state.unlink(job.key, job.nonce());
+                        self.state.unlink(job.core.key, job.nonce());
                     } else {
                         c.stored.fetch_add(1, Ordering::Relaxed);
-                        self.state.index.insert(job.key);
+                        self.state.index.insert(job.core.key);
                     }
                 }
                 (FileOp::Load, Ok(())) => {
-                    self.state.index.insert(job.key);
+                    self.state.index.insert(job.core.key);
                     if let Some(t) = &self.state.touch {
                         t.touch(&job.block_path(), crate::shared_mount::touch::Stamp::Now);
                     }
@@ -102,34 +103,34 @@ impl PosixStore {
                     }
                 }
                 (FileOp::Load, Err(BlockError::NotFound)) => {
-                    self.state.index.remove(job.key);
+                    self.state.index.remove(job.core.key);
                     if let Some(t) = &self.state.probes {
-                        t.forget(job.key);
+                        t.forget(job.core.key);
                     }
                 }
                 (FileOp::Load, Err(BlockError::Corrupt(m))) => {
-                    tracing::warn!(key = %job.key, error = %m, "posix: corrupt block");
+                    tracing::warn!(key = %job.core.key, error = %m, "posix: corrupt block");
                     c.corrupt.fetch_add(1, Ordering::Relaxed);
-                    self.state.index.remove(job.key);
+                    self.state.index.remove(job.core.key);
                     if let Some(t) = &self.state.probes {
-                        t.forget(job.key);
+                        t.forget(job.core.key);
                     }
                 }
                 (FileOp::Store, Err(BlockError::TimedOut | BlockError::Cancelled))
-                    if job.undone =>
+                    if job.undone() =>
                 {
                     c.undone.fetch_add(1, Ordering::Relaxed);
                 }
                 _ => {}
             }
-            let Some(slot) = st.slots.get_mut(job.index) else {
+            let Some(slot) = st.slots.get_mut(job.core.index) else {
                 continue;
             };
-            slot.buf = job.buf.take();
+            slot.buf = job.core.buf.take();
             slot.result = Some(result);
             st.pending -= 1;
             if st.pending == 0 {
-                let id = job.op;
+                let id = job.core.op;
                 self.finish(id, now);
             }
         }

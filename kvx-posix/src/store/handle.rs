@@ -91,7 +91,7 @@ impl StoreState {
     /// spare folder, nobody's, until the store is reopened).
     pub(crate) fn give_back_spare(&self, job: &mut BlockJob) {
         if let (Some(spares), Some(spare)) = (&self.spares, job.take_unused_spare()) {
-            spares.give_back(job.root, spare);
+            spares.give_back(job.core.root, spare);
         }
     }
 
@@ -110,14 +110,17 @@ impl StoreState {
             JobParams::remove(nonce),
         ));
         if nonce.is_none()
-            && let Some((spare, len)) = self.spares.as_ref().and_then(|s| s.recycle_name(job.root))
+            && let Some((spare, len)) = self
+                .spares
+                .as_ref()
+                .and_then(|s| s.recycle_name(job.core.root))
         {
             job.recycle_into(spare, len);
         }
         if let Err(mut r) = self.io_engine.submit(job) {
             tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
             if let (Some(_), Some(s)) = (r.job.take_recycle(), &self.spares) {
-                s.release(r.job.root);
+                s.release(r.job.core.root);
             }
         }
     }

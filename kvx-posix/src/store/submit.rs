@@ -138,8 +138,8 @@ impl PosixStore {
             health_recorded: false,
         };
         for job in jobs {
-            let index = job.index;
-            let key = job.key;
+            let index = job.core.index;
+            let key = job.core.key;
             match self.state.io_engine.submit(job) {
                 Ok(()) => {
                     st.pending += 1;
@@ -150,7 +150,7 @@ impl PosixStore {
                 Err(r) => {
                     let mut job = r.job;
                     self.state.give_back_spare(&mut job);
-                    st.slots[index].buf = job.buf.take();
+                    st.slots[index].buf = job.core.buf.take();
                     st.slots[index].result = Some(Err(BlockError::Unavailable(r.reason)));
                 }
             }
