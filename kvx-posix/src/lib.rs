@@ -80,6 +80,8 @@ mod paths;
 mod shared_mount;
 mod spare;
 mod store;
+#[cfg(any(test, feature = "faults"))]
+pub mod testing;
 #[cfg(test)]
 mod tests;
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 /// Which syscalls a late-completion fault delays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Late {
+pub enum Late {
     /// A load's data read.
     Read,
     /// A store's rename into place.
@@ -29,7 +29,7 @@ struct State {
 
 /// The faults a store's engine applies (shared with the test that drives them).
 #[derive(Debug, Default)]
-pub(crate) struct Faults {
+pub struct Faults {
     st: Mutex<State>,
     cv: Condvar,
 }
@@ -51,19 +51,19 @@ impl Faults {
     }
 
     /// Hold every completion from now until [`Faults::thaw`].
-    pub(crate) fn freeze(&self) {
+    pub fn freeze(&self) {
         self.lock().frozen = true;
     }
 
     /// Hand back what a freeze held.
-    pub(crate) fn thaw(&self) {
+    pub fn thaw(&self) {
         self.lock().frozen = false;
         self.cv.notify_all();
     }
 
     /// Hold (or let go) the start of psync's replacement workers, after the pool has counted
     /// them: the window in which a written-off worker may come back.
-    pub(crate) fn hold_replacements(&self, on: bool) {
+    pub fn hold_replacements(&self, on: bool) {
         self.lock().replacements_held = on;
         self.cv.notify_all();
     }
@@ -78,12 +78,12 @@ impl Faults {
     }
 
     /// Completions held right now.
-    pub(crate) fn held(&self) -> usize {
+    pub fn held(&self) -> usize {
         self.lock().held
     }
 
     /// Hold the completions of the next `count` syscalls of kind `what` for `by`.
-    pub(crate) fn late(&self, what: Late, count: usize, by: Duration) {
+    pub fn late(&self, what: Late, count: usize, by: Duration) {
         let mut s = self.lock();
         s.late = Some(what);
         s.late_left = count;

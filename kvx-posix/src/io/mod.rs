@@ -9,7 +9,7 @@
 //! syscall returns. [`EngineCounters::written_off`] is what the store checks against
 //! `max_stuck`.
 
-#[cfg_attr(not(test), allow(dead_code))]
+#[cfg(any(test, feature = "faults"))]
 pub(crate) mod fault;
 pub(crate) mod noop;
 pub(crate) mod psync;
@@ -168,12 +168,13 @@ pub(crate) struct Refused {
 #[derive(Default)]
 pub(crate) struct EngineOverride {
     /// Faults injected around the engine.
+    #[cfg(any(test, feature = "faults"))]
     pub(crate) faults: Option<Arc<fault::Faults>>,
     /// Run the [`noop`] engine instead of the one the config names.
     pub(crate) noop: bool,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "faults"))]
 impl EngineOverride {
     /// The configured engine with `faults` injected around it.
     pub(crate) fn with_faults(faults: Arc<fault::Faults>) -> EngineOverride {
@@ -195,6 +196,7 @@ pub(crate) fn start(
         let engine = noop::NoopEngine::new(cfg.queue_depth, cfg.max_queued, sink.clone());
         return Ok((sink, Box::new(engine)));
     }
+    #[cfg(any(test, feature = "faults"))]
     let faults = over.faults;
     if cfg.engine == IoEngine::Uring {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
@@ -210,6 +212,7 @@ pub(crate) fn start(
             cfg.max_stuck,
             cfg.max_queued,
             sink.clone(),
+            #[cfg(any(test, feature = "faults"))]
             faults,
         )?),
         #[cfg(target_os = "linux")]
@@ -219,6 +222,7 @@ pub(crate) fn start(
             cfg.max_stuck,
             cfg.max_queued,
             sink.clone(),
+            #[cfg(any(test, feature = "faults"))]
             faults,
         )?),
         #[cfg(not(target_os = "linux"))]

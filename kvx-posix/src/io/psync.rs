@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use rustc_hash::FxHashMap;
 
+#[cfg(any(test, feature = "faults"))]
 use super::fault::Faults;
 use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
 use crate::error::PosixError;
@@ -51,6 +52,7 @@ struct WorkerPool {
     /// Most threads for loads and stores, live and written off together.
     bound: usize,
     stop: AtomicBool,
+    #[cfg(any(test, feature = "faults"))]
     faults: Option<Arc<Faults>>,
 }
 
@@ -73,6 +75,7 @@ impl WorkerPool {
             // pointers in `call` point into it (buffers, iovecs, paths) and nobody else can
             // reach it until it is pushed to the sink.
             let res = unsafe { super::sys::run(&call) };
+            #[cfg(any(test, feature = "faults"))]
             if let Some(f) = &self.faults {
                 f.gate(job.pending_late());
             }
@@ -97,7 +100,7 @@ impl PsyncEngine {
         max_stuck: usize,
         max_queued: usize,
         sink: Arc<Sink>,
-        faults: Option<Arc<Faults>>,
+        #[cfg(any(test, feature = "faults"))] faults: Option<Arc<Faults>>,
     ) -> Result<PsyncEngine, PosixError> {
         let target = threads.max(1);
         let capacity = max_queued.max(1);
@@ -112,6 +115,7 @@ impl PsyncEngine {
             target,
             bound: target + max_stuck,
             stop: AtomicBool::new(false),
+            #[cfg(any(test, feature = "faults"))]
             faults,
         });
         let err = |e: std::io::Error| PosixError::Engine {
@@ -298,6 +302,7 @@ impl Engine for PsyncEngine {
             (newly, replacements)
         };
         let spawn = replacements.len();
+        #[cfg(any(test, feature = "faults"))]
         if spawn > 0
             && let Some(f) = &self.shared.faults
         {

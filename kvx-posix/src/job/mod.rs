@@ -402,6 +402,7 @@ impl BlockJob {
     }
 
     /// The kind of the pending syscall, if a late-completion fault can target it.
+    #[cfg(any(test, feature = "faults"))]
     pub(crate) fn pending_late(&self) -> Option<crate::io::fault::Late> {
         use crate::io::fault::Late;
         match &self.machine {

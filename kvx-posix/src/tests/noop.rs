@@ -3,11 +3,16 @@
 
 use kvx_core::*;
 
-use super::{FaultRig, SOON, key};
+use super::BLOCK;
+use crate::testing::{Rig, RigShape, SOON, key};
 
 #[test]
 fn a_store_succeeds_and_its_load_misses_without_touching_a_file() {
-    let r = FaultRig::noop(4);
+    let shape = RigShape {
+        noop: true,
+        ..RigShape::new(4, BLOCK)
+    };
+    let r = Rig::in_temp_dir(shape, |_| {});
     assert_eq!(r.engine().target, r.engine().workers, "no worker is stuck");
     let k = key(1);
 
@@ -19,12 +24,12 @@ fn a_store_succeeds_and_its_load_misses_without_touching_a_file() {
     );
     assert_eq!(r.files.lookup(&[k]), 1, "the stored block enters the index");
     assert!(!r.files.block_path(k).exists(), "no block file was written");
-    let entries = std::fs::read_dir(r.dir.path())
+    let entries = std::fs::read_dir(r.root.as_path())
         .expect("read the root")
         .count();
     assert_eq!(entries, 0, "nothing was created under the root");
 
-    let loaded = r.load(k, SOON);
+    let loaded = r.load_one(k, SOON);
     assert!(
         !loaded.is_ok(),
         "a load through the noop engine finds nothing"

@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Sender, TrySendError};
 
+#[cfg(any(test, feature = "faults"))]
 use super::fault::Faults;
 use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
 use crate::error::PosixError;
@@ -85,7 +86,7 @@ impl UringEngine {
         max_stuck: usize,
         max_queued: usize,
         sink: Arc<Sink>,
-        faults: Option<Arc<Faults>>,
+        #[cfg(any(test, feature = "faults"))] faults: Option<Arc<Faults>>,
     ) -> Result<UringEngine, PosixError> {
         let counters = Arc::new(EngineCounters::default());
         let err = |msg: String| PosixError::Engine {
@@ -116,6 +117,7 @@ impl UringEngine {
                 counters: counters.clone(),
                 qd,
                 max_stuck,
+                #[cfg(any(test, feature = "faults"))]
                 faults: faults.clone(),
             };
             std::thread::Builder::new()
