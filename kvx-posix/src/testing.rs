@@ -212,6 +212,11 @@ impl Rig {
         self.arena.as_ref().expect("a rig with a host tier")
     }
 
+    /// The host tier's memory, to fill (panics for a rig without one).
+    pub fn arena_mut(&mut self) -> &mut HostArena {
+        self.arena.as_mut().expect("a rig with a host tier")
+    }
+
     /// The engine's counters (the crate's own tests).
     #[cfg(test)]
     pub(crate) fn engine(&self) -> crate::io::EngineSnapshot {
@@ -340,7 +345,12 @@ impl Rig {
 
     /// Load `keys` and check each comes back whole with the payload [`Rig::store_keys`] wrote
     /// for it at its length in `lens`; `what` names the case in messages.
-    pub fn assert_loads_back(&self, keys: &[BlockKey], lens: &[usize], what: &str) {
+    pub fn assert_loads_back(
+        &self,
+        keys: &[BlockKey],
+        lens: &[usize],
+        what: impl std::fmt::Display,
+    ) {
         let rep = self.load(keys);
         assert!(rep.is_ok(), "{what}: {:?}", rep.state);
         for ((b, k), len) in rep.blocks.iter().zip(keys).zip(lens) {
