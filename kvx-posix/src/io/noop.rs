@@ -5,12 +5,12 @@
 
 use std::sync::Arc;
 
-use super::{Engine, EngineCounters, Refused, Sink};
+use super::{Engine, EngineCounters, Outbox, Refused};
 use crate::job::BlockJob;
 
 /// The engine that runs no syscall.
 pub(crate) struct NoopEngine {
-    sink: Arc<Sink>,
+    outbox: Arc<Outbox>,
     counters: EngineCounters,
     target: usize,
     room: usize,
@@ -18,13 +18,13 @@ pub(crate) struct NoopEngine {
 
 impl NoopEngine {
     /// A noop engine reporting `queue_depth` workers and room for `max_queued` jobs.
-    pub(crate) fn new(queue_depth: usize, max_queued: usize, sink: Arc<Sink>) -> NoopEngine {
+    pub(crate) fn new(queue_depth: usize, max_queued: usize, outbox: Arc<Outbox>) -> NoopEngine {
         let counters = EngineCounters::default();
         counters
             .workers
             .store(queue_depth, std::sync::atomic::Ordering::Release);
         NoopEngine {
-            sink,
+            outbox,
             counters,
             target: queue_depth,
             room: max_queued.max(1),
@@ -39,7 +39,7 @@ impl Engine for NoopEngine {
 
     fn submit(&self, mut job: Box<BlockJob>) -> Result<(), Refused> {
         job.complete_without_io();
-        self.sink.push_checked([job]);
+        self.outbox.push([job]);
         Ok(())
     }
 

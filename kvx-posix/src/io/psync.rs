@@ -10,7 +10,7 @@
 //! bounded: a full queue refuses at submit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
@@ -18,9 +18,10 @@ use rustc_hash::FxHashMap;
 
 #[cfg(any(test, feature = "faults"))]
 use super::fault::Faults;
-use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Outbox, Refused};
 use crate::error::PosixError;
 use crate::job::{BlockJob, Next};
+use kvx_core::sync::lock;
 
 /// What a worker is doing right now.
 struct Running {
@@ -41,12 +42,12 @@ struct Roster {
     stuck: usize,
 }
 
-/// The worker threads' common state: their roster, the two job queues, the sink and counters.
+/// The worker threads' common state: their roster, the two job queues, the outbox and counters.
 struct WorkerPool {
     roster: Mutex<Roster>,
     rx: Receiver<Box<BlockJob>>,
     maintenance_rx: Receiver<Box<BlockJob>>,
-    sink: Arc<Sink>,
+    outbox: Arc<Outbox>,
     counters: EngineCounters,
     target: usize,
     /// Most threads for loads and stores, live and written off together.
@@ -57,10 +58,6 @@ struct WorkerPool {
 }
 
 impl WorkerPool {
-    fn lock(&self) -> MutexGuard<'_, Roster> {
-        kvx_core::lock(&self.roster)
-    }
-
     fn set_live(&self, p: &Roster) {
         self.counters.workers.store(p.live, Ordering::Release);
         self.counters
@@ -73,7 +70,7 @@ impl WorkerPool {
         while let Next::Call(call) = next {
             // SAFETY: the job is boxed and owned by this thread for the whole syscall; the
             // pointers in `call` point into it (buffers, iovecs, paths) and nobody else can
-            // reach it until it is pushed to the sink.
+            // reach it until it is pushed to the outbox.
             let res = unsafe { super::sys::run(&call) };
             #[cfg(any(test, feature = "faults"))]
             if let Some(f) = &self.faults {
@@ -99,7 +96,7 @@ impl PsyncEngine {
         threads: usize,
         max_stuck: usize,
         max_queued: usize,
-        sink: Arc<Sink>,
+        outbox: Arc<Outbox>,
         #[cfg(any(test, feature = "faults"))] faults: Option<Arc<Faults>>,
     ) -> Result<PsyncEngine, PosixError> {
         let target = threads.max(1);
@@ -110,7 +107,7 @@ impl PsyncEngine {
             roster: Mutex::new(Roster::default()),
             rx,
             maintenance_rx,
-            sink,
+            outbox,
             counters: EngineCounters::default(),
             target,
             bound: target + max_stuck,
@@ -142,7 +139,7 @@ impl PsyncEngine {
 }
 
 fn spawn_worker(shared: &Arc<WorkerPool>) -> std::io::Result<()> {
-    let id = reserve_worker(shared, &mut shared.lock());
+    let id = reserve_worker(shared, &mut lock(&shared.roster));
     start_worker(shared, id)
 }
 
@@ -172,7 +169,7 @@ fn start_worker(shared: &Arc<WorkerPool>, id: u64) -> std::io::Result<()> {
 
 /// Worker `id` is gone (or never started): it no longer counts as live.
 fn remove_worker(shared: &WorkerPool, id: u64) {
-    let mut p = shared.lock();
+    let mut p = lock(&shared.roster);
     if p.workers.remove(&id).is_some() {
         p.live = p.live.saturating_sub(1);
         shared.set_live(&p);
@@ -191,7 +188,7 @@ fn worker(shared: Arc<WorkerPool>, id: u64) {
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
-        if let Some(slot) = shared.lock().workers.get_mut(&id) {
+        if let Some(slot) = lock(&shared.roster).workers.get_mut(&id) {
             *slot = Some(Running {
                 deadline: job.deadline(),
                 cancel: job.cancel_flag(),
@@ -200,7 +197,7 @@ fn worker(shared: Arc<WorkerPool>, id: u64) {
         }
         shared.run(&mut job);
         let leave = {
-            let mut p = shared.lock();
+            let mut p = lock(&shared.roster);
             let r = p.workers.get_mut(&id).and_then(Option::take);
             let mut leave = false;
             if r.is_some_and(|r| r.written_off) {
@@ -219,7 +216,7 @@ fn worker(shared: Arc<WorkerPool>, id: u64) {
             leave
         };
         shared.counters.in_flight.fetch_sub(1, Ordering::AcqRel);
-        shared.sink.push([job]);
+        shared.outbox.push([job]);
         if leave {
             return;
         }
@@ -243,8 +240,8 @@ fn maintenance_worker(shared: Arc<WorkerPool>) {
             Err(RecvTimeoutError::Disconnected) => return,
         };
         shared.run(&mut job);
-        // Into the sink first: once the count reads zero, every remove can be absorbed.
-        shared.sink.push([job]);
+        // Into the outbox first: once the count reads zero, every remove can be absorbed.
+        shared.outbox.push([job]);
         shared.counters.maintenance.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -279,7 +276,7 @@ impl Engine for PsyncEngine {
     fn write_off_overdue(&self) {
         let now = Instant::now();
         let (newly, replacements) = {
-            let mut p = self.shared.lock();
+            let mut p = lock(&self.shared.roster);
             let mut newly = 0;
             for r in p.workers.values_mut().flatten() {
                 if !r.written_off && (r.cancel.load(Ordering::Acquire) || now >= r.deadline) {

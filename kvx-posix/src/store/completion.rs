@@ -12,20 +12,23 @@ use crate::job::{BlockJob, FileOp};
 impl PosixStore {
     /// [`Backend::poll`]: fold in what the engine finished, hand out the finished ops.
     pub(super) fn take_completions(&mut self, out: &mut Vec<OpCompletion>) {
-        let jobs = self.state.sink.take();
+        self.absorb_finished();
+        out.append(&mut self.ready);
+    }
+
+    /// Fold in every job the engine finished so far.
+    fn absorb_finished(&mut self) {
+        let mut jobs = Vec::new();
+        self.state.board.drain(&mut jobs);
         if !jobs.is_empty() {
             self.absorb(jobs);
         }
-        out.append(&mut self.ready);
     }
 
     /// [`Backend::wait`]: fold in finished jobs until `ops` are done or `until` passes.
     pub(super) fn wait_for(&mut self, ops: &[OpId], until: Instant) -> WaitOutcome {
         loop {
-            let jobs = self.state.sink.take();
-            if !jobs.is_empty() {
-                self.absorb(jobs);
-            }
+            self.absorb_finished();
             if ops.iter().all(|o| !self.ops.contains_key(o)) {
                 return WaitOutcome::Completed;
             }
@@ -33,7 +36,7 @@ impl PosixStore {
             if now >= until {
                 return WaitOutcome::TimedOut;
             }
-            let jobs = self.state.sink.take_or_wait(until - now);
+            let jobs = self.state.board.take_or_wait(until - now);
             self.absorb(jobs);
         }
     }

@@ -9,7 +9,7 @@ use kvx_core::{BlockKey, OpId};
 use kvx_policy::BreakerState;
 
 use crate::config::Capabilities;
-use crate::io::{Engine, Sink};
+use crate::io::{Engine, JobBoard};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
 use crate::shared_mount::probe_cache::{Begin, ProbeAnswer, ProbeTable};
@@ -73,7 +73,8 @@ pub(crate) struct StoreState {
     pub(crate) health: Health,
     pub(crate) layout: Layout,
     pub(crate) io_engine: Box<dyn Engine>,
-    pub(crate) sink: Arc<Sink>,
+    /// Finished jobs, for the store's next poll.
+    pub(crate) board: Arc<JobBoard>,
     pub(crate) caps: Capabilities,
     pub(crate) counters: Counters,
     /// Probe answers, on a shared mount.

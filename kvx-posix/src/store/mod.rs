@@ -105,7 +105,7 @@ impl Backend for PosixStore {
 
     fn set_notifier(&mut self, notifier: Notifier) {
         self.notifier = notifier.clone();
-        self.state.sink.set_notifier(notifier);
+        self.state.board.set_notifier(notifier);
     }
 
     fn submit(&mut self, op: Op) -> Result<(), SubmitError> {

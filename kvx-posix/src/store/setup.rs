@@ -59,7 +59,7 @@ impl PosixStore {
         if spares.is_some() {
             dirs.extend(crate::spare::make_fan_out_dirs(&cfg.roots, &with_spares)?);
         }
-        let (sink, io_engine) = crate::io::start(&cfg, over)?;
+        let (board, io_engine) = crate::io::start(&cfg, over)?;
         let caps = Capabilities {
             engine: cfg.engine,
             direct: direct.iter().all(|d| *d),
@@ -99,7 +99,7 @@ impl PosixStore {
                 health,
                 layout,
                 io_engine,
-                sink,
+                board,
                 caps,
                 counters: Counters::default(),
                 probes: cfg

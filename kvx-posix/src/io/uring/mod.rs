@@ -29,7 +29,7 @@ use crossbeam_channel::{Sender, TrySendError};
 
 #[cfg(any(test, feature = "faults"))]
 use super::fault::Faults;
-use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Outbox, Refused};
 use crate::error::PosixError;
 use crate::job::BlockJob;
 
@@ -85,7 +85,7 @@ impl UringEngine {
         queue_depth: usize,
         max_stuck: usize,
         max_queued: usize,
-        sink: Arc<Sink>,
+        outbox: Arc<Outbox>,
         #[cfg(any(test, feature = "faults"))] faults: Option<Arc<Faults>>,
     ) -> Result<UringEngine, PosixError> {
         let counters = Arc::new(EngineCounters::default());
@@ -113,7 +113,7 @@ impl UringEngine {
                 maintenance_rx,
                 efd: efd.clone(),
                 stop: stop.clone(),
-                sink: sink.clone(),
+                outbox: outbox.clone(),
                 counters: counters.clone(),
                 qd,
                 max_stuck,

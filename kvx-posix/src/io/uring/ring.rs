@@ -11,7 +11,7 @@ use io_uring::{IoUring, opcode, squeue, types};
 
 #[cfg(any(test, feature = "faults"))]
 use super::super::fault::{Faults, Hold};
-use super::super::{EngineCounters, MAINTENANCE_DEPTH, Sink};
+use super::super::{EngineCounters, MAINTENANCE_DEPTH, Outbox};
 use super::{DETACHED, IDLE_WAIT, WAKE, ring_entries};
 use crate::job::{BlockJob, Next, Syscall};
 
@@ -35,7 +35,7 @@ pub(super) struct RingThread {
     pub(super) maintenance_rx: Receiver<Box<BlockJob>>,
     pub(super) efd: Arc<OwnedFd>,
     pub(super) stop: Arc<AtomicBool>,
-    pub(super) sink: Arc<Sink>,
+    pub(super) outbox: Arc<Outbox>,
     pub(super) counters: Arc<EngineCounters>,
     pub(super) qd: usize,
     pub(super) max_stuck: usize,
@@ -470,7 +470,7 @@ impl RingThread {
             }
         }
         self.counters.in_flight.fetch_sub(io, Ordering::AcqRel);
-        self.sink.push(st.done.drain(..));
+        self.outbox.push(st.done.drain(..));
         // After the push: once the count reads zero, every remove can be absorbed.
         self.counters
             .maintenance
