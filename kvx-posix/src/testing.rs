@@ -124,6 +124,7 @@ impl RigShape {
 /// A store in a driver (with faults around its engine), staging buffers and an optional host
 /// tier. Fields drop in order: the driver (and the store in it) first, then the arena it
 /// copies into, then the directory the rig made, if any.
+#[must_use = "a rig dropped at once stops its driver"]
 pub struct Rig {
     /// The driver.
     pub driver: Driver,

@@ -205,6 +205,7 @@ impl PosixHandle {
 }
 
 /// A collector running passes on a thread of its own until dropped.
+#[must_use = "a collector stops when dropped"]
 pub struct Collector {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,

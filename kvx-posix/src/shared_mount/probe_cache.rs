@@ -25,6 +25,7 @@ use kvx_core::sync::lock;
 
 /// What a probe of the shared mount says about a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a probe answer says whether the block is on the mount"]
 pub enum ProbeAnswer {
     /// The block is on the mount (its header names this key and format version).
     Present,

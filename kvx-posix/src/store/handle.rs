@@ -19,6 +19,7 @@ use crate::store::index::Index;
 
 /// Counters of a store (all since it opened).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[must_use = "counters read and dropped unread tell nothing"]
 pub struct PosixStats {
     /// Block I/Os accepted by the engine and not yet returned.
     pub in_flight: usize,
@@ -129,6 +130,7 @@ impl StoreState {
 
 /// The thread-safe side of a store: lookups, removal, health and counters. Cheap to clone.
 #[derive(Clone)]
+#[must_use = "a handle dropped at once does nothing"]
 pub struct PosixHandle {
     pub(crate) state: Arc<StoreState>,
 }

@@ -44,6 +44,7 @@ struct OpState {
 /// A file block store: one verified file per block under one or more roots. Implements
 /// [`Backend`]: loads fill the op's owned buffers, stores persist the buffers' bytes; it never
 /// touches engine memory.
+#[must_use = "a store dropped at once stops its engine; hand it to a driver"]
 pub struct PosixStore {
     name: String,
     cfg: PosixConfig,
