@@ -74,14 +74,10 @@ impl Probe {
         };
         match step {
             ProbeStep::Open => {
-                if res == -(libc::ENOENT as i64) {
-                    return c.done(Err(BlockError::NotFound));
-                }
-                if res < 0 {
-                    let msg = format!("open {:?}: {}", c.block_path(), errno_name(res));
-                    return c.done(Err(BlockError::Io(msg)));
-                }
-                let fd = res as i32;
+                let fd = match c.opened(res) {
+                    Ok(fd) => fd,
+                    Err(e) => return c.done(Err(e)),
+                };
                 c.fd = Some(fd);
                 match c.read_header(fd) {
                     Ok(read) => self.call(c, ProbeStep::Read, read),

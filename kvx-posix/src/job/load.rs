@@ -172,14 +172,11 @@ impl Load {
         };
         match step {
             LoadStep::Open => {
-                if res == -(libc::ENOENT as i64) {
-                    return c.done(Err(BlockError::NotFound));
-                }
-                if res < 0 {
-                    let msg = format!("open {:?}: {}", c.block_path(), errno_name(res));
-                    return c.done(Err(BlockError::Io(msg)));
-                }
-                c.fd = Some(res as i32);
+                let fd = match c.opened(res) {
+                    Ok(fd) => fd,
+                    Err(e) => return c.done(Err(e)),
+                };
+                c.fd = Some(fd);
                 if let Some(e) = c.over(Duration::ZERO) {
                     return self.finish(c, Err(e));
                 }
@@ -187,7 +184,6 @@ impl Load {
                     self.file_len = usize::MAX;
                     return self.read(c);
                 }
-                let fd = res as i32;
                 let buf: *mut libc::statx = &mut *self.stx;
                 self.call(c, LoadStep::Stat, Syscall::Statx { fd, buf })
             }

@@ -187,6 +187,19 @@ impl JobCore {
         PathBuf::from(std::ffi::OsStr::from_bytes(self.paths.block.as_bytes()))
     }
 
+    /// The fd an `open` of the block file returned, or the block's error (`NotFound` for a
+    /// missing file).
+    fn opened(&self, res: i64) -> Result<i32, BlockError> {
+        if res == -(libc::ENOENT as i64) {
+            return Err(BlockError::NotFound);
+        }
+        if res < 0 {
+            let msg = format!("open {:?}: {}", self.block_path(), errno_name(res));
+            return Err(BlockError::Io(msg));
+        }
+        Ok(res as i32)
+    }
+
     fn done(&mut self, r: Result<(), BlockError>) -> Next {
         self.running = false;
         self.result = r;
