@@ -14,7 +14,7 @@ use crate::paths::Layout;
 use crate::store::handle::{Counters, StoreState};
 use crate::store::health::Health;
 use crate::store::index::{Index, scan};
-use crate::store::root_check::probe_root;
+use crate::store::root_check::takes_direct;
 
 impl PosixStore {
     /// [`PosixStore::open`] with the engine changed as `over` says (tests).
@@ -33,7 +33,7 @@ impl PosixStore {
         let direct = cfg
             .roots
             .iter()
-            .map(|r| probe_root(r, cfg.direct))
+            .map(|r| takes_direct(r, cfg.direct))
             .collect::<Result<Vec<bool>, _>>()?;
         let inline: Vec<bool> = cfg
             .roots
