@@ -26,8 +26,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::PosixConfig;
 use crate::error::PosixError;
-use crate::handle::PosixHandle;
 use crate::store::PosixStore;
+use crate::store::handle::PosixHandle;
 
 /// How long a phase waits for a buffer to come back from a timed-out op before it gives up
 /// on the keys it has not started.

@@ -23,6 +23,13 @@
 //! signal of the [`Collector`] that any node may run to keep each root under a quota; temporary
 //! names carry host and pid, and another node's stale ones are removed by age.
 //!
+//! The source is grouped by idea: `store/` (the backend: `setup`, `submit`, `completion`, the
+//! handle, index and per-root health), `io/` (the I/O engines `uring`, `psync` and `noop`, and
+//! the syscalls they run), `job/` (one block's file operation as a machine of syscalls: load,
+//! store, remove, header probe), `spare/` (spare files and recycling), `shared_mount/` (probe
+//! cache, touch lane, collector), `maintenance/` (the operator's `verify` and `gc`), and
+//! `testing` (feature `faults`: the one test rig, with faults injected around the engine).
+//!
 //! [`PosixStore`] is a kvx [`Backend`](kvx_core::Backend); a file load is routed
 //! `[posix, host]`: file → staging buffer → engine memory. Feature `bench` adds `bench`, the
 //! closed-loop rig behind `kvx bench posix` and the criterion benchmarks.
@@ -70,29 +77,25 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
-pub mod collector;
 mod config;
 mod error;
 pub mod format;
-mod handle;
-mod health;
-mod index;
 mod io;
 mod job;
 pub mod maintenance;
 mod paths;
-mod probe;
-mod probes;
-mod recycle;
+mod shared_mount;
 mod spare;
 mod store;
+#[cfg(any(test, feature = "faults"))]
+pub mod testing;
 #[cfg(test)]
 mod tests;
-mod touch;
 
-pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use config::{BadSetting, Capabilities, IoEngine, PosixConfig, SharedMount};
 pub use error::PosixError;
-pub use handle::{PosixHandle, PosixStats};
-pub use probes::ProbeAnswer;
+pub use shared_mount::collector;
+pub use shared_mount::collector::{CollectReport, Collector, CollectorConfig, Listing};
+pub use shared_mount::probe_cache::ProbeAnswer;
 pub use store::PosixStore;
+pub use store::handle::{PosixHandle, PosixStats};

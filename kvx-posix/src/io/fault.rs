@@ -4,12 +4,13 @@
 //! really runs; only its return to the job is held, so the engine sees exactly what a stuck
 //! kernel call looks like: a psync thread that does not come back, a ring slot with no CQE.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use kvx_core::sync::lock;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Which syscalls a late-completion fault delays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Late {
+pub enum Late {
     /// A load's data read.
     Read,
     /// A store's rename into place.
@@ -29,7 +30,7 @@ struct State {
 
 /// The faults a store's engine applies (shared with the test that drives them).
 #[derive(Debug, Default)]
-pub(crate) struct Faults {
+pub struct Faults {
     st: Mutex<State>,
     cv: Condvar,
 }
@@ -46,45 +47,41 @@ pub(crate) enum Hold {
 }
 
 impl Faults {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        kvx_core::lock(&self.st)
-    }
-
     /// Hold every completion from now until [`Faults::thaw`].
-    pub(crate) fn freeze(&self) {
-        self.lock().frozen = true;
+    pub fn freeze(&self) {
+        lock(&self.st).frozen = true;
     }
 
     /// Hand back what a freeze held.
-    pub(crate) fn thaw(&self) {
-        self.lock().frozen = false;
+    pub fn thaw(&self) {
+        lock(&self.st).frozen = false;
         self.cv.notify_all();
     }
 
     /// Hold (or let go) the start of psync's replacement workers, after the pool has counted
     /// them: the window in which a written-off worker may come back.
-    pub(crate) fn hold_replacements(&self, on: bool) {
-        self.lock().replacements_held = on;
+    pub fn hold_replacements(&self, on: bool) {
+        lock(&self.st).replacements_held = on;
         self.cv.notify_all();
     }
 
     /// Block the calling thread (psync, about to start replacement workers) while
     /// [`Faults::hold_replacements`] is on.
     pub(crate) fn replacements_may_start(&self) {
-        let mut s = self.lock();
+        let mut s = lock(&self.st);
         while s.replacements_held {
             s = kvx_core::sync::wait(&self.cv, s);
         }
     }
 
     /// Completions held right now.
-    pub(crate) fn held(&self) -> usize {
-        self.lock().held
+    pub fn held(&self) -> usize {
+        lock(&self.st).held
     }
 
     /// Hold the completions of the next `count` syscalls of kind `what` for `by`.
-    pub(crate) fn late(&self, what: Late, count: usize, by: Duration) {
-        let mut s = self.lock();
+    pub fn late(&self, what: Late, count: usize, by: Duration) {
+        let mut s = lock(&self.st);
         s.late = Some(what);
         s.late_left = count;
         s.late_by = by;
@@ -94,7 +91,7 @@ impl Faults {
     /// can target) is held; a held completion counts in [`Faults::held`] until
     /// [`Faults::release`].
     pub(crate) fn hold(&self, kind: Option<Late>) -> Hold {
-        let mut s = self.lock();
+        let mut s = lock(&self.st);
         let h = if s.frozen {
             Hold::UntilThaw
         } else if kind.is_some() && kind == s.late && s.late_left > 0 {
@@ -113,14 +110,14 @@ impl Faults {
     pub(crate) fn is_due(&self, h: Hold, now: Instant) -> bool {
         match h {
             Hold::No => true,
-            Hold::UntilThaw => !self.lock().frozen,
+            Hold::UntilThaw => !lock(&self.st).frozen,
             Hold::Until(t) => now >= t,
         }
     }
 
     /// A held completion was handed back.
     pub(crate) fn release(&self) {
-        let mut s = self.lock();
+        let mut s = lock(&self.st);
         s.held = s.held.saturating_sub(1);
     }
 
@@ -130,7 +127,7 @@ impl Faults {
         match self.hold(kind) {
             Hold::No => return,
             Hold::UntilThaw => {
-                let mut s = self.lock();
+                let mut s = lock(&self.st);
                 while s.frozen {
                     s = kvx_core::sync::wait(&self.cv, s);
                 }

@@ -1,7 +1,7 @@
 //! I/O engines: `uring` and `psync`, side by side behind [`Engine`].
 //!
 //! An engine takes boxed [`BlockJob`]s (which own their buffers), runs each job's syscalls and
-//! hands the finished job back through the [`Sink`]. Two lanes: loads and stores (bounded by
+//! hands the finished job back through its [`Outbox`] to the store's [`JobBoard`]. Two lanes: loads and stores (bounded by
 //! the queue depth, their queue bounded by `max_queued`) and maintenance (removes: their own
 //! small depth, never counted against loads and stores). A load or store whose op was
 //! cancelled or passed its deadline while a syscall of it is still in the kernel is *written
@@ -9,19 +9,19 @@
 //! syscall returns. [`EngineCounters::written_off`] is what the store checks against
 //! `max_stuck`.
 
-#[cfg_attr(not(test), allow(dead_code))]
+#[cfg(any(test, feature = "faults"))]
 pub(crate) mod fault;
+pub(crate) mod noop;
 pub(crate) mod psync;
 pub(crate) mod sys;
 #[cfg(target_os = "linux")]
 pub(crate) mod uring;
 pub(crate) mod verify;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
 
-use kvx_core::Notifier;
+use kvx_core::CompletionBoard;
 
 use crate::config::{IoEngine, PosixConfig};
 use crate::error::PosixError;
@@ -33,49 +33,25 @@ pub(crate) const MAINTENANCE_DEPTH: usize = 4;
 /// disk and the next startup scan finds it again).
 pub(crate) const MAINTENANCE_QUEUE: usize = 1 << 20;
 
-/// Where engines put finished jobs; the store drains it in `poll`.
-pub(crate) struct Sink {
-    done: Mutex<Vec<Box<BlockJob>>>,
-    cv: Condvar,
-    notifier: Mutex<Notifier>,
-    /// Where finished loads with an unchecked payload go first (uring), once started.
-    verify: std::sync::OnceLock<verify::VerifyLane>,
+/// Finished jobs, for the store to drain in `poll` (kvx-core's completion board, posted to
+/// job by job: the store makes an op's completion of its jobs).
+pub(crate) type JobBoard = CompletionBoard<(), Box<BlockJob>>;
+
+/// Where an engine hands finished jobs: to the store's [`JobBoard`], a load with an unchecked
+/// payload through the verify lane first (uring).
+pub(crate) struct Outbox {
+    board: Arc<JobBoard>,
+    verify: Option<verify::VerifyLane>,
 }
 
-impl Default for Sink {
-    fn default() -> Self {
-        Sink {
-            done: Mutex::new(Vec::new()),
-            cv: Condvar::new(),
-            notifier: Mutex::new(Notifier::noop()),
-            verify: std::sync::OnceLock::new(),
-        }
-    }
-}
-
-impl Sink {
-    fn lock(&self) -> MutexGuard<'_, Vec<Box<BlockJob>>> {
-        kvx_core::lock(&self.done)
-    }
-
-    /// Check the payloads of finished loads on `threads` threads of their own before they reach
-    /// the store (see [`verify`]); a sink without them leaves the check to the store.
-    pub(crate) fn start_verify_lane(
-        self: &std::sync::Arc<Self>,
-        threads: usize,
-    ) -> std::io::Result<()> {
-        let lane = verify::VerifyLane::start(threads, std::sync::Arc::downgrade(self))?;
-        let _ = self.verify.set(lane);
-        Ok(())
-    }
-
-    /// Queue finished jobs and wake the store's owner; loads with an unchecked payload go
-    /// through the verify lane first, when there is one.
+impl Outbox {
+    /// Hand finished jobs to the store; loads with an unchecked payload go through the verify
+    /// lane first, when there is one.
     pub(crate) fn push(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
-        match self.verify.get() {
-            None => self.push_checked(jobs),
-            // A job the lane cannot take (it is gone) is queued as is: the store checks it.
-            Some(lane) => self.push_checked(jobs.into_iter().filter_map(|job| {
+        match &self.verify {
+            None => self.board.post(jobs),
+            // A job the lane cannot take (it is gone) is posted as is: the store checks it.
+            Some(lane) => self.board.post(jobs.into_iter().filter_map(|job| {
                 if job.payload_unchecked() {
                     lane.send(job).err()
                 } else {
@@ -83,38 +59,6 @@ impl Sink {
                 }
             })),
         }
-    }
-
-    /// Queue jobs that need no more work and wake the store's owner.
-    pub(crate) fn push_checked(&self, jobs: impl IntoIterator<Item = Box<BlockJob>>) {
-        let mut d = self.lock();
-        let before = d.len();
-        d.extend(jobs);
-        let any = d.len() > before;
-        drop(d);
-        if any {
-            self.cv.notify_all();
-            kvx_core::lock(&self.notifier).notify();
-        }
-    }
-
-    /// Take every finished job.
-    pub(crate) fn take(&self) -> Vec<Box<BlockJob>> {
-        std::mem::take(&mut *self.lock())
-    }
-
-    /// Take every finished job, waiting up to `timeout` for one when there is none.
-    pub(crate) fn take_or_wait(&self, timeout: Duration) -> Vec<Box<BlockJob>> {
-        let mut d = self.lock();
-        if d.is_empty() {
-            d = kvx_core::wait_timeout(&self.cv, d, timeout);
-        }
-        std::mem::take(&mut *d)
-    }
-
-    /// Install the notifier.
-    pub(crate) fn set_notifier(&self, n: Notifier) {
-        *kvx_core::lock(&self.notifier) = n;
     }
 }
 
@@ -126,7 +70,7 @@ pub(crate) struct EngineCounters {
     /// Of those, jobs written off as stuck.
     pub(crate) written_off: AtomicUsize,
     /// Removes (and probes) accepted and not yet handed back: zero means each finished one
-    /// is in the sink for the store's next poll.
+    /// is on the job board for the store's next poll.
     pub(crate) maintenance: AtomicUsize,
     /// Loads and stores the engine can run at once right now (psync: live worker threads;
     /// uring: queue-depth slots free of stuck ops).
@@ -163,27 +107,67 @@ pub(crate) struct Refused {
     pub(crate) reason: String,
 }
 
-/// The sink and the engine `cfg` names (with its verify lane for uring), faults injected
-/// around the engine when given (tests).
+/// What a store's tests change about the engine it starts.
+#[derive(Default)]
+pub(crate) struct EngineOverride {
+    /// Faults injected around the engine.
+    #[cfg(any(test, feature = "faults"))]
+    pub(crate) faults: Option<Arc<fault::Faults>>,
+    /// Run the [`noop`] engine instead of the one the config names.
+    pub(crate) noop: bool,
+}
+
+#[cfg(any(test, feature = "faults"))]
+impl EngineOverride {
+    /// The configured engine with `faults` injected around it.
+    pub(crate) fn with_faults(faults: Arc<fault::Faults>) -> EngineOverride {
+        EngineOverride {
+            faults: Some(faults),
+            noop: false,
+        }
+    }
+}
+
+/// The job board and the engine `cfg` names (with its verify lane for uring), or what `over`
+/// asks for instead (tests).
 pub(crate) fn start(
     cfg: &PosixConfig,
-    faults: Option<Arc<fault::Faults>>,
-) -> Result<(Arc<Sink>, Box<dyn Engine>), PosixError> {
-    let sink = Arc::new(Sink::default());
-    if cfg.engine == IoEngine::Uring {
+    over: EngineOverride,
+) -> Result<(Arc<JobBoard>, Box<dyn Engine>), PosixError> {
+    let board = Arc::new(JobBoard::default());
+    if over.noop {
+        let outbox = Arc::new(Outbox {
+            board: board.clone(),
+            verify: None,
+        });
+        let engine = noop::NoopEngine::new(cfg.queue_depth, cfg.max_queued, outbox);
+        return Ok((board, Box::new(engine)));
+    }
+    #[cfg(any(test, feature = "faults"))]
+    let faults = over.faults;
+    let verify = if cfg.engine == IoEngine::Uring {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
-        sink.start_verify_lane(threads)
-            .map_err(|e| PosixError::Engine {
+        let lane = verify::VerifyLane::start(threads, Arc::downgrade(&board)).map_err(|e| {
+            PosixError::Engine {
                 engine: "verify",
                 msg: format!("cannot start the verify threads: {e}"),
-            })?;
-    }
+            }
+        })?;
+        Some(lane)
+    } else {
+        None
+    };
+    let outbox = Arc::new(Outbox {
+        board: board.clone(),
+        verify,
+    });
     let engine: Box<dyn Engine> = match cfg.engine {
         IoEngine::Psync => Box::new(psync::PsyncEngine::new(
             cfg.queue_depth,
             cfg.max_stuck,
             cfg.max_queued,
-            sink.clone(),
+            outbox.clone(),
+            #[cfg(any(test, feature = "faults"))]
             faults,
         )?),
         #[cfg(target_os = "linux")]
@@ -192,7 +176,8 @@ pub(crate) fn start(
             cfg.queue_depth,
             cfg.max_stuck,
             cfg.max_queued,
-            sink.clone(),
+            outbox.clone(),
+            #[cfg(any(test, feature = "faults"))]
             faults,
         )?),
         #[cfg(not(target_os = "linux"))]
@@ -203,14 +188,14 @@ pub(crate) fn start(
             });
         }
     };
-    Ok((sink, engine))
+    Ok((board, engine))
 }
 
 /// A way to run block jobs. Every method returns promptly, whatever the filesystem does.
 pub(crate) trait Engine: Send + Sync {
     /// `uring` or `psync`.
     fn name(&self) -> &'static str;
-    /// Start a job (a remove goes to the maintenance lane); it comes back through the sink,
+    /// Start a job (a remove goes to the maintenance lane); it comes back through the outbox,
     /// however late. A full queue refuses it.
     fn submit(&self, job: Box<BlockJob>) -> Result<(), Refused>;
     /// Loads and stores the queue takes right now.

@@ -10,16 +10,18 @@
 //! bounded: a full queue refuses at submit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use rustc_hash::FxHashMap;
 
+#[cfg(any(test, feature = "faults"))]
 use super::fault::Faults;
-use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Outbox, Refused};
 use crate::error::PosixError;
 use crate::job::{BlockJob, Next};
+use kvx_core::sync::lock;
 
 /// What a worker is doing right now.
 struct Running {
@@ -28,8 +30,9 @@ struct Running {
     written_off: bool,
 }
 
+/// The workers and what each is running, with the live and written-off counts.
 #[derive(Default)]
-struct Pool {
+struct Roster {
     /// Worker id -> its current job, if any.
     workers: FxHashMap<u64, Option<Running>>,
     next_id: u64,
@@ -39,25 +42,23 @@ struct Pool {
     stuck: usize,
 }
 
-struct Shared {
-    pool: Mutex<Pool>,
+/// The worker threads' common state: their roster, the two job queues, the outbox and counters.
+struct WorkerPool {
+    roster: Mutex<Roster>,
     rx: Receiver<Box<BlockJob>>,
     maintenance_rx: Receiver<Box<BlockJob>>,
-    sink: Arc<Sink>,
+    outbox: Arc<Outbox>,
     counters: EngineCounters,
     target: usize,
     /// Most threads for loads and stores, live and written off together.
     bound: usize,
     stop: AtomicBool,
+    #[cfg(any(test, feature = "faults"))]
     faults: Option<Arc<Faults>>,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Pool> {
-        kvx_core::lock(&self.pool)
-    }
-
-    fn set_live(&self, p: &Pool) {
+impl WorkerPool {
+    fn set_live(&self, p: &Roster) {
         self.counters.workers.store(p.live, Ordering::Release);
         self.counters
             .threads
@@ -69,8 +70,9 @@ impl Shared {
         while let Next::Call(call) = next {
             // SAFETY: the job is boxed and owned by this thread for the whole syscall; the
             // pointers in `call` point into it (buffers, iovecs, paths) and nobody else can
-            // reach it until it is pushed to the sink.
+            // reach it until it is pushed to the outbox.
             let res = unsafe { super::sys::run(&call) };
+            #[cfg(any(test, feature = "faults"))]
             if let Some(f) = &self.faults {
                 f.gate(job.pending_late());
             }
@@ -83,7 +85,7 @@ impl Shared {
 pub(crate) struct PsyncEngine {
     tx: Sender<Box<BlockJob>>,
     maintenance_tx: Sender<Box<BlockJob>>,
-    shared: Arc<Shared>,
+    pool: Arc<WorkerPool>,
     capacity: usize,
 }
 
@@ -94,22 +96,23 @@ impl PsyncEngine {
         threads: usize,
         max_stuck: usize,
         max_queued: usize,
-        sink: Arc<Sink>,
-        faults: Option<Arc<Faults>>,
+        outbox: Arc<Outbox>,
+        #[cfg(any(test, feature = "faults"))] faults: Option<Arc<Faults>>,
     ) -> Result<PsyncEngine, PosixError> {
         let target = threads.max(1);
         let capacity = max_queued.max(1);
         let (tx, rx) = crossbeam_channel::bounded(capacity);
         let (maintenance_tx, maintenance_rx) = crossbeam_channel::bounded(MAINTENANCE_QUEUE);
-        let shared = Arc::new(Shared {
-            pool: Mutex::new(Pool::default()),
+        let pool = Arc::new(WorkerPool {
+            roster: Mutex::new(Roster::default()),
             rx,
             maintenance_rx,
-            sink,
+            outbox,
             counters: EngineCounters::default(),
             target,
             bound: target + max_stuck,
             stop: AtomicBool::new(false),
+            #[cfg(any(test, feature = "faults"))]
             faults,
         });
         let err = |e: std::io::Error| PosixError::Engine {
@@ -117,10 +120,10 @@ impl PsyncEngine {
             msg: format!("cannot start a worker thread: {e}"),
         };
         for _ in 0..target {
-            spawn_worker(&shared).map_err(err)?;
+            spawn_worker(&pool).map_err(err)?;
         }
         for i in 0..MAINTENANCE_DEPTH {
-            let s = shared.clone();
+            let s = pool.clone();
             std::thread::Builder::new()
                 .name(format!("kvx-psync-rm-{i}"))
                 .spawn(move || maintenance_worker(s))
@@ -129,117 +132,114 @@ impl PsyncEngine {
         Ok(PsyncEngine {
             tx,
             maintenance_tx,
-            shared,
+            pool,
             capacity,
         })
     }
 }
 
-fn spawn_worker(shared: &Arc<Shared>) -> std::io::Result<()> {
-    let id = reserve_worker(shared, &mut shared.lock());
-    start_worker(shared, id)
+fn spawn_worker(pool: &Arc<WorkerPool>) -> std::io::Result<()> {
+    let id = reserve_worker(pool, &mut lock(&pool.roster));
+    start_worker(pool, id)
 }
 
 /// Count a worker about to start as live, under the pool's lock: a written-off worker that
 /// comes back meanwhile then sees the pool at target and exits, instead of rejoining it next
 /// to its replacement (which left the pool above target for good).
-fn reserve_worker(shared: &Shared, p: &mut Pool) -> u64 {
+fn reserve_worker(pool: &WorkerPool, p: &mut Roster) -> u64 {
     let id = p.next_id;
     p.next_id += 1;
     p.workers.insert(id, None);
     p.live += 1;
-    shared.set_live(p);
+    pool.set_live(p);
     id
 }
 
 /// Start the thread of reserved worker `id`; if it cannot start, its reservation is undone.
-fn start_worker(shared: &Arc<Shared>, id: u64) -> std::io::Result<()> {
-    let s = shared.clone();
+fn start_worker(pool: &Arc<WorkerPool>, id: u64) -> std::io::Result<()> {
+    let s = pool.clone();
     let r = std::thread::Builder::new()
         .name(format!("kvx-psync-{id}"))
         .spawn(move || worker(s, id));
     if r.is_err() {
-        remove_worker(shared, id);
+        remove_worker(pool, id);
     }
     r.map(drop)
 }
 
 /// Worker `id` is gone (or never started): it no longer counts as live.
-fn remove_worker(shared: &Shared, id: u64) {
-    let mut p = shared.lock();
+fn remove_worker(pool: &WorkerPool, id: u64) {
+    let mut p = lock(&pool.roster);
     if p.workers.remove(&id).is_some() {
         p.live = p.live.saturating_sub(1);
-        shared.set_live(&p);
+        pool.set_live(&p);
     }
 }
 
-fn worker(shared: Arc<Shared>, id: u64) {
+fn worker(pool: Arc<WorkerPool>, id: u64) {
     loop {
-        let mut job = match shared.rx.recv_timeout(Duration::from_millis(200)) {
+        let mut job = match pool.rx.recv_timeout(Duration::from_millis(200)) {
             Ok(job) => job,
             Err(RecvTimeoutError::Timeout) => {
-                if shared.stop.load(Ordering::Acquire) {
+                if pool.stop.load(Ordering::Acquire) {
                     break;
                 }
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
-        if let Some(slot) = shared.lock().workers.get_mut(&id) {
+        if let Some(slot) = lock(&pool.roster).workers.get_mut(&id) {
             *slot = Some(Running {
                 deadline: job.deadline(),
                 cancel: job.cancel_flag(),
                 written_off: false,
             });
         }
-        shared.run(&mut job);
+        pool.run(&mut job);
         let leave = {
-            let mut p = shared.lock();
+            let mut p = lock(&pool.roster);
             let r = p.workers.get_mut(&id).and_then(Option::take);
             let mut leave = false;
             if r.is_some_and(|r| r.written_off) {
                 p.stuck -= 1;
-                shared.counters.written_off.fetch_sub(1, Ordering::AcqRel);
-                if p.live < shared.target {
+                pool.counters.written_off.fetch_sub(1, Ordering::AcqRel);
+                if p.live < pool.target {
                     // Back from the kernel while the pool is short: rejoin it.
                     p.live += 1;
-                    shared.set_live(&p);
+                    pool.set_live(&p);
                 } else {
                     p.workers.remove(&id);
-                    shared.set_live(&p);
+                    pool.set_live(&p);
                     leave = true;
                 }
             }
             leave
         };
-        shared.counters.in_flight.fetch_sub(1, Ordering::AcqRel);
-        shared.sink.push([job]);
+        pool.counters.in_flight.fetch_sub(1, Ordering::AcqRel);
+        pool.outbox.push([job]);
         if leave {
             return;
         }
     }
-    remove_worker(&shared, id);
+    remove_worker(&pool, id);
 }
 
-fn maintenance_worker(shared: Arc<Shared>) {
+fn maintenance_worker(pool: Arc<WorkerPool>) {
     loop {
-        let mut job = match shared
-            .maintenance_rx
-            .recv_timeout(Duration::from_millis(200))
-        {
+        let mut job = match pool.maintenance_rx.recv_timeout(Duration::from_millis(200)) {
             Ok(job) => job,
             Err(RecvTimeoutError::Timeout) => {
-                if shared.stop.load(Ordering::Acquire) {
+                if pool.stop.load(Ordering::Acquire) {
                     return;
                 }
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        shared.run(&mut job);
-        // Into the sink first: once the count reads zero, every remove can be absorbed.
-        shared.sink.push([job]);
-        shared.counters.maintenance.fetch_sub(1, Ordering::AcqRel);
+        pool.run(&mut job);
+        // Into the outbox first: once the count reads zero, every remove can be absorbed.
+        pool.outbox.push([job]);
+        pool.counters.maintenance.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -249,7 +249,7 @@ impl Engine for PsyncEngine {
     }
 
     fn submit(&self, job: Box<BlockJob>) -> Result<(), Refused> {
-        let c = &self.shared.counters;
+        let c = &self.pool.counters;
         if job.is_maintenance() {
             c.maintenance.fetch_add(1, Ordering::AcqRel);
             return self.maintenance_tx.try_send(job).map_err(|e| {
@@ -273,7 +273,7 @@ impl Engine for PsyncEngine {
     fn write_off_overdue(&self) {
         let now = Instant::now();
         let (newly, replacements) = {
-            let mut p = self.shared.lock();
+            let mut p = lock(&self.pool.roster);
             let mut newly = 0;
             for r in p.workers.values_mut().flatten() {
                 if !r.written_off && (r.cancel.load(Ordering::Acquire) || now >= r.deadline) {
@@ -283,48 +283,49 @@ impl Engine for PsyncEngine {
             }
             p.live -= newly;
             p.stuck += newly;
-            self.shared.set_live(&p);
-            self.shared
+            self.pool.set_live(&p);
+            self.pool
                 .counters
                 .written_off
                 .fetch_add(newly, Ordering::AcqRel);
-            let room = self.shared.bound.saturating_sub(p.live + p.stuck);
-            let short = self.shared.target.saturating_sub(p.live);
+            let room = self.pool.bound.saturating_sub(p.live + p.stuck);
+            let short = self.pool.target.saturating_sub(p.live);
             let replacements: Vec<u64> = (0..short.min(room))
-                .map(|_| reserve_worker(&self.shared, &mut p))
+                .map(|_| reserve_worker(&self.pool, &mut p))
                 .collect();
             (newly, replacements)
         };
         let spawn = replacements.len();
+        #[cfg(any(test, feature = "faults"))]
         if spawn > 0
-            && let Some(f) = &self.shared.faults
+            && let Some(f) = &self.pool.faults
         {
             f.replacements_may_start();
         }
         let mut ids = replacements.into_iter();
         for id in ids.by_ref() {
-            if let Err(e) = start_worker(&self.shared, id) {
+            if let Err(e) = start_worker(&self.pool, id) {
                 tracing::error!(error = %e, "psync: cannot replace a stuck worker");
                 break;
             }
         }
         for id in ids {
-            remove_worker(&self.shared, id);
+            remove_worker(&self.pool, id);
         }
         if newly > 0 {
             tracing::warn!(
-                stuck = self.shared.counters.written_off.load(Ordering::Acquire),
+                stuck = self.pool.counters.written_off.load(Ordering::Acquire),
                 "psync: wrote off {newly} worker(s) stuck in the kernel; started {spawn}"
             );
         }
     }
 
     fn counters(&self) -> &EngineCounters {
-        &self.shared.counters
+        &self.pool.counters
     }
 
     fn target(&self) -> usize {
-        self.shared.target
+        self.pool.target
     }
 
     fn queued(&self) -> usize {
@@ -349,6 +350,6 @@ impl Drop for PsyncEngine {
     fn drop(&mut self) {
         // Workers finish what is queued (the channels close when the senders drop) and exit;
         // a worker stuck in the kernel exits once its syscall returns. Nothing here waits.
-        self.shared.stop.store(true, Ordering::Release);
+        self.pool.stop.store(true, Ordering::Release);
     }
 }

@@ -5,14 +5,14 @@
 //! 65 µs, and checking them one after another kept a 32-deep queue ~20 % short of the disk.
 //! The engine hands a finished load whose payload is still unchecked to this lane instead of to
 //! the store; a lane thread checks it (a mismatch fails that block as corrupt) and then hands it
-//! to the store, waking it like any finished job. The lane's threads hold the sink weakly: they
-//! end when the store (and so the sink and the lane's sender) goes away.
+//! to the store, waking it like any finished job. The lane's threads hold the job board weakly:
+//! they end when the store (and so the board and the lane's sender) goes away.
 
 use std::sync::Weak;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::Sink;
+use super::JobBoard;
 use crate::job::BlockJob;
 
 /// See the module docs.
@@ -21,19 +21,19 @@ pub(crate) struct VerifyLane {
 }
 
 impl VerifyLane {
-    /// Start `threads` verify threads handing checked jobs to `sink`.
-    pub(crate) fn start(threads: usize, sink: Weak<Sink>) -> std::io::Result<VerifyLane> {
+    /// Start `threads` verify threads handing checked jobs to `board`.
+    pub(crate) fn start(threads: usize, board: Weak<JobBoard>) -> std::io::Result<VerifyLane> {
         let (tx, rx) = crossbeam_channel::unbounded::<Box<BlockJob>>();
         for i in 0..threads.max(1) {
             let rx: Receiver<Box<BlockJob>> = rx.clone();
-            let sink = sink.clone();
+            let board = board.clone();
             std::thread::Builder::new()
                 .name(format!("kvx-posix-verify-{i}"))
                 .spawn(move || {
                     for mut job in rx {
                         job.verify_payload();
-                        match sink.upgrade() {
-                            Some(s) => s.push_checked(std::iter::once(job)),
+                        match board.upgrade() {
+                            Some(b) => b.post(std::iter::once(job)),
                             None => return,
                         }
                     }

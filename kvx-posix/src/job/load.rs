@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvx_core::{BlockError, Buf};
 
-use super::{BlockJob, Next, Step, Syscall, errno_name, round_up};
+use super::{JobCore, Next, Syscall, errno_name, open_flags, round_up, zeroed_statx};
 use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,25 +22,55 @@ pub(super) enum LoadStep {
     Close,
 }
 
-impl BlockJob {
-    pub(super) fn load_start(&mut self) -> Next {
-        if let Some(e) = self.over(Duration::ZERO) {
-            return self.done(Err(e));
+/// What only the load machine needs.
+pub(super) struct Load {
+    /// The pending syscall.
+    pub(super) step: Option<LoadStep>,
+    stx: Box<libc::statx>,
+    file_len: usize,
+    /// This load reads with O_DIRECT.
+    direct: bool,
+    /// The header read and checked; the payload checksum is still to be checked.
+    pub(super) payload_unchecked: bool,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            step: None,
+            stx: zeroed_statx(),
+            file_len: 0,
+            direct: false,
+            payload_unchecked: false,
         }
-        let Some(Buf::Owned(b)) = &self.buf else {
-            return self.done(Err(BlockError::Invalid(
+    }
+}
+
+impl Load {
+    fn call(&mut self, c: &mut JobCore, step: LoadStep, s: Syscall) -> Next {
+        self.step = Some(step);
+        c.call(s)
+    }
+
+    pub(super) fn start(&mut self, c: &mut JobCore) -> Next {
+        if let Some(e) = c.over(Duration::ZERO) {
+            return c.done(Err(e));
+        }
+        let Some(Buf::Owned(b)) = &c.buf else {
+            return c.done(Err(BlockError::Invalid(
                 "a load needs an owned destination buffer".into(),
             )));
         };
-        self.direct_now =
-            self.p.direct && b.capacity() >= HEADER_LEN && (b.as_ptr() as usize) % HEADER_LEN == 0;
-        if let Err(e) = self.header() {
-            return self.done(Err(e));
+        self.direct =
+            c.p.direct && b.capacity() >= HEADER_LEN && (b.as_ptr() as usize) % HEADER_LEN == 0;
+        if let Err(e) = c.header() {
+            return c.done(Err(e));
         }
-        let flags = self.open_flags(libc::O_RDONLY);
-        let path = self.paths.block.as_ptr();
+        let flags = open_flags(libc::O_RDONLY, self.direct);
+        let path = c.paths.block.as_ptr();
         self.call(
-            Step::Load(LoadStep::Open),
+            c,
+            LoadStep::Open,
             Syscall::Open {
                 path,
                 flags,
@@ -49,67 +79,62 @@ impl BlockJob {
         )
     }
 
-    fn read(&mut self) -> Next {
-        let direct = self.direct_now;
-        let header_ptr = match self.header() {
+    fn read(&mut self, c: &mut JobCore) -> Next {
+        let header_ptr = match c.header() {
             Ok(h) => h.as_mut_ptr(),
-            Err(e) => return self.finish_load(Err(e)),
+            Err(e) => return self.finish(c, Err(e)),
         };
-        let Some(Buf::Owned(b)) = self.buf.as_mut() else {
-            return self.finish_load(Err(BlockError::Invalid(
-                "a load needs an owned destination buffer".into(),
-            )));
+        let Some(Buf::Owned(b)) = c.buf.as_mut() else {
+            return self.finish(
+                c,
+                Err(BlockError::Invalid(
+                    "a load needs an owned destination buffer".into(),
+                )),
+            );
         };
         let cap = b.capacity();
         // Never ask for more than the file holds: an async O_DIRECT read past the end of a
         // FUSE file can come back zero-filled to the full length.
         let in_file = self.file_len.saturating_sub(HEADER_LEN);
-        let rlen = if direct {
+        let rlen = if self.direct {
             (cap / HEADER_LEN * HEADER_LEN).min(round_up(in_file))
         } else {
             cap.min(in_file)
         };
-        self.iov[0] = libc::iovec {
+        let payload_ptr = b.as_mut_ptr();
+        c.iov[0] = libc::iovec {
             iov_base: header_ptr.cast(),
             iov_len: HEADER_LEN,
         };
-        self.iov[1] = libc::iovec {
-            iov_base: b.as_mut_ptr().cast(),
+        c.iov[1] = libc::iovec {
+            iov_base: payload_ptr.cast(),
             iov_len: rlen,
         };
-        self.iov_n = if rlen > 0 { 2 } else { 1 };
-        self.expect = HEADER_LEN + rlen;
-        let fd = self.fd.unwrap_or(-1);
-        self.call(
-            Step::Load(LoadStep::Read),
-            Syscall::Readv {
-                fd,
-                iov: self.iov.as_ptr(),
-                n: self.iov_n,
-            },
-        )
+        c.iov_n = if rlen > 0 { 2 } else { 1 };
+        c.expect = HEADER_LEN + rlen;
+        let fd = c.fd.unwrap_or(-1);
+        let (iov, n) = (c.iov.as_ptr(), c.iov_n);
+        self.call(c, LoadStep::Read, Syscall::Readv { fd, iov, n })
     }
 
-    fn finish_load(&mut self, r: Result<(), BlockError>) -> Next {
-        self.verdict = Some(r);
-        match self.fd.take() {
-            Some(fd) => self.call(Step::Load(LoadStep::Close), Syscall::Close { fd }),
+    fn finish(&mut self, c: &mut JobCore, r: Result<(), BlockError>) -> Next {
+        c.verdict = Some(r);
+        match c.fd.take() {
+            Some(fd) => self.call(c, LoadStep::Close, Syscall::Close { fd }),
             None => {
-                let r = self.verdict.take().unwrap_or(Ok(()));
-                self.done(r)
+                let r = c.verdict.take().unwrap_or(Ok(()));
+                c.done(r)
             }
         }
     }
 
-    fn verify(&mut self, n: usize) -> Result<(), BlockError> {
-        let path = self.block_path();
-        let file_len = self.file_len;
-        let key = self.key;
-        let header = self
+    fn verify(&mut self, c: &mut JobCore, n: usize) -> Result<(), BlockError> {
+        let path = c.block_path();
+        let header = c
             .header
             .as_ref()
             .ok_or_else(|| BlockError::Io("no header buffer".into()))?;
-        let Some(Buf::Owned(b)) = self.buf.as_mut() else {
+        let Some(Buf::Owned(b)) = c.buf.as_mut() else {
             return Err(BlockError::Invalid("load without an owned buffer".into()));
         };
         let cap = b.capacity();
@@ -117,8 +142,8 @@ impl BlockJob {
             &path,
             header.as_slice(),
             n.min(HEADER_LEN),
-            key,
-            file_len,
+            c.key,
+            self.file_len,
             n.saturating_sub(HEADER_LEN),
             cap,
         )
@@ -129,71 +154,72 @@ impl BlockJob {
             e.to_block_error()
         })?;
         b.set_len(len);
-        if self.p.crc_off_ring {
+        if c.p.crc_off_ring {
             self.payload_unchecked = true;
         } else {
             format::check_payload(&path, header.as_slice(), b.as_slice())
                 .map_err(|e| e.to_block_error())?;
         }
-        self.bytes = len;
+        c.bytes = len;
         Ok(())
     }
 
-    pub(super) fn load_advance(&mut self, step: LoadStep, res: i64) -> Next {
+    pub(super) fn advance(&mut self, c: &mut JobCore, res: i64) -> Next {
+        let Some(step) = self.step else {
+            return c.done(Err(BlockError::Io(
+                "a load advanced before it started".into(),
+            )));
+        };
         match step {
             LoadStep::Open => {
-                if res == -(libc::ENOENT as i64) {
-                    return self.done(Err(BlockError::NotFound));
+                let fd = match c.opened(res) {
+                    Ok(fd) => fd,
+                    Err(e) => return c.done(Err(e)),
+                };
+                c.fd = Some(fd);
+                if let Some(e) = c.over(Duration::ZERO) {
+                    return self.finish(c, Err(e));
                 }
-                if res < 0 {
-                    let msg = format!("open {:?}: {}", self.block_path(), errno_name(res));
-                    return self.done(Err(BlockError::Io(msg)));
-                }
-                self.fd = Some(res as i32);
-                if let Some(e) = self.over(Duration::ZERO) {
-                    return self.finish_load(Err(e));
-                }
-                if self.p.inline {
+                if c.p.inline {
                     self.file_len = usize::MAX;
-                    return self.read();
+                    return self.read(c);
                 }
-                let fd = res as i32;
                 let buf: *mut libc::statx = &mut *self.stx;
-                self.call(Step::Load(LoadStep::Stat), Syscall::Statx { fd, buf })
+                self.call(c, LoadStep::Stat, Syscall::Statx { fd, buf })
             }
             LoadStep::Stat => {
                 if res < 0 {
-                    let msg = format!("statx {:?}: {}", self.block_path(), errno_name(res));
-                    return self.finish_load(Err(BlockError::Io(msg)));
+                    let msg = format!("statx {:?}: {}", c.block_path(), errno_name(res));
+                    return self.finish(c, Err(BlockError::Io(msg)));
                 }
                 self.file_len = usize::try_from(self.stx.stx_size).unwrap_or(usize::MAX);
-                if let Some(e) = self.over(Duration::ZERO) {
-                    return self.finish_load(Err(e));
+                if let Some(e) = c.over(Duration::ZERO) {
+                    return self.finish(c, Err(e));
                 }
-                self.read()
+                self.read(c)
             }
             LoadStep::Read => {
                 let r = if res < 0 {
                     Err(BlockError::Io(format!(
                         "read {:?}: {}",
-                        self.block_path(),
+                        c.block_path(),
                         errno_name(res)
                     )))
-                } else if let Some(e) = self.over(Duration::ZERO) {
+                } else if let Some(e) = c.over(Duration::ZERO) {
                     // The bytes came back after the deadline (or a cancel): the task may
                     // already have ended, so this load did not make it in time.
                     Err(e)
                 } else {
-                    if self.p.inline && (res as usize) < self.expect {
+                    if c.p.inline && (res as usize) < c.expect {
                         self.file_len = res as usize;
                     }
-                    self.verify(res as usize)
+                    self.verify(c, res as usize)
                 };
-                self.finish_load(r)
+                self.finish(c, r)
             }
             LoadStep::Close => {
-                let r = self.verdict.take().unwrap_or(Ok(()));
-                self.done(r)
+                let r = c.verdict.take().unwrap_or(Ok(()));
+                c.done(r)
             }
         }
     }

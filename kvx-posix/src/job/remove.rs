@@ -18,11 +18,11 @@
 //! is unlinked. No newer block is ever deleted; a reader may see a miss while a foreign block is
 //! aside. A crash leaves the aside file under a temporary name, which the startup scan collects.
 
-use std::ffi::CStr;
+use std::ffi::{CStr, CString};
 
 use kvx_core::BlockError;
 
-use super::{BlockJob, FileOp, Next, Step, Syscall, errno_name};
+use super::{JobCore, Next, Syscall, errno_name, zeroed_statx};
 use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,22 +49,64 @@ enum Keep {
     NotOurs,
 }
 
-impl BlockJob {
-    pub(super) fn remove_start(&mut self) -> Next {
-        if let Err(e) = self.header() {
-            return self.done(Err(e));
+/// What only the remove machine needs.
+pub(super) struct Remove {
+    /// The pending syscall.
+    pub(super) step: Option<RemoveStep>,
+    /// A guarded remove moved the block to the temporary name.
+    moved_aside: bool,
+    /// The spare name to move the file to instead of unlinking it, and the length the file
+    /// must have for that (see `crate::spare`).
+    pub(super) recycle: Option<(CString, u64)>,
+    /// The file was moved to its spare name.
+    pub(super) recycled: bool,
+    /// The unlink of the file was issued.
+    unlinked: bool,
+    stx: Box<libc::statx>,
+    file_len: usize,
+}
+
+impl Default for Remove {
+    fn default() -> Self {
+        Remove {
+            step: None,
+            moved_aside: false,
+            recycle: None,
+            recycled: false,
+            unlinked: false,
+            stx: zeroed_statx(),
+            file_len: 0,
         }
-        self.remove_open()
+    }
+}
+
+impl Remove {
+    /// The unlink of the file was issued (whatever it returned).
+    pub(super) fn unlinked(&self) -> bool {
+        self.unlinked
     }
 
-    /// Start the remove machine on this job (also the undo of a store's late rename).
-    pub(super) fn remove_open(&mut self) -> Next {
+    fn call(&mut self, c: &mut JobCore, step: RemoveStep, s: Syscall) -> Next {
+        self.step = Some(step);
+        c.call(s)
+    }
+
+    pub(super) fn start(&mut self, c: &mut JobCore) -> Next {
+        if let Err(e) = c.header() {
+            return c.done(Err(e));
+        }
+        self.open(c)
+    }
+
+    /// Start the remove machine (also the undo of a store's late rename).
+    pub(super) fn open(&mut self, c: &mut JobCore) -> Next {
         self.moved_aside = false;
-        if self.p.nonce.is_some() && self.paths.temp.is_some() {
-            let from = self.paths.block.as_ptr();
-            let to = self.temp_ptr();
+        if c.p.nonce.is_some() && c.paths.temp.is_some() {
+            let from = c.paths.block.as_ptr();
+            let to = c.temp_ptr();
             return self.call(
-                Step::Remove(RemoveStep::MoveAside),
+                c,
+                RemoveStep::MoveAside,
                 Syscall::Rename {
                     from,
                     to,
@@ -72,22 +114,23 @@ impl BlockJob {
                 },
             );
         }
-        self.open_target()
+        self.open_target(c)
     }
 
     /// The file the remove works on: the block, or where it was moved aside.
-    fn target(&self) -> *const libc::c_char {
+    fn target(&self, c: &JobCore) -> *const libc::c_char {
         if self.moved_aside {
-            self.temp_ptr()
+            c.temp_ptr()
         } else {
-            self.paths.block.as_ptr()
+            c.paths.block.as_ptr()
         }
     }
 
-    fn open_target(&mut self) -> Next {
-        let path = self.target();
+    fn open_target(&mut self, c: &mut JobCore) -> Next {
+        let path = self.target(c);
         self.call(
-            Step::Remove(RemoveStep::Open),
+            c,
+            RemoveStep::Open,
             Syscall::Open {
                 path,
                 flags: libc::O_RDONLY | libc::O_CLOEXEC,
@@ -96,8 +139,8 @@ impl BlockJob {
         )
     }
 
-    fn keep(&self, n: usize) -> Keep {
-        let Some(h) = self.header.as_ref() else {
+    fn keep(c: &JobCore, n: usize) -> Keep {
+        let Some(h) = c.header.as_ref() else {
             return Keep::NotOurs;
         };
         let bytes = &h.as_slice()[..n.min(HEADER_LEN)];
@@ -106,29 +149,29 @@ impl BlockJob {
         {
             return Keep::OtherVersion(v);
         }
-        match (self.p.nonce, format::parse_header(bytes)) {
+        match (c.p.nonce, format::parse_header(bytes)) {
             (None, _) => Keep::No,
-            (Some(want), Ok(h)) if h.nonce == want && h.key == self.key => Keep::No,
+            (Some(want), Ok(h)) if h.nonce == want && h.key == c.key => Keep::No,
             (Some(_), _) => Keep::NotOurs,
         }
     }
 
-    fn finish_remove(&mut self, r: Result<(), BlockError>) -> Next {
-        let r = match self.verdict.take() {
+    fn finish(c: &mut JobCore, r: Result<(), BlockError>) -> Next {
+        let r = match c.verdict.take() {
             // A store undoing its rename keeps the store's verdict.
             Some(v) => v,
             None => r,
         };
-        self.done(r)
+        c.done(r)
     }
 
-    fn unlink_target(&mut self, step: RemoveStep) -> Next {
-        let path = self.target();
-        self.call(Step::Remove(step), Syscall::Unlink { path })
+    fn unlink_target(&mut self, c: &mut JobCore, step: RemoveStep) -> Next {
+        let path = self.target(c);
+        self.call(c, step, Syscall::Unlink { path })
     }
 
-    fn target_name(&self) -> String {
-        let p = self.target();
+    fn target_name(&self, c: &JobCore) -> String {
+        let p = self.target(c);
         if p.is_null() {
             return String::new();
         }
@@ -136,60 +179,52 @@ impl BlockJob {
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 
-    pub(super) fn remove_advance(&mut self, step: RemoveStep, res: i64) -> Next {
+    pub(super) fn advance(&mut self, c: &mut JobCore, res: i64) -> Next {
+        let Some(step) = self.step else {
+            return c.done(Err(BlockError::Io(
+                "a remove advanced before it started".into(),
+            )));
+        };
         match step {
             RemoveStep::MoveAside => {
                 if res == -(libc::ENOENT as i64) {
-                    return self.finish_remove(Ok(()));
+                    return Remove::finish(c, Ok(()));
                 }
                 if res < 0 {
-                    let msg = format!("rename {:?} aside: {}", self.block_path(), errno_name(res));
-                    return self.finish_remove(Err(BlockError::Io(msg)));
+                    let msg = format!("rename {:?} aside: {}", c.block_path(), errno_name(res));
+                    return Remove::finish(c, Err(BlockError::Io(msg)));
                 }
                 self.moved_aside = true;
-                self.open_target()
+                self.open_target(c)
             }
             RemoveStep::Open => {
                 if res == -(libc::ENOENT as i64) {
-                    return self.finish_remove(Ok(()));
+                    return Remove::finish(c, Ok(()));
                 }
                 if res < 0 {
-                    let msg = format!("open {:?}: {}", self.target_name(), errno_name(res));
-                    return self.finish_remove(Err(BlockError::Io(msg)));
+                    let msg = format!("open {:?}: {}", self.target_name(c), errno_name(res));
+                    return Remove::finish(c, Err(BlockError::Io(msg)));
                 }
                 let fd = res as i32;
-                self.fd = Some(fd);
-                let ptr = match self.header() {
-                    Ok(h) => h.as_mut_ptr(),
+                c.fd = Some(fd);
+                match c.read_header(fd) {
+                    Ok(read) => self.call(c, RemoveStep::Read, read),
                     Err(e) => {
-                        self.verdict.get_or_insert(Err(e));
-                        return self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd });
+                        c.verdict.get_or_insert(Err(e));
+                        self.call(c, RemoveStep::Close, Syscall::Close { fd })
                     }
-                };
-                self.iov[0] = libc::iovec {
-                    iov_base: ptr.cast(),
-                    iov_len: HEADER_LEN,
-                };
-                self.iov_n = 1;
-                self.call(
-                    Step::Remove(RemoveStep::Read),
-                    Syscall::Readv {
-                        fd,
-                        iov: self.iov.as_ptr(),
-                        n: 1,
-                    },
-                )
+                }
             }
             RemoveStep::Read => {
                 // A read error reads as nothing: an unguarded remove still deletes the file.
-                self.expect = if res < 0 { 0 } else { res as usize };
+                c.expect = if res < 0 { 0 } else { res as usize };
                 if self.recycle.is_some() {
-                    let fd = self.fd.unwrap_or(-1);
+                    let fd = c.fd.unwrap_or(-1);
                     let buf: *mut libc::statx = &mut *self.stx;
-                    return self.call(Step::Remove(RemoveStep::Stat), Syscall::Statx { fd, buf });
+                    return self.call(c, RemoveStep::Stat, Syscall::Statx { fd, buf });
                 }
-                let fd = self.fd.take().unwrap_or(-1);
-                self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd })
+                let fd = c.fd.take().unwrap_or(-1);
+                self.call(c, RemoveStep::Close, Syscall::Close { fd })
             }
             RemoveStep::Stat => {
                 // A failed statx leaves the length unknown: the file is unlinked.
@@ -198,20 +233,21 @@ impl BlockJob {
                 } else {
                     usize::MAX
                 };
-                let fd = self.fd.take().unwrap_or(-1);
-                self.call(Step::Remove(RemoveStep::Close), Syscall::Close { fd })
+                let fd = c.fd.take().unwrap_or(-1);
+                self.call(c, RemoveStep::Close, Syscall::Close { fd })
             }
-            RemoveStep::Close => match self.keep(self.expect) {
+            RemoveStep::Close => match Remove::keep(c, c.expect) {
                 Keep::No => match &self.recycle {
                     // Only a file whose header read back whole: one that fails to read may sit
                     // on failing sectors, which no store should write into again.
                     Some((spare, len))
-                        if self.file_len as u64 == *len && self.expect == HEADER_LEN =>
+                        if self.file_len as u64 == *len && c.expect == HEADER_LEN =>
                     {
-                        let from = self.target();
+                        let from = self.target(c);
                         let to = spare.as_ptr();
                         self.call(
-                            Step::Remove(RemoveStep::Recycle),
+                            c,
+                            RemoveStep::Recycle,
                             Syscall::Rename {
                                 from,
                                 to,
@@ -219,23 +255,24 @@ impl BlockJob {
                             },
                         )
                     }
-                    _ => self.unlink_target(RemoveStep::Unlink),
+                    _ => self.unlink_target(c, RemoveStep::Unlink),
                 },
                 keep => {
                     if let Keep::OtherVersion(v) = keep {
-                        tracing::info!(path = ?self.block_path(), version = v,
+                        tracing::info!(path = ?c.block_path(), version = v,
                             "posix: not removing a block of another format version");
                     } else {
-                        tracing::debug!(path = ?self.block_path(),
+                        tracing::debug!(path = ?c.block_path(),
                             "posix: a newer write replaced this block; left in place");
                     }
                     if !self.moved_aside {
-                        return self.finish_remove(Ok(()));
+                        return Remove::finish(c, Ok(()));
                     }
-                    let from = self.temp_ptr();
-                    let to = self.paths.block.as_ptr();
+                    let from = c.temp_ptr();
+                    let to = c.paths.block.as_ptr();
                     self.call(
-                        Step::Remove(RemoveStep::PutBack),
+                        c,
+                        RemoveStep::PutBack,
                         Syscall::Rename {
                             from,
                             to,
@@ -247,43 +284,41 @@ impl BlockJob {
             RemoveStep::Recycle => {
                 if res == 0 {
                     self.recycled = true;
-                    return self.finish_remove(Ok(()));
+                    return Remove::finish(c, Ok(()));
                 }
                 // The block gone meanwhile, the spare folder gone, a name taken: unlink (which
                 // finds nothing in the first case).
-                tracing::debug!(path = ?self.block_path(), error = %errno_name(res),
+                tracing::debug!(path = ?c.block_path(), error = %errno_name(res),
                     "posix: cannot recycle a block file; unlinking it");
-                self.unlink_target(RemoveStep::Unlink)
+                self.unlink_target(c, RemoveStep::Unlink)
             }
             RemoveStep::Unlink => {
-                if self.action == FileOp::Store {
-                    self.undone = true;
-                }
+                self.unlinked = true;
                 if res < 0 && res != -(libc::ENOENT as i64) {
-                    let msg = format!("unlink {:?}: {}", self.target_name(), errno_name(res));
+                    let msg = format!("unlink {:?}: {}", self.target_name(c), errno_name(res));
                     tracing::warn!(error = %msg, "posix: remove failed");
-                    return self.finish_remove(Err(BlockError::Io(msg)));
+                    return Remove::finish(c, Err(BlockError::Io(msg)));
                 }
-                self.finish_remove(Ok(()))
+                Remove::finish(c, Ok(()))
             }
             RemoveStep::PutBack => {
                 if res == -(libc::EEXIST as i64) {
                     // A newer block took the name while this one was aside: this one is
                     // superseded, as a rename over it would have left it.
-                    return self.unlink_target(RemoveStep::DropAside);
+                    return self.unlink_target(c, RemoveStep::DropAside);
                 }
                 if res < 0 {
-                    tracing::warn!(path = ?self.block_path(), error = %errno_name(res),
+                    tracing::warn!(path = ?c.block_path(), error = %errno_name(res),
                         "posix: cannot put a block back; left under its temporary name");
                 }
-                self.finish_remove(Ok(()))
+                Remove::finish(c, Ok(()))
             }
             RemoveStep::DropAside => {
                 if res < 0 && res != -(libc::ENOENT as i64) {
-                    tracing::warn!(path = %self.target_name(), error = %errno_name(res),
+                    tracing::warn!(path = %self.target_name(c), error = %errno_name(res),
                         "posix: cannot remove a superseded block");
                 }
-                self.finish_remove(Ok(()))
+                Remove::finish(c, Ok(()))
             }
         }
     }
@@ -297,7 +332,7 @@ mod tests {
     use kvx_core::{BlockKey, OpId};
 
     use super::*;
-    use crate::job::JobParams;
+    use crate::job::{BlockJob, FileOp, JobParams, Machine};
     use crate::paths::Layout;
 
     fn block_file(path: &Path, key: BlockKey, nonce: u64, fill: u8) {
@@ -334,12 +369,12 @@ mod tests {
         while let Next::Call(call) = next {
             // SAFETY: the job is alive, in place and touched by no one else during the call.
             let res = unsafe { crate::io::sys::run(&call) };
-            if let Step::Remove(s) = job.step {
-                after(s);
+            if let Machine::Remove(Remove { step: Some(s), .. }) = &job.machine {
+                after(*s);
             }
             next = job.advance(res);
         }
-        assert_eq!(job.result, Ok(()));
+        assert_eq!(job.core.result, Ok(()));
         job
     }
 

@@ -13,7 +13,8 @@
 
 use kvx_core::BlockError;
 
-use super::{BlockJob, FileOp, Next, Step, Syscall, aligned_sector, errno_name};
+use super::remove::Remove;
+use super::{JobCore, Next, Syscall, aligned_sector, errno_name, open_flags};
 use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,67 +28,96 @@ pub(super) enum StoreStep {
     UnlinkTemp,
 }
 
-impl BlockJob {
-    pub(super) fn store_start(&mut self) -> Next {
-        if let Some(e) = self.over(self.p.margin) {
-            return self.done(Err(e));
+/// What only the store machine needs.
+#[derive(Default)]
+pub(super) struct Store {
+    /// The pending syscall (none while the undo runs).
+    pub(super) step: Option<StoreStep>,
+    /// The last, partial sector of an O_DIRECT store, zero-padded.
+    tail: Option<kvx_core::AlignedBuf>,
+    /// This store writes with O_DIRECT.
+    direct: bool,
+    /// The leaf directory was made (or found) by this store.
+    pub(super) made_dirs: bool,
+    retried_dirs: bool,
+    /// The store asked to open its spare file (from then on the file is the store's to write,
+    /// close and rename, or unlink).
+    pub(super) spare_opened: bool,
+    /// The payload's crc32c, computed before the store was queued.
+    pub(super) payload_crc: Option<u32>,
+    /// The remove machine undoing a rename that landed too late.
+    undo: Option<Remove>,
+}
+
+/// The length of the block file the store in `c` writes: the header, then the payload
+/// (rounded up to whole sectors with O_DIRECT).
+pub(super) fn file_len(c: &JobCore) -> Option<u64> {
+    let len = c.buf.as_ref()?.as_slice().len();
+    let body = if writes_direct(c) {
+        super::round_up(len)
+    } else {
+        len
+    };
+    Some((HEADER_LEN + body) as u64)
+}
+
+/// Whether the store in `c` writes with O_DIRECT: the root allows it and the buffer is
+/// aligned.
+fn writes_direct(c: &JobCore) -> bool {
+    c.p.direct
+        && c.buf
+            .as_ref()
+            .is_some_and(|b| (b.as_slice().as_ptr() as usize) % HEADER_LEN == 0)
+}
+
+impl Store {
+    /// The rename landed too late and was removed again.
+    pub(super) fn undone(&self) -> bool {
+        self.undo.as_ref().is_some_and(Remove::unlinked)
+    }
+
+    fn call(&mut self, c: &mut JobCore, step: StoreStep, s: Syscall) -> Next {
+        self.step = Some(step);
+        c.call(s)
+    }
+
+    pub(super) fn start(&mut self, c: &mut JobCore) -> Next {
+        if let Some(e) = c.over(c.p.margin) {
+            return c.done(Err(e));
         }
-        if self.paths.temp.is_none() || self.buf.is_none() {
-            return self.done(Err(BlockError::Invalid(
+        if c.paths.temp.is_none() || c.buf.is_none() {
+            return c.done(Err(BlockError::Invalid(
                 "a store job needs a buffer and a temporary name".into(),
             )));
         }
-        if let Err(e) = self.header() {
-            return self.done(Err(e));
+        if let Err(e) = c.header() {
+            return c.done(Err(e));
         }
-        if self.p.make_dirs {
-            self.mkdirs()
+        if c.p.make_dirs {
+            self.mkdirs(c)
         } else {
-            self.open_temp()
+            self.open_temp(c)
         }
     }
 
-    fn mkdirs(&mut self) -> Next {
+    fn mkdirs(&mut self, c: &mut JobCore) -> Next {
         self.retried_dirs = true;
-        let path = self.paths.dir.as_ptr();
-        self.call(Step::Store(StoreStep::Mkdir), Syscall::Mkdir { path })
+        let path = c.paths.dir.as_ptr();
+        self.call(c, StoreStep::Mkdir, Syscall::Mkdir { path })
     }
 
-    /// Whether this store writes with O_DIRECT: the root allows it and the buffer is aligned.
-    fn writes_direct(&self) -> bool {
-        self.p.direct
-            && self
-                .buf
-                .as_ref()
-                .is_some_and(|b| (b.as_slice().as_ptr() as usize) % HEADER_LEN == 0)
-    }
-
-    /// The length of the block file this store writes: the header, then the payload (rounded
-    /// up to whole sectors with O_DIRECT); `None` for a job that is not a store.
-    pub(crate) fn store_file_len(&self) -> Option<u64> {
-        if self.action != FileOp::Store {
-            return None;
-        }
-        let len = self.buf.as_ref()?.as_slice().len();
-        let body = if self.writes_direct() {
-            super::round_up(len)
-        } else {
-            len
-        };
-        Some((HEADER_LEN + body) as u64)
-    }
-
-    fn open_temp(&mut self) -> Next {
-        self.direct_now = self.writes_direct();
-        let flags = if self.paths.writes_spare() {
+    fn open_temp(&mut self, c: &mut JobCore) -> Next {
+        self.direct = writes_direct(c);
+        let flags = if c.paths.writes_spare() {
             self.spare_opened = true;
-            self.open_flags(libc::O_WRONLY)
+            open_flags(libc::O_WRONLY, self.direct)
         } else {
-            self.open_flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
+            open_flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, self.direct)
         };
-        let path = self.temp_ptr();
+        let path = c.temp_ptr();
         self.call(
-            Step::Store(StoreStep::OpenTemp),
+            c,
+            StoreStep::OpenTemp,
             Syscall::Open {
                 path,
                 flags,
@@ -96,12 +126,12 @@ impl BlockJob {
         )
     }
 
-    fn write(&mut self) -> Next {
-        let key = self.key;
-        let nonce = self.p.nonce.unwrap_or(0);
-        let direct = self.direct_now;
-        let Some(buf) = self.buf.take() else {
-            return self.fail_store(BlockError::Invalid("store without a buffer".into()));
+    fn write(&mut self, c: &mut JobCore) -> Next {
+        let key = c.key;
+        let nonce = c.p.nonce.unwrap_or(0);
+        let direct = self.direct;
+        let Some(buf) = c.buf.take() else {
+            return self.fail(c, BlockError::Invalid("store without a buffer".into()));
         };
         let payload = buf.as_slice();
         let len = payload.len();
@@ -118,8 +148,8 @@ impl BlockJob {
                 match aligned_sector() {
                     Ok(t) => self.tail = Some(t),
                     Err(e) => {
-                        self.buf = Some(buf);
-                        return self.fail_store(e);
+                        c.buf = Some(buf);
+                        return self.fail(c, e);
                     }
                 }
             }
@@ -133,7 +163,7 @@ impl BlockJob {
             None
         };
         let payload_crc = self.payload_crc;
-        let header_ptr = match self.header() {
+        let header_ptr = match c.header() {
             Ok(h) => {
                 match payload_crc {
                     Some(crc) => {
@@ -144,148 +174,151 @@ impl BlockJob {
                 h.as_mut_ptr()
             }
             Err(e) => {
-                self.buf = Some(buf);
-                return self.fail_store(e);
+                c.buf = Some(buf);
+                return self.fail(c, e);
             }
         };
-        self.iov[0] = libc::iovec {
+        c.iov[0] = libc::iovec {
             iov_base: header_ptr.cast(),
             iov_len: HEADER_LEN,
         };
         let mut n = 1;
         if whole > 0 {
-            self.iov[n] = libc::iovec {
+            c.iov[n] = libc::iovec {
                 iov_base: payload.as_ptr() as *mut libc::c_void,
                 iov_len: whole,
             };
             n += 1;
         }
         if let Some(t) = tail_ptr {
-            self.iov[n] = libc::iovec {
+            c.iov[n] = libc::iovec {
                 iov_base: t.cast(),
                 iov_len: HEADER_LEN,
             };
             n += 1;
         }
-        self.iov_n = n as u32;
-        self.expect = self.iov[..n].iter().map(|v| v.iov_len).sum();
-        self.bytes = len;
+        c.iov_n = n as u32;
+        c.expect = c.iov[..n].iter().map(|v| v.iov_len).sum();
+        c.bytes = len;
         // The payload's heap memory does not move with the `Buf` handle.
-        self.buf = Some(buf);
-        let fd = self.fd.unwrap_or(-1);
-        self.call(
-            Step::Store(StoreStep::Write),
-            Syscall::Writev {
-                fd,
-                iov: self.iov.as_ptr(),
-                n: self.iov_n,
-            },
-        )
+        c.buf = Some(buf);
+        let fd = c.fd.unwrap_or(-1);
+        let (iov, n) = (c.iov.as_ptr(), c.iov_n);
+        self.call(c, StoreStep::Write, Syscall::Writev { fd, iov, n })
     }
 
-    fn close_temp(&mut self) -> Next {
-        let fd = self.fd.take().unwrap_or(-1);
-        self.call(Step::Store(StoreStep::CloseTemp), Syscall::Close { fd })
+    fn close_temp(&mut self, c: &mut JobCore) -> Next {
+        let fd = c.fd.take().unwrap_or(-1);
+        self.call(c, StoreStep::CloseTemp, Syscall::Close { fd })
     }
 
-    fn unlink_temp(&mut self) -> Next {
-        let path = self.temp_ptr();
-        self.call(Step::Store(StoreStep::UnlinkTemp), Syscall::Unlink { path })
+    fn unlink_temp(&mut self, c: &mut JobCore) -> Next {
+        let path = c.temp_ptr();
+        self.call(c, StoreStep::UnlinkTemp, Syscall::Unlink { path })
     }
 
     /// A store failed before its rename: close and unlink the temporary file.
-    fn fail_store(&mut self, e: BlockError) -> Next {
-        self.verdict = Some(Err(e));
-        if let Some(fd) = self.fd.take() {
-            return self.call(Step::Store(StoreStep::CloseTemp), Syscall::Close { fd });
+    fn fail(&mut self, c: &mut JobCore, e: BlockError) -> Next {
+        c.verdict = Some(Err(e));
+        if let Some(fd) = c.fd.take() {
+            return self.call(c, StoreStep::CloseTemp, Syscall::Close { fd });
         }
-        self.unlink_temp()
+        self.unlink_temp(c)
     }
 
-    pub(super) fn store_advance(&mut self, step: StoreStep, res: i64) -> Next {
+    pub(super) fn advance(&mut self, c: &mut JobCore, res: i64) -> Next {
+        if let Some(undo) = &mut self.undo {
+            return undo.advance(c, res);
+        }
+        let Some(step) = self.step else {
+            return c.done(Err(BlockError::Io(
+                "a store advanced before it started".into(),
+            )));
+        };
         match step {
             StoreStep::Mkdir => {
                 if res < 0 && res != -(libc::EEXIST as i64) {
-                    let msg = format!("mkdir {:?}: {}", self.paths.dir, errno_name(res));
-                    return self.done(Err(BlockError::Io(msg)));
+                    let msg = format!("mkdir {:?}: {}", c.paths.dir, errno_name(res));
+                    return c.done(Err(BlockError::Io(msg)));
                 }
                 self.made_dirs = true;
-                if let Some(e) = self.over(self.p.margin) {
-                    return self.done(Err(e));
+                if let Some(e) = c.over(c.p.margin) {
+                    return c.done(Err(e));
                 }
-                self.open_temp()
+                self.open_temp(c)
             }
             StoreStep::OpenTemp => {
-                if res == -(libc::ENOENT as i64) && self.paths.drop_spare() {
+                if res == -(libc::ENOENT as i64) && c.paths.drop_spare() {
                     // The spare file is gone: create a temporary file as without one.
-                    return self.open_temp();
+                    return self.open_temp(c);
                 }
                 if res == -(libc::ENOENT as i64) && !self.retried_dirs {
-                    return self.mkdirs();
+                    return self.mkdirs(c);
                 }
                 if res < 0 {
                     // The spare (if this was one) is untouched: it goes back to the spares.
                     self.spare_opened = false;
                     let msg = format!(
                         "create {:?}: {}",
-                        self.paths.temp.as_deref().unwrap_or_default(),
+                        c.paths.temp.as_deref().unwrap_or_default(),
                         errno_name(res)
                     );
-                    return self.done(Err(BlockError::Io(msg)));
+                    return c.done(Err(BlockError::Io(msg)));
                 }
-                self.fd = Some(res as i32);
-                if let Some(e) = self.over(self.p.margin) {
-                    return self.fail_store(e);
+                c.fd = Some(res as i32);
+                if let Some(e) = c.over(c.p.margin) {
+                    return self.fail(c, e);
                 }
-                self.write()
+                self.write(c)
             }
             StoreStep::Write => {
                 if res < 0 {
-                    let msg = format!("write {:?}: {}", self.block_path(), errno_name(res));
-                    return self.fail_store(BlockError::Io(msg));
+                    let msg = format!("write {:?}: {}", c.block_path(), errno_name(res));
+                    return self.fail(c, BlockError::Io(msg));
                 }
-                if res as usize != self.expect {
+                if res as usize != c.expect {
                     let msg = format!(
                         "write {:?}: short write of {res} of {} bytes",
-                        self.block_path(),
-                        self.expect
+                        c.block_path(),
+                        c.expect
                     );
-                    return self.fail_store(BlockError::Io(msg));
+                    return self.fail(c, BlockError::Io(msg));
                 }
-                if let Some(e) = self.over(self.p.margin) {
-                    return self.fail_store(e);
+                if let Some(e) = c.over(c.p.margin) {
+                    return self.fail(c, e);
                 }
-                if self.p.fdatasync {
-                    let fd = self.fd.unwrap_or(-1);
-                    self.call(Step::Store(StoreStep::Sync), Syscall::Fdatasync { fd })
+                if c.p.fdatasync {
+                    let fd = c.fd.unwrap_or(-1);
+                    self.call(c, StoreStep::Sync, Syscall::Fdatasync { fd })
                 } else {
-                    self.close_temp()
+                    self.close_temp(c)
                 }
             }
             StoreStep::Sync => {
                 if res < 0 {
-                    let msg = format!("fdatasync {:?}: {}", self.block_path(), errno_name(res));
-                    return self.fail_store(BlockError::Io(msg));
+                    let msg = format!("fdatasync {:?}: {}", c.block_path(), errno_name(res));
+                    return self.fail(c, BlockError::Io(msg));
                 }
-                self.close_temp()
+                self.close_temp(c)
             }
             StoreStep::CloseTemp => {
-                if self.verdict.is_none() && res < 0 {
-                    let msg = format!("close {:?}: {}", self.block_path(), errno_name(res));
-                    self.verdict = Some(Err(BlockError::Io(msg)));
+                if c.verdict.is_none() && res < 0 {
+                    let msg = format!("close {:?}: {}", c.block_path(), errno_name(res));
+                    c.verdict = Some(Err(BlockError::Io(msg)));
                 }
-                if self.verdict.is_none()
-                    && let Some(e) = self.over(self.p.margin)
+                if c.verdict.is_none()
+                    && let Some(e) = c.over(c.p.margin)
                 {
-                    self.verdict = Some(Err(e));
+                    c.verdict = Some(Err(e));
                 }
-                if self.verdict.is_some() {
-                    return self.unlink_temp();
+                if c.verdict.is_some() {
+                    return self.unlink_temp(c);
                 }
-                let from = self.temp_ptr();
-                let to = self.paths.block.as_ptr();
+                let from = c.temp_ptr();
+                let to = c.paths.block.as_ptr();
                 self.call(
-                    Step::Store(StoreStep::Rename),
+                    c,
+                    StoreStep::Rename,
                     Syscall::Rename {
                         from,
                         to,
@@ -295,28 +328,29 @@ impl BlockJob {
             }
             StoreStep::Rename => {
                 if res < 0 {
-                    let msg = format!("rename to {:?}: {}", self.block_path(), errno_name(res));
-                    self.verdict = Some(Err(BlockError::Io(msg)));
-                    return self.unlink_temp();
+                    let msg = format!("rename to {:?}: {}", c.block_path(), errno_name(res));
+                    c.verdict = Some(Err(BlockError::Io(msg)));
+                    return self.unlink_temp(c);
                 }
-                if let Some(e) = self.over(self.p.margin) {
+                if let Some(e) = c.over(c.p.margin) {
                     // Landed too late: the task already ended without this block. Remove it,
                     // but only if the file there is still this write.
-                    self.verdict = Some(Err(e));
-                    return self.remove_open();
+                    c.verdict = Some(Err(e));
+                    self.step = None;
+                    return self.undo.insert(Remove::default()).open(c);
                 }
-                self.done(Ok(()))
+                c.done(Ok(()))
             }
             StoreStep::UnlinkTemp => {
                 if res < 0 && res != -(libc::ENOENT as i64) {
-                    tracing::warn!(path = ?self.paths.temp, error = %errno_name(res),
+                    tracing::warn!(path = ?c.paths.temp, error = %errno_name(res),
                         "cannot remove a temporary file");
                 }
-                let r = self
+                let r = c
                     .verdict
                     .take()
                     .unwrap_or(Err(BlockError::Io("store failed".into())));
-                self.done(r)
+                c.done(r)
             }
         }
     }

@@ -120,6 +120,7 @@ pub struct Finding {
 
 /// The outcome of a `verify` run.
 #[derive(Debug, Clone, Default)]
+#[must_use = "the problems verify found"]
 pub struct VerifyReport {
     /// Block files checked (whatever the outcome, vanished ones included).
     pub blocks_checked: u64,

@@ -9,8 +9,8 @@ use kvx_core::BlockKey;
 
 use super::files::{self, FileId, Stat};
 use super::{MaintenanceError, Phase, Progress, Worker};
-use crate::index::hex2;
 use crate::paths::{BLOCK_SUFFIX, Entry, TEMP_SUFFIX, classify};
+use crate::store::index::hex2;
 
 /// What a file in a leaf directory is, by its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

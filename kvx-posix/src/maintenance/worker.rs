@@ -18,6 +18,7 @@ type Job = Box<dyn FnOnce() + Send>;
 
 /// Runs file operations on a worker thread with a deadline on each.
 #[derive(Debug)]
+#[must_use = "a worker thread ends when dropped"]
 pub struct Worker {
     jobs: Sender<Job>,
     deadline: Duration,

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 
-use super::{FaultRig, SOON, key, wait_until};
-use crate::io::fault::Late;
+use super::{rig, rig_in};
+use crate::testing::Late;
+use crate::testing::{SOON, key, wait_until};
 use crate::{IoEngine, PosixStore};
 
 both_engines!(
@@ -32,7 +33,7 @@ fn eviction_burst_leaves_the_tier_serving(engine: IoEngine) {
         std::fs::create_dir_all(p.parent().expect("leaf dir")).expect("mkdir");
         std::fs::write(&p, b"old block").expect("write");
     }
-    let r = FaultRig::with_dir(engine, 1100, dir, |c| c.queue_depth = 16);
+    let r = rig_in(engine, 1100, dir, |c| c.queue_depth = 16);
     assert_eq!(r.files.capabilities().scanned_blocks, 5000);
     for k in &doomed {
         assert!(r.files.remove(*k));
@@ -56,7 +57,7 @@ fn eviction_burst_leaves_the_tier_serving(engine: IoEngine) {
     let loads: Vec<(TaskId, &[BlockKey])> = fresh
         .chunks(10)
         .map(|c| {
-            let blocks = c.iter().map(|k| r.empty(*k)).collect();
+            let blocks = c.iter().map(|k| r.empty_block(*k)).collect();
             (r.submit(Direction::Load, blocks, deadline), c)
         })
         .collect();
@@ -83,7 +84,7 @@ fn stall_then_thaw_recovers_every_worker(engine: IoEngine) {
     const QD: usize = 8;
     const MAX_STUCK: usize = 16;
     let cool_down = Duration::from_millis(300);
-    let r = FaultRig::new(engine, 400, |c| {
+    let r = rig(engine, 400, |c| {
         c.queue_depth = QD;
         c.max_stuck = MAX_STUCK;
         c.breaker.cool_down_ms = cool_down.as_millis() as u64;
@@ -109,7 +110,7 @@ fn stall_then_thaw_recovers_every_worker(engine: IoEngine) {
             } else {
                 r.submit(
                     Direction::Load,
-                    vec![r.empty(old[i as usize % 20])],
+                    vec![r.empty_block(old[i as usize % 20])],
                     deadline,
                 )
             }
@@ -152,7 +153,7 @@ fn stall_then_thaw_recovers_every_worker(engine: IoEngine) {
             "{engine}: store after the thaw: {:?}",
             rep.blocks[0].result
         );
-        let rep = r.load(*k, Duration::from_secs(5));
+        let rep = r.load_one(*k, Duration::from_secs(5));
         assert!(
             rep.is_ok(),
             "{engine}: load after the thaw: {:?}",
@@ -175,7 +176,7 @@ fn stall_then_thaw_recovers_every_worker(engine: IoEngine) {
 /// A store whose rename lands after its deadline undoes only its own file: a newer store of the
 /// same key that landed meanwhile survives; without one, the late block is removed.
 fn late_rename_never_deletes_a_newer_block(engine: IoEngine) {
-    let r = FaultRig::new(engine, 16, |_| {});
+    let r = rig(engine, 16, |_| {});
     let k = key(42);
     r.faults.late(Late::Rename, 1, Duration::from_millis(700));
     let late = r.submit(
@@ -188,7 +189,7 @@ fn late_rename_never_deletes_a_newer_block(engine: IoEngine) {
     assert!(r.store(k, 0xBB, SOON).is_ok());
     assert_eq!(r.report(late).state, TaskState::TimedOut);
     assert!(r.drained());
-    let rep = r.load(k, SOON);
+    let rep = r.load_one(k, SOON);
     assert!(
         rep.is_ok(),
         "{engine}: the newer block survives: {:?}",
@@ -211,7 +212,7 @@ fn late_rename_never_deletes_a_newer_block(engine: IoEngine) {
     );
     assert!(r.files.stats().undone > undone);
     assert!(!r.files.contains(k2));
-    let dir = r.dir.path().to_path_buf();
+    let dir = r.root.as_path().to_path_buf();
     let names: HashSet<String> = walk(&dir);
     assert!(names.iter().all(|n| !n.ends_with(".kvb.tmp")), "{names:?}");
 }
@@ -220,10 +221,10 @@ fn late_rename_never_deletes_a_newer_block(engine: IoEngine) {
 /// itself (called as a driver calls it, so no tracker decides first).
 fn read_after_the_deadline_is_timed_out(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let faults = std::sync::Arc::new(crate::io::fault::Faults::default());
+    let faults = std::sync::Arc::new(crate::testing::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
     cfg.engine = engine;
-    let mut store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open");
+    let mut store = PosixStore::open_with_faults(cfg, faults.clone()).expect("open");
     let pool = BufferPool::new(4, 8192, DEFAULT_ALIGN).expect("pool");
     let k = key(7);
     let op = |id: u64, dir: Direction, deadline: Duration| {
@@ -294,13 +295,13 @@ fn walk(dir: &std::path::Path) -> HashSet<String> {
 /// op is refused with `Busy` at submit, whole; after the thaw every accepted op completes once.
 fn full_queue_is_busy_at_submit(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let faults = std::sync::Arc::new(crate::io::fault::Faults::default());
+    let faults = std::sync::Arc::new(crate::testing::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
     cfg.engine = engine;
     cfg.queue_depth = 1;
     cfg.rings = 1;
     cfg.max_queued = 4;
-    let mut store = PosixStore::open_with(cfg, Some(faults.clone())).expect("open");
+    let mut store = PosixStore::open_with_faults(cfg, faults.clone()).expect("open");
     let pool = BufferPool::new(8, 8192, DEFAULT_ALIGN).expect("pool");
     faults.freeze();
     let op = |id: u64| {
@@ -352,7 +353,7 @@ fn full_queue_is_busy_at_submit(engine: IoEngine) {
 #[test]
 fn closing_store_leaves_its_io_slot_uring() {
     const HOLD: Duration = Duration::from_millis(800);
-    let r = FaultRig::new(IoEngine::Uring, 4, |c| c.queue_depth = 1);
+    let r = rig(IoEngine::Uring, 4, |c| c.queue_depth = 1);
     assert!(
         r.files.capabilities().inline_per_root[0],
         "this test needs its temporary directory on a local block file system"
@@ -378,7 +379,7 @@ fn closing_store_leaves_its_io_slot_uring() {
     assert!(first.finished_at >= held_at + HOLD - Duration::from_millis(50));
     assert!(r.drained());
     for (k, fill) in [(key(7), 0x11), (key(8), 0x22)] {
-        let rep = r.load(k, SOON);
+        let rep = r.load_one(k, SOON);
         let data = rep.blocks[0].buf.as_ref().expect("buffer").as_slice();
         assert!(rep.is_ok() && data.iter().all(|x| *x == fill), "{k}");
     }

@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 
-use super::{FaultRig, SOON, key, wait_until};
+use super::rig;
 use crate::IoEngine;
+use crate::testing::{SOON, key, wait_until};
 
 /// Queue depth 1. A store hangs in its open (the engine frozen) past its 100 ms deadline, so
 /// its worker is written off and a replacement counted; the replacement's thread is held back
@@ -16,7 +17,7 @@ use crate::IoEngine;
 /// only once its thread ran let the returning worker rejoin as well: two live workers, for
 /// good.)
 /// Lets psync's replacement workers start when dropped.
-struct LetGo<'a>(&'a FaultRig);
+struct LetGo<'a>(&'a crate::testing::Rig);
 
 impl Drop for LetGo<'_> {
     fn drop(&mut self) {
@@ -26,7 +27,7 @@ impl Drop for LetGo<'_> {
 
 #[test]
 fn a_worker_back_while_its_replacement_starts_leaves_the_pool_at_target() {
-    let r = FaultRig::new(IoEngine::Psync, 4, |c| c.queue_depth = 1);
+    let r = rig(IoEngine::Psync, 4, |c| c.queue_depth = 1);
     assert_eq!((r.engine().workers, r.engine().target), (1, 1));
     r.faults.hold_replacements(true);
     // Let the replacements go whatever happens, or a failed assert leaves the driver blocked
@@ -68,7 +69,7 @@ fn a_worker_back_while_its_replacement_starts_leaves_the_pool_at_target() {
     assert!(r.drained(), "{:?}", r.engine());
     // The replacement's thread is up and the only one.
     assert!(r.store(key(2), 2, SOON).is_ok(), "{:?}", r.engine());
-    assert!(r.load(key(2), SOON).is_ok());
+    assert!(r.load_one(key(2), SOON).is_ok());
     let e = r.engine();
     assert_eq!(
         (e.workers, e.threads),

@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 
-use super::{FaultRig, SOON, key, wait_until};
+use super::rig_with_spares;
 use crate::IoEngine;
-use crate::io::fault::Late;
+use crate::testing::Late;
+use crate::testing::{SOON, key, wait_until};
 
 both_engines!(recycled_file_waits_for_the_loads_of_its_block);
 
@@ -17,7 +18,7 @@ both_engines!(recycled_file_waits_for_the_loads_of_its_block);
 /// next store writes into that very file.
 fn recycled_file_waits_for_the_loads_of_its_block(engine: IoEngine) {
     const HOLD: Duration = Duration::from_millis(600);
-    let r = FaultRig::with_spares(engine, 2, |c| c.spare_block_bytes = 8192);
+    let r = rig_with_spares(engine, 2, |c| c.spare_block_bytes = 8192);
     let spare_dir = r.spare_dir();
     let in_spare_dir = || std::fs::read_dir(&spare_dir).expect("spare folder").count();
     let (k, absent, a, b) = (key(1), key(2), key(3), key(4));
@@ -28,7 +29,11 @@ fn recycled_file_waits_for_the_loads_of_its_block(engine: IoEngine) {
         .ino();
 
     r.faults.late(Late::Read, 1, HOLD);
-    let load = r.submit(Direction::Load, vec![r.empty(k)], Instant::now() + SOON);
+    let load = r.submit(
+        Direction::Load,
+        vec![r.empty_block(k)],
+        Instant::now() + SOON,
+    );
     assert!(
         wait_until(SOON, || r.faults.held() == 1),
         "the read is held"
@@ -39,7 +44,7 @@ fn recycled_file_waits_for_the_loads_of_its_block(engine: IoEngine) {
         "the remove ran"
     );
     // One more op through the driver: the poll that ends it takes the remove in too.
-    let miss = r.load(absent, SOON);
+    let miss = r.load_one(absent, SOON);
     assert_eq!(miss.blocks[0].result, Err(BlockError::NotFound));
     drop(miss);
     assert!(!r.files.block_path(k).exists());
@@ -72,7 +77,7 @@ fn recycled_file_waits_for_the_loads_of_its_block(engine: IoEngine) {
         "{engine}: b was written into k's recycled file"
     );
     for (kk, fill) in [(a, 0x11), (b, 0x22)] {
-        let rep = r.load(kk, SOON);
+        let rep = r.load_one(kk, SOON);
         let data = rep.blocks[0].buf.as_ref().expect("buffer").as_slice();
         assert!(
             rep.is_ok() && data.iter().all(|x| *x == fill),

@@ -4,8 +4,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 
-use super::{FaultRig, SOON, key, wait_until};
+use super::rig_with_spares;
 use crate::IoEngine;
+use crate::testing::{SOON, key, wait_until};
 
 both_engines!(a_store_that_never_opens_its_spare_gives_it_back);
 
@@ -17,7 +18,7 @@ both_engines!(a_store_that_never_opens_its_spare_gives_it_back);
 /// folder, none creating a file of its own.
 fn a_store_that_never_opens_its_spare_gives_it_back(engine: IoEngine) {
     const FREEZE: Duration = Duration::from_millis(400);
-    let r = FaultRig::with_spares(engine, 4, |c| {
+    let r = rig_with_spares(engine, 4, |c| {
         c.queue_depth = 1;
         c.max_queued = 1;
     });
@@ -78,7 +79,7 @@ fn a_store_that_never_opens_its_spare_gives_it_back(engine: IoEngine) {
     drop(b);
     assert!(r.drained(), "{engine}: the engine drained");
     // One more op through the driver: the poll that ends it takes b's return in too.
-    let miss = r.load(key(9), SOON);
+    let miss = r.load_one(key(9), SOON);
     assert_eq!(miss.blocks[0].result, Err(BlockError::NotFound));
     drop(miss);
     assert_eq!(

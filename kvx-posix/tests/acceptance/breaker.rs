@@ -25,12 +25,12 @@ pub fn breaker(engine: IoEngine) {
     r.mount().freeze();
     let deadline = Instant::now() + DEADLINE;
     let tasks: Vec<TaskId> = (0..3)
-        .map(|_| r.submit(Direction::Load, vec![r.posix], r.empty(&[k]), deadline))
+        .map(|_| r.submit_route(Direction::Load, vec![r.posix], r.empty(&[k]), deadline))
         .collect();
     let mut late = Duration::ZERO;
     for t in tasks {
         late = late.max(assert_timed_out_on_time(
-            &r.report(t, deadline + SOON),
+            &r.report_by(t, deadline + SOON),
             deadline,
         ));
     }
@@ -45,13 +45,13 @@ pub fn breaker(engine: IoEngine) {
     // A new load fails at once, long before its deadline, without reaching the engine.
     let before = r.files.stats();
     let started = Instant::now();
-    let t = r.submit(
+    let t = r.submit_route(
         Direction::Load,
         vec![r.posix],
         r.empty(&[k]),
         started + Duration::from_secs(30),
     );
-    let rep = r.report(t, started + SOON);
+    let rep = r.report_by(t, started + SOON);
     assert!(
         started.elapsed() < Duration::from_secs(2),
         "rejected at once, not after a deadline"

@@ -202,7 +202,7 @@ fn driver_calls(engine: IoEngine) {
                 engine: None,
                 buf: Buf::Owned(buf),
             }];
-            let t = dog.call(|| r.submit(Direction::Load, vec![r.posix], blocks, deadline));
+            let t = dog.call(|| r.submit_route(Direction::Load, vec![r.posix], blocks, deadline));
             pending.insert(t, deadline);
         }
         dog.call(|| r.driver.start_step().unwrap());

@@ -21,7 +21,7 @@ pub fn stuck_mount_load(engine: IoEngine) {
     let keys: Vec<BlockKey> = (0..64).map(key).collect();
     r.store_ok(&keys);
     for i in 0..64 {
-        r.arena
+        r.arena_mut()
             .write_block(EngineBlockId(i), &vec![0xEE; BLOCK])
             .unwrap();
     }
@@ -36,7 +36,7 @@ pub fn stuck_mount_load(engine: IoEngine) {
                 engine: Some(EngineBlockId(i as u32)),
                 buf: Buf::Owned(r.pool.take().unwrap()),
             }];
-            r.submit(Direction::Load, vec![r.posix, r.host], blocks, deadline)
+            r.submit_route(Direction::Load, vec![r.posix, r.host()], blocks, deadline)
         })
         .collect();
     assert!(
@@ -53,7 +53,7 @@ pub fn stuck_mount_load(engine: IoEngine) {
         "the loads reached the mount only after their deadline: the caller was not waiting"
     );
     for t in tasks {
-        let rep = r.report(t, deadline + SOON);
+        let rep = r.report_by(t, deadline + SOON);
         assert_timed_out_on_time(&rep, deadline);
         assert!(rep.blocks[0].buf.is_none(), "the stuck op keeps its buffer");
     }
@@ -69,7 +69,7 @@ pub fn stuck_mount_load(engine: IoEngine) {
     assert_eq!(s.live_tasks, 0);
     for i in 0..64 {
         assert_eq!(
-            r.arena.read_block(EngineBlockId(i)).unwrap(),
+            r.arena().read_block(EngineBlockId(i)).unwrap(),
             vec![0xEE; BLOCK]
         );
     }
@@ -77,7 +77,7 @@ pub fn stuck_mount_load(engine: IoEngine) {
     assert!(r.drained(), "late completions drain after thaw");
     for i in 0..64 {
         assert_eq!(
-            r.arena.read_block(EngineBlockId(i)).unwrap(),
+            r.arena().read_block(EngineBlockId(i)).unwrap(),
             vec![0xEE; BLOCK],
             "a late load must never reach engine memory"
         );
@@ -95,17 +95,17 @@ pub fn stuck_mount_store(engine: IoEngine) {
     r.store_ok(&[key(1)]); // the root exists and the mount is warm
     r.mount().freeze();
     // The payloads are built before the clock starts: only submitting them is timed.
-    let payloads: Vec<Vec<OpBlock>> = keys.iter().map(|&k| r.filled(&[k])).collect();
+    let payloads: Vec<Vec<OpBlock>> = keys.iter().map(|&k| r.filled(&[k], BLOCK)).collect();
     let deadline = Instant::now() + DEADLINE;
     let tasks: Vec<TaskId> = payloads
         .into_iter()
-        .map(|blocks| r.submit(Direction::Store, vec![r.posix], blocks, deadline))
+        .map(|blocks| r.submit_route(Direction::Store, vec![r.posix], blocks, deadline))
         .collect();
     assert!(r.mount().wait_blocked(1, SOON));
     let mut late = Duration::ZERO;
     for t in tasks {
         late = late.max(assert_timed_out_on_time(
-            &r.report(t, deadline + SOON),
+            &r.report_by(t, deadline + SOON),
             deadline,
         ));
     }
@@ -149,15 +149,15 @@ pub fn stuck_open(engine: IoEngine) {
         .expect("a key with the same 16-bit prefix");
     r.store_ok(&[old]);
     r.mount().freeze();
-    let (empty, filled) = (r.empty(&[old]), r.filled(&[new]));
+    let (empty, filled) = (r.empty(&[old]), r.filled(&[new], BLOCK));
     let deadline = Instant::now() + DEADLINE;
-    let load = r.submit(Direction::Load, vec![r.posix], empty, deadline);
-    let store = r.submit(Direction::Store, vec![r.posix], filled, deadline);
+    let load = r.submit_route(Direction::Load, vec![r.posix], empty, deadline);
+    let store = r.submit_route(Direction::Store, vec![r.posix], filled, deadline);
     // Frozen before either task started: the first request of each (the open of the block,
     // the create of the temporary file, or the lookup inside them) is what blocks.
     assert!(r.mount().wait_blocked(2, SOON), "open and create are stuck");
-    let load_late = assert_timed_out_on_time(&r.report(load, deadline + SOON), deadline);
-    let store_late = assert_timed_out_on_time(&r.report(store, deadline + SOON), deadline);
+    let load_late = assert_timed_out_on_time(&r.report_by(load, deadline + SOON), deadline);
+    let store_late = assert_timed_out_on_time(&r.report_by(store, deadline + SOON), deadline);
     println!(
         "stuck_open {engine}: load and store timed out {load_late:?} and {store_late:?} after their deadline (bound {MARGIN:?})"
     );
@@ -186,8 +186,8 @@ pub fn late_completion_quarantine(engine: IoEngine) {
             Buf::Shared(_) => unreachable!(),
         })
         .collect();
-    let t = r.submit(Direction::Load, vec![r.posix], blocks, deadline);
-    let rep = r.report(t, deadline + SOON);
+    let t = r.submit_route(Direction::Load, vec![r.posix], blocks, deadline);
+    let rep = r.report_by(t, deadline + SOON);
     let late = assert_timed_out_on_time(&rep, deadline);
     println!(
         "late_completion_quarantine {engine}: timed out {late:?} after its deadline (bound {MARGIN:?})"

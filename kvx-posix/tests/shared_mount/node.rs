@@ -10,6 +10,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvx_core::*;
+pub use kvx_posix::testing::key;
 use kvx_posix::{IoEngine, PosixConfig, PosixHandle, PosixStore, ProbeAnswer, SharedMount};
 
 /// Environment variable that turns the test binary into a child node on this root.
@@ -24,11 +25,6 @@ pub const LOAD_DEADLINE: Duration = Duration::from_millis(200);
 pub const MARGIN: Duration = TICK.saturating_add(Duration::from_millis(50));
 /// Generous bound for "happens promptly" (never a performance assertion).
 pub const SOON: Duration = Duration::from_secs(10);
-
-/// Key `i` of a test.
-pub fn key(i: u64) -> BlockKey {
-    BlockKey::chain(None, &i.to_le_bytes())
-}
 
 /// The payload stored under `k` in `generation` (a re-store writes another generation).
 pub fn payload(k: BlockKey, generation: u8) -> Vec<u8> {

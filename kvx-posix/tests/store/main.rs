@@ -12,129 +12,17 @@ use std::time::{Duration, Instant};
 
 use kvx_core::*;
 use kvx_posix::format::HEADER_LEN;
-use kvx_posix::{IoEngine, PosixConfig, PosixHandle, PosixStore};
+use kvx_posix::testing::{Rig, RigShape, SOON, expected, files_with_suffix, fill, key, wait_until};
+use kvx_posix::{IoEngine, PosixConfig, PosixStore};
 use libtest_mimic::{Arguments, Trial};
 
 mod spares;
 
 const ENGINES: [IoEngine; 2] = [IoEngine::Uring, IoEngine::Psync];
 
-fn key(i: u64) -> BlockKey {
-    BlockKey::chain(None, &i.to_le_bytes())
-}
-
-fn fill(buf: &mut PoolBuf, k: BlockKey, len: usize) {
-    buf.set_len(len);
-    let seed = k.to_be_bytes();
-    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-        *b = seed[i % 16].wrapping_add((i / 16) as u8);
-    }
-}
-
-fn expected(k: BlockKey, len: usize) -> Vec<u8> {
-    let seed = k.to_be_bytes();
-    (0..len)
-        .map(|i| seed[i % 16].wrapping_add((i / 16) as u8))
-        .collect()
-}
-
-struct Rig {
-    driver: Driver,
-    posix: BackendId,
-    files: PosixHandle,
-    pool: BufferPool,
-}
-
+/// A rig on `cfg` with `bufs` staging buffers of `size` bytes.
 fn rig(cfg: PosixConfig, bufs: usize, size: usize) -> Rig {
-    let store = PosixStore::open(cfg).unwrap();
-    let files = store.handle();
-    let mut b = DriverBuilder::new(DriverConfig::default());
-    let posix = b.backend(Box::new(store));
-    Rig {
-        driver: b.spawn().unwrap(),
-        posix,
-        files,
-        pool: BufferPool::new(bufs, size, DEFAULT_ALIGN).unwrap(),
-    }
-}
-
-fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(20)
-}
-
-impl Rig {
-    fn store(&self, keys: &[BlockKey], len: usize) -> TaskReport {
-        let blocks = keys
-            .iter()
-            .map(|&k| {
-                let mut buf = self.pool.take().unwrap();
-                fill(&mut buf, k, len);
-                OpBlock {
-                    key: k,
-                    engine: None,
-                    buf: Buf::Owned(buf),
-                }
-            })
-            .collect();
-        self.run(Direction::Store, blocks)
-    }
-
-    fn load(&self, keys: &[BlockKey]) -> TaskReport {
-        let blocks = keys
-            .iter()
-            .map(|&k| OpBlock {
-                key: k,
-                engine: None,
-                buf: Buf::Owned(self.pool.take().unwrap()),
-            })
-            .collect();
-        self.run(Direction::Load, blocks)
-    }
-
-    /// Load `keys` and check each comes back whole with the bytes `store` wrote for it at its
-    /// length in `lens`.
-    fn assert_loads_back(&self, keys: &[BlockKey], lens: &[usize], engine: IoEngine) {
-        let rep = self.load(keys);
-        assert!(rep.is_ok(), "{engine}: {:?}", rep.state);
-        for ((b, k), len) in rep.blocks.iter().zip(keys).zip(lens) {
-            assert_eq!(
-                b.buf.as_ref().unwrap().as_slice(),
-                &expected(*k, *len)[..],
-                "{engine}: {k}"
-            );
-        }
-    }
-
-    fn run(&self, dir: Direction, blocks: Vec<OpBlock>) -> TaskReport {
-        let t = self
-            .driver
-            .submit(TaskSpec {
-                request: RequestId(1),
-                dir,
-                route: vec![self.posix],
-                blocks,
-                deadline: soon(),
-                deferred: false,
-            })
-            .unwrap();
-        self.driver.wait_report(t, soon()).unwrap()
-    }
-}
-
-fn files_with_suffix(dir: &Path, suffix: &str) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.to_string_lossy().ends_with(suffix) {
-                out.push(p);
-            }
-        }
-    }
-    out
+    Rig::open(cfg, RigShape::new(bufs, size))
 }
 
 fn round_trip_lookup_remove_both_engines() {
@@ -146,7 +34,7 @@ fn round_trip_lookup_remove_both_engines() {
         assert_eq!(r.files.capabilities().engine, engine);
         let keys: Vec<BlockKey> = (0..6).map(key).collect();
         // A length that is not a multiple of 4096 exercises the O_DIRECT padding.
-        assert!(r.store(&keys, 10_000).is_ok(), "{engine}");
+        assert!(r.store_keys(&keys, 10_000).is_ok(), "{engine}");
         assert_eq!(r.files.lookup(&keys), 6);
         assert_eq!(r.files.lookup(&[keys[0], key(99), keys[1]]), 1);
         r.assert_loads_back(&keys, &[10_000; 6], engine);
@@ -177,7 +65,7 @@ fn scan_rebuilds_the_index_over_several_roots() {
     let keys: Vec<BlockKey> = (100..140).map(key).collect();
     {
         let r = rig(cfg.clone(), 64, 8192);
-        assert!(r.store(&keys, 8192).is_ok());
+        assert!(r.store_keys(&keys, 8192).is_ok());
         let roots: std::collections::HashSet<usize> =
             keys.iter().map(|k| r.files.root_of(*k)).collect();
         assert_eq!(roots.len(), 2, "keys spread over both roots");
@@ -242,7 +130,7 @@ fn buffered_fallback_on_ramfs(ramfs: &Path) {
         let r = rig(cfg, 4, 8192);
         assert!(!r.files.capabilities().direct, "ramfs refuses O_DIRECT");
         let k = [key(7)];
-        assert!(r.store(&k, 5000).is_ok());
+        assert!(r.store_keys(&k, 5000).is_ok());
         let rep = r.load(&k);
         assert!(rep.is_ok(), "{:?}", rep.blocks[0].result);
         assert_eq!(
@@ -316,7 +204,7 @@ fn newer_format_version_is_a_miss_and_stays(engine: IoEngine) {
     cfg.engine = engine;
     let r = rig(cfg, 8, 8192);
     let keys = [key(21), key(22)];
-    assert!(r.store(&keys, 8192).is_ok());
+    assert!(r.store_keys(&keys, 8192).is_ok());
     let newer = r.files.block_path(keys[0]);
     let mut bytes = std::fs::read(&newer).unwrap();
     bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
@@ -329,24 +217,15 @@ fn newer_format_version_is_a_miss_and_stays(engine: IoEngine) {
     drop(rep);
     r.files.remove(keys[0]);
     r.files.remove(keys[1]);
-    let gone = wait(|| !r.files.block_path(keys[1]).exists() && r.files.stats().maintenance == 0);
+    let gone = wait_until(SOON, || {
+        !r.files.block_path(keys[1]).exists() && r.files.stats().maintenance == 0
+    });
     assert!(gone, "the removes ran");
     assert_eq!(
         std::fs::read(&newer).unwrap(),
         bytes,
         "{engine}: left on disk, untouched"
     );
-}
-
-fn wait(mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < end {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    false
 }
 
 fn main() {

@@ -9,7 +9,9 @@ use kvx_core::*;
 use kvx_posix::{IoEngine, PosixConfig, PosixStore};
 use libtest_mimic::Trial;
 
-use super::{ENGINES, files_with_suffix, key, rig, wait};
+use kvx_posix::testing::{SOON, files_with_suffix, key, wait_until};
+
+use super::{ENGINES, rig};
 
 /// One spare-file test, run once per engine.
 type EngineTest = fn(IoEngine);
@@ -76,14 +78,14 @@ fn spare_files_take_the_create_off_the_store_path(engine: IoEngine) {
         assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 4);
         // All 256 fan-out directories exist already.
         assert!(dir.path().join("00").is_dir() && dir.path().join("ff").is_dir());
-        assert!(r.store(&keys[..2], 10_000).is_ok(), "{engine}");
+        assert!(r.store_keys(&keys[..2], 10_000).is_ok(), "{engine}");
         assert_eq!(r.files.spare_files_ready(), vec![2]);
         assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 2);
         // The next spare disappears under the store: the store creates its own file.
         for e in std::fs::read_dir(&spare_dir).unwrap() {
             std::fs::remove_file(e.unwrap().path()).unwrap();
         }
-        assert!(r.store(&keys[2..], 10_000).is_ok(), "{engine}");
+        assert!(r.store_keys(&keys[2..], 10_000).is_ok(), "{engine}");
         assert_eq!(r.files.spare_files_ready(), vec![1]);
         r.assert_loads_back(&keys, &[10_000; 3], engine);
         assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
@@ -109,9 +111,9 @@ fn spare_files_take_the_create_off_the_store_path(engine: IoEngine) {
     {
         let r = rig(cfg.clone(), 16, 64 << 10);
         let more: Vec<BlockKey> = (600..604).map(key).collect();
-        assert!(r.store(&more, 10_000).is_ok(), "{engine}");
+        assert!(r.store_keys(&more, 10_000).is_ok(), "{engine}");
         assert!(
-            wait(|| r.files.spare_files_ready() == vec![4]),
+            wait_until(SOON, || r.files.spare_files_ready() == vec![4]),
             "{:?}",
             r.files.spare_files_ready()
         );
@@ -164,7 +166,7 @@ fn preallocated_spares_fit_one_block_size(engine: IoEngine) {
                 "{name}: {allocated} bytes allocated"
             );
         }
-        assert!(r.store(&keys[..2], BLOCK).is_ok(), "{engine}");
+        assert!(r.store_keys(&keys[..2], BLOCK).is_ok(), "{engine}");
         assert_eq!(r.files.spare_files_ready(), vec![2]);
         // Oldest first: the two made first are the ones gone.
         let left: Vec<String> = spares().into_iter().map(|s| s.0).collect();
@@ -172,7 +174,7 @@ fn preallocated_spares_fit_one_block_size(engine: IoEngine) {
         by_age.sort_by_key(|n| n.rsplit('-').next().unwrap().parse::<u64>().unwrap());
         assert_eq!(left, by_age[2..].to_vec(), "{engine}");
         // Another size does not fit a spare: the store creates its own file.
-        assert!(r.store(&keys[2..], 20_000).is_ok(), "{engine}");
+        assert!(r.store_keys(&keys[2..], 20_000).is_ok(), "{engine}");
         assert_eq!(r.files.spare_files_ready(), vec![2]);
         r.assert_loads_back(&keys, &[BLOCK, BLOCK, 20_000], engine);
         assert!(files_with_suffix(dir.path(), ".kvb.tmp").is_empty());
@@ -199,7 +201,7 @@ fn preallocated_spares_fit_one_block_size(engine: IoEngine) {
     }
     // Taken over, and handed out first: the next two stores write into them.
     let more: Vec<BlockKey> = (710..712).map(key).collect();
-    assert!(r.store(&more, BLOCK).is_ok(), "{engine}");
+    assert!(r.store_keys(&more, BLOCK).is_ok(), "{engine}");
     let now: Vec<String> = spares().into_iter().map(|s| s.0).collect();
     assert!(
         left.iter().all(|n| !now.contains(n)),
@@ -225,7 +227,7 @@ fn evicted_block_files_become_spares(engine: IoEngine) {
     let inode = |k: BlockKey| std::fs::metadata(r.files.block_path(k)).unwrap().ino();
     // Two into the spares, four into files of their own.
     let keys: Vec<BlockKey> = (800..806).map(key).collect();
-    assert!(r.store(&keys, BLOCK).is_ok(), "{engine}");
+    assert!(r.store_keys(&keys, BLOCK).is_ok(), "{engine}");
     assert_eq!(r.files.spare_files_ready(), vec![0]);
     let mut recycled = [inode(keys[0]), inode(keys[1])];
     recycled.sort_unstable();
@@ -234,7 +236,8 @@ fn evicted_block_files_become_spares(engine: IoEngine) {
         r.files.remove(*k);
     }
     assert!(
-        wait(|| r.files.spare_files_ready() == vec![2] && r.files.stats().maintenance == 0),
+        wait_until(SOON, || r.files.spare_files_ready() == vec![2]
+            && r.files.stats().maintenance == 0),
         "{engine}: {:?}",
         r.files.spare_files_ready()
     );
@@ -245,8 +248,8 @@ fn evicted_block_files_become_spares(engine: IoEngine) {
     }
 
     let next: Vec<BlockKey> = (810..812).map(key).collect();
-    assert!(r.store(&next[..1], BLOCK).is_ok(), "{engine}");
-    assert!(r.store(&next[1..], BLOCK).is_ok(), "{engine}");
+    assert!(r.store_keys(&next[..1], BLOCK).is_ok(), "{engine}");
+    assert!(r.store_keys(&next[1..], BLOCK).is_ok(), "{engine}");
     let mut reused = [inode(next[0]), inode(next[1])];
     reused.sort_unstable();
     assert_eq!(
@@ -258,9 +261,9 @@ fn evicted_block_files_become_spares(engine: IoEngine) {
     // Another length: promised a spare name, unlinked, and the promise given back (taken in
     // by the poll that ends the next op), so both blocks removed next are recycled.
     let other = key(820);
-    assert!(r.store(&[other], 20_000).is_ok(), "{engine}");
+    assert!(r.store_keys(&[other], 20_000).is_ok(), "{engine}");
     r.files.remove(other);
-    assert!(wait(|| r.files.stats().maintenance == 0));
+    assert!(wait_until(SOON, || r.files.stats().maintenance == 0));
     assert_eq!(
         r.load(&[key(821)]).blocks[0].result,
         Err(BlockError::NotFound)
@@ -269,7 +272,8 @@ fn evicted_block_files_become_spares(engine: IoEngine) {
     r.files.remove(next[0]);
     r.files.remove(next[1]);
     assert!(
-        wait(|| r.files.spare_files_ready() == vec![2] && r.files.stats().maintenance == 0),
+        wait_until(SOON, || r.files.spare_files_ready() == vec![2]
+            && r.files.stats().maintenance == 0),
         "{engine}: {:?}",
         r.files.spare_files_ready()
     );

@@ -27,8 +27,9 @@ use std::time::Duration;
 
 use crossbeam_channel::{Sender, TrySendError};
 
+#[cfg(any(test, feature = "faults"))]
 use super::fault::Faults;
-use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Refused, Sink};
+use super::{Engine, EngineCounters, MAINTENANCE_DEPTH, MAINTENANCE_QUEUE, Outbox, Refused};
 use crate::error::PosixError;
 use crate::job::BlockJob;
 
@@ -84,8 +85,8 @@ impl UringEngine {
         queue_depth: usize,
         max_stuck: usize,
         max_queued: usize,
-        sink: Arc<Sink>,
-        faults: Option<Arc<Faults>>,
+        outbox: Arc<Outbox>,
+        #[cfg(any(test, feature = "faults"))] faults: Option<Arc<Faults>>,
     ) -> Result<UringEngine, PosixError> {
         let counters = Arc::new(EngineCounters::default());
         let err = |msg: String| PosixError::Engine {
@@ -112,10 +113,11 @@ impl UringEngine {
                 maintenance_rx,
                 efd: efd.clone(),
                 stop: stop.clone(),
-                sink: sink.clone(),
+                outbox: outbox.clone(),
                 counters: counters.clone(),
                 qd,
                 max_stuck,
+                #[cfg(any(test, feature = "faults"))]
                 faults: faults.clone(),
             };
             std::thread::Builder::new()

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, TryRecvError};
 use io_uring::{IoUring, opcode, squeue, types};
 
+#[cfg(any(test, feature = "faults"))]
 use super::super::fault::{Faults, Hold};
-use super::super::{EngineCounters, MAINTENANCE_DEPTH, Sink};
+use super::super::{EngineCounters, MAINTENANCE_DEPTH, Outbox};
 use super::{DETACHED, IDLE_WAIT, WAKE, ring_entries};
 use crate::job::{BlockJob, Next, Syscall};
 
@@ -34,10 +35,11 @@ pub(super) struct RingThread {
     pub(super) maintenance_rx: Receiver<Box<BlockJob>>,
     pub(super) efd: Arc<OwnedFd>,
     pub(super) stop: Arc<AtomicBool>,
-    pub(super) sink: Arc<Sink>,
+    pub(super) outbox: Arc<Outbox>,
     pub(super) counters: Arc<EngineCounters>,
     pub(super) qd: usize,
     pub(super) max_stuck: usize,
+    #[cfg(any(test, feature = "faults"))]
     pub(super) faults: Option<Arc<Faults>>,
 }
 
@@ -61,6 +63,7 @@ struct State {
     /// Completions reaped while making room in the submission queue, not yet processed.
     backlog: Vec<(u64, i32)>,
     /// Completions a fault holds back.
+    #[cfg(any(test, feature = "faults"))]
     held: Vec<(u64, i32, Hold)>,
     wake_buf: Box<u64>,
 }
@@ -105,6 +108,14 @@ fn entry(call: &Syscall, inline: bool) -> squeue::Entry {
 }
 
 impl State {
+    /// No completion is held back by a fault (always so without the `faults` feature).
+    fn nothing_held(&self) -> bool {
+        #[cfg(any(test, feature = "faults"))]
+        return self.held.is_empty();
+        #[cfg(not(any(test, feature = "faults")))]
+        true
+    }
+
     /// Queue an entry; a full submission queue is handed to the kernel first, and completions
     /// are reaped into the backlog when the kernel refuses more (its completion queue full).
     fn push(&mut self, e: &squeue::Entry) {
@@ -205,6 +216,7 @@ impl RingThread {
             workers: 0,
             done: Vec::new(),
             backlog: Vec::new(),
+            #[cfg(any(test, feature = "faults"))]
             held: Vec::new(),
             wake_buf: Box::new(0),
         };
@@ -242,14 +254,14 @@ impl RingThread {
             let stopping = (closed && closed_maintenance) || self.stop.load(Ordering::Acquire);
             if stopping
                 && !st.in_kernel()
-                && st.held.is_empty()
+                && st.nothing_held()
                 && self.rx.is_empty()
                 && self.maintenance_rx.is_empty()
             {
                 break;
             }
             if st.backlog.is_empty() {
-                let wait = if st.held.is_empty() {
+                let wait = if st.nothing_held() {
                     IDLE_WAIT
                 } else {
                     Duration::from_millis(1)
@@ -278,20 +290,8 @@ impl RingThread {
             }
             st.reap();
             let mut cqes = std::mem::take(&mut st.backlog);
-            if !st.held.is_empty() {
-                let now = Instant::now();
-                let f = self.faults.as_deref();
-                let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.held)
-                    .into_iter()
-                    .partition(|(_, _, h)| f.is_none_or(|f| f.is_due(*h, now)));
-                st.held = keep;
-                for (ud, res, _) in due {
-                    if let Some(f) = f {
-                        f.release();
-                    }
-                    self.complete(&mut st, ud, res);
-                }
-            }
+            #[cfg(any(test, feature = "faults"))]
+            self.complete_due(&mut st);
             for (ud, res) in cqes.drain(..) {
                 self.on_cqe(&mut st, ud, res);
             }
@@ -316,19 +316,49 @@ impl RingThread {
             st.detached -= 1;
             return;
         }
-        if let Some(f) = &self.faults {
-            let kind = st
-                .slots
-                .get((ud - 1) as usize)
-                .and_then(Option::as_ref)
-                .and_then(|s| s.job.pending_late());
-            let h = f.hold(kind);
-            if h != Hold::No {
-                st.held.push((ud, res, h));
-                return;
-            }
+        #[cfg(any(test, feature = "faults"))]
+        if self.hold(st, ud, res) {
+            return;
         }
         self.complete(st, ud, res);
+    }
+
+    /// A fault holds this completion back: keep it for [`RingThread::complete_due`].
+    #[cfg(any(test, feature = "faults"))]
+    fn hold(&self, st: &mut State, ud: u64, res: i32) -> bool {
+        let Some(f) = &self.faults else {
+            return false;
+        };
+        let kind = st
+            .slots
+            .get((ud - 1) as usize)
+            .and_then(Option::as_ref)
+            .and_then(|s| s.job.pending_late());
+        let h = f.hold(kind);
+        if h != Hold::No {
+            st.held.push((ud, res, h));
+        }
+        h != Hold::No
+    }
+
+    /// Complete the held-back completions whose fault let go of them.
+    #[cfg(any(test, feature = "faults"))]
+    fn complete_due(&self, st: &mut State) {
+        if st.held.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let f = self.faults.as_deref();
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.held)
+            .into_iter()
+            .partition(|(_, _, h)| f.is_none_or(|f| f.is_due(*h, now)));
+        st.held = keep;
+        for (ud, res, _) in due {
+            if let Some(f) = f {
+                f.release();
+            }
+            self.complete(st, ud, res);
+        }
     }
 
     fn complete(&self, st: &mut State, ud: u64, res: i32) {
@@ -440,7 +470,7 @@ impl RingThread {
             }
         }
         self.counters.in_flight.fetch_sub(io, Ordering::AcqRel);
-        self.sink.push(st.done.drain(..));
+        self.outbox.push(st.done.drain(..));
         // After the push: once the count reads zero, every remove can be absorbed.
         self.counters
             .maintenance

@@ -38,14 +38,14 @@ impl Recycling {
         spares: &Spares,
         recycled: &AtomicU64,
     ) {
-        match job.action {
-            FileOp::Load => self.load_ended(job.key, spares),
+        match job.action() {
+            FileOp::Load => self.load_ended(job.core.key, spares),
             FileOp::Remove => match job.take_recycle() {
                 Some((name, true)) => {
                     recycled.fetch_add(1, Ordering::Relaxed);
-                    self.recycled(job.key, job.root, name, spares);
+                    self.recycled(job.core.key, job.core.root, name, spares);
                 }
-                Some((_, false)) => spares.release(job.root),
+                Some((_, false)) => spares.release(job.core.root),
                 None => {}
             },
             FileOp::Store | FileOp::Probe => {}

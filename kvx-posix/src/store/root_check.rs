@@ -48,7 +48,7 @@ pub(crate) fn is_local_fs(root: &Path) -> bool {
 
 /// Create `root` if needed and return whether an aligned O_DIRECT write works there. A
 /// filesystem that refuses O_DIRECT (tmpfs answers EINVAL) gets `false` and one warning.
-pub(crate) fn probe_root(root: &Path, want_direct: bool) -> Result<bool, PosixError> {
+pub(crate) fn takes_direct(root: &Path, want_direct: bool) -> Result<bool, PosixError> {
     std::fs::create_dir_all(root).map_err(|e| root_err(root, e))?;
     let probe = root.join(format!(".kvx-probe-{}", std::process::id()));
     let mut buf = AlignedBuf::new(HEADER_LEN, HEADER_LEN)

@@ -35,10 +35,10 @@ use kvx_core::BlockKey;
 use rustc_hash::FxHashSet;
 
 use crate::error::PosixError;
-use crate::handle::PosixHandle;
-use crate::index::{remove_stale_temp, visit_leaves};
 use crate::io::MAINTENANCE_DEPTH;
 use crate::paths::Entry;
+use crate::store::handle::PosixHandle;
+use crate::store::index::{remove_stale_temp, visit_leaves};
 
 /// Settings of a collector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,7 +88,7 @@ pub struct CollectReport {
     pub removed_temps: usize,
 }
 
-/// What one collector pass saw on the mount (see [`crate::collector`]).
+/// What one collector pass saw on the mount (see [`crate::shared_mount::collector`]).
 #[derive(Debug, Clone)]
 pub struct Listing {
     /// The pass's number on this handle, from 1: a newer listing has a larger one.
@@ -108,7 +108,7 @@ struct Found {
 }
 
 impl PosixHandle {
-    /// One collector pass over every root (see [`crate::collector`]): remove stale temporary
+    /// One collector pass over every root (see [`crate::shared_mount::collector`]): remove stale temporary
     /// files, then queue removes of the least recently used blocks until each root is under
     /// `cfg.quota_bytes`. Blocks on the walk; returns once every remove is queued. `stop` ends
     /// the pass early.
@@ -118,7 +118,7 @@ impl PosixHandle {
         stop: &AtomicBool,
     ) -> Result<CollectReport, PosixError> {
         cfg.validate()?;
-        let layout = &self.shared.layout;
+        let layout = &self.state.layout;
         let started = Instant::now();
         let now = SystemTime::now();
         let mut report = CollectReport::default();
@@ -179,11 +179,7 @@ impl PosixHandle {
 
     /// Keep `keys`, what the walk that began at `started` found, as the newest listing.
     fn publish_listing(&self, started: Instant, keys: FxHashSet<BlockKey>) {
-        let mut slot = self
-            .shared
-            .listing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut slot = kvx_core::sync::lock(&self.state.listing);
         let pass = slot.as_ref().map_or(0, |l| l.pass) + 1;
         *slot = Some(Arc::new(Listing {
             pass,
@@ -195,16 +191,12 @@ impl PosixHandle {
     /// The newest complete listing of the mount a collector pass on this store made (`None`
     /// before the first).
     pub fn listing(&self) -> Option<Arc<Listing>> {
-        self.shared
-            .listing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        kvx_core::sync::lock(&self.state.listing).clone()
     }
 
     /// Wait until the maintenance lane has room for another remove without delaying probes.
     fn wait_for_lane(&self, stop: &AtomicBool) {
-        while self.shared.engine.snapshot().maintenance >= MAINTENANCE_DEPTH
+        while self.state.io_engine.snapshot().maintenance >= MAINTENANCE_DEPTH
             && !stop.load(Ordering::Acquire)
         {
             std::thread::sleep(Duration::from_micros(200));
@@ -213,6 +205,7 @@ impl PosixHandle {
 }
 
 /// A collector running passes on a thread of its own until dropped.
+#[must_use = "a collector stops when dropped"]
 pub struct Collector {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,

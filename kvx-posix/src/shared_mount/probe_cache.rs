@@ -13,17 +13,19 @@
 //! stuck lane).
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvx_core::{BlockError, BlockKey};
 use rustc_hash::FxHashMap;
 
 use crate::config::SharedMount;
-use crate::health::Health;
+use crate::store::health::Health;
+use kvx_core::sync::lock;
 
 /// What a probe of the shared mount says about a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a probe answer says whether the block is on the mount"]
 pub enum ProbeAnswer {
     /// The block is on the mount (its header names this key and format version).
     Present,
@@ -76,10 +78,6 @@ impl ProbeTable {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Probes past their deadline become `Absent` and a failure of their root.
     fn expire(&self, t: &mut Table, now: Instant, health: &Health) {
         while let Some(&(since, key)) = t.pending.front() {
@@ -107,7 +105,7 @@ impl ProbeTable {
     /// The answer for `key` on `root`, or `Start` when a probe must be started (the caller
     /// then calls [`ProbeTable::started`] or [`ProbeTable::refused`]).
     pub(crate) fn begin(&self, key: BlockKey, root: usize, now: Instant, health: &Health) -> Begin {
-        let mut t = self.lock();
+        let mut t = lock(&self.table);
         self.expire(&mut t, now, health);
         match t.slots.get(&key) {
             Some(Slot::Pending { .. }) => return Begin::Answer(ProbeAnswer::Pending),
@@ -146,7 +144,7 @@ impl ProbeTable {
 
     /// The engine refused the probe of `key`: forget it.
     pub(crate) fn refused(&self, key: BlockKey) {
-        let mut t = self.lock();
+        let mut t = lock(&self.table);
         if matches!(t.slots.get(&key), Some(Slot::Pending { .. })) {
             t.slots.remove(&key);
             t.pending_slots -= 1;
@@ -163,7 +161,7 @@ impl ProbeTable {
         health: &Health,
     ) {
         let present = result.is_ok();
-        let mut t = self.lock();
+        let mut t = lock(&self.table);
         t.outstanding = t.outstanding.saturating_sub(1);
         if let Some(Slot::Pending { since, root }) = t.slots.get(&key).copied() {
             t.pending_slots -= 1;
@@ -188,7 +186,7 @@ impl ProbeTable {
 
     /// A load found `key` gone (or bad): drop a cached `Present`.
     pub(crate) fn forget(&self, key: BlockKey) {
-        let mut t = self.lock();
+        let mut t = lock(&self.table);
         if matches!(t.slots.get(&key), Some(Slot::Known { .. })) {
             t.slots.remove(&key);
         }
@@ -196,7 +194,7 @@ impl ProbeTable {
 
     /// Keys remembered (answers and probes in flight).
     pub(crate) fn len(&self) -> usize {
-        self.lock().slots.len()
+        lock(&self.table).slots.len()
     }
 
     /// The probe deadline.

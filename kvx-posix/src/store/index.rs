@@ -1,7 +1,7 @@
 //! The in-memory index of blocks present, and the startup scan that rebuilds it.
 
 use std::path::Path;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::RwLock;
 use std::time::{Duration, SystemTime};
 
 use kvx_core::BlockKey;
@@ -9,6 +9,7 @@ use rustc_hash::FxHashSet;
 
 use crate::error::PosixError;
 use crate::paths::{Entry, Layout, classify};
+use kvx_core::sync::{read, write};
 
 /// Keys of the blocks the store holds.
 #[derive(Debug, Default)]
@@ -17,28 +18,20 @@ pub(crate) struct Index {
 }
 
 impl Index {
-    fn read(&self) -> RwLockReadGuard<'_, FxHashSet<BlockKey>> {
-        kvx_core::sync::read(&self.keys)
-    }
-
-    fn write(&self) -> RwLockWriteGuard<'_, FxHashSet<BlockKey>> {
-        kvx_core::sync::write(&self.keys)
-    }
-
     /// How many of `keys`, from the first, are present.
     pub(crate) fn lookup(&self, keys: &[BlockKey]) -> usize {
-        let k = self.read();
+        let k = read(&self.keys);
         keys.iter().take_while(|key| k.contains(key)).count()
     }
 
     /// Whether `key` is present.
     pub(crate) fn contains(&self, key: BlockKey) -> bool {
-        self.read().contains(&key)
+        read(&self.keys).contains(&key)
     }
 
     /// Blocks present.
     pub(crate) fn len(&self) -> usize {
-        self.read().len()
+        read(&self.keys).len()
     }
 
     /// True when no block is present.
@@ -48,22 +41,22 @@ impl Index {
 
     /// Record `key` as present.
     pub(crate) fn insert(&self, key: BlockKey) {
-        self.write().insert(key);
+        write(&self.keys).insert(key);
     }
 
     /// Forget `key`; true if it was present.
     pub(crate) fn remove(&self, key: BlockKey) -> bool {
-        self.write().remove(&key)
+        write(&self.keys).remove(&key)
     }
 
     /// Record many keys.
     pub(crate) fn extend(&self, keys: impl IntoIterator<Item = BlockKey>) {
-        self.write().extend(keys);
+        write(&self.keys).extend(keys);
     }
 
     /// Every key (for tests and tools).
     pub(crate) fn keys(&self) -> Vec<BlockKey> {
-        self.read().iter().copied().collect()
+        read(&self.keys).iter().copied().collect()
     }
 }
 

@@ -1,12 +1,13 @@
 //! One health breaker per root (kvx-policy's [`Breaker`]), shared with the store's handle.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvx_core::metrics::{self, BreakerGauge};
 use kvx_policy::{Admission, Breaker, BreakerConfig, BreakerState};
 
 use crate::error::PosixError;
+use kvx_core::sync::lock;
 
 /// The breakers of all roots.
 #[derive(Debug)]
@@ -48,13 +49,9 @@ impl Health {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Breaker>> {
-        kvx_core::lock(&self.breakers)
-    }
-
     /// May an op start on `root` now?
     pub(crate) fn admit(&self, root: usize, now: Instant) -> Admission {
-        let mut breakers = self.lock();
+        let mut breakers = lock(&self.breakers);
         let Some(b) = breakers.get_mut(root) else {
             return Admission::Rejected;
         };
@@ -68,7 +65,7 @@ impl Health {
 
     /// An op on `root` succeeded after `latency`.
     pub(crate) fn success(&self, root: usize, now: Instant, latency: Duration) {
-        let mut breakers = self.lock();
+        let mut breakers = lock(&self.breakers);
         if let Some(b) = breakers.get_mut(root) {
             let before = b.state();
             b.record_success(now, latency);
@@ -80,7 +77,7 @@ impl Health {
 
     /// An op on `root` failed or timed out.
     pub(crate) fn failure(&self, root: usize, now: Instant) {
-        let mut breakers = self.lock();
+        let mut breakers = lock(&self.breakers);
         if let Some(b) = breakers.get_mut(root) {
             let before = b.state();
             b.record_failure(now);
@@ -97,6 +94,6 @@ impl Health {
 
     /// State of `root`'s breaker.
     pub(crate) fn state(&self, root: usize) -> Option<BreakerState> {
-        self.lock().get(root).map(Breaker::state)
+        lock(&self.breakers).get(root).map(Breaker::state)
     }
 }

@@ -18,7 +18,7 @@
 //! virtual disk (a file system mounted with `discard`) no freed range is trimmed and allocated
 //! again by the host underneath, which made writes into fresh space about 1.6x slower than
 //! overwrites on this project's machines. The store hands a recycled file out only once no
-//! load that may have opened it is in flight (see `crate::recycle`).
+//! load that may have opened it is in flight (see `crate::spare::recycle`).
 //!
 //! A store opens its spare (no create), writes, closes and renames it into place, exactly as it
 //! would a fresh temporary file; a spare found gone falls back to a fresh temporary file. A
@@ -27,6 +27,8 @@
 //! preallocated or recycled ones) are taken over, oldest name first, and any other file there
 //! is removed. A store writes the whole file of a spare it takes, so what a spare held before
 //! never shows.
+
+pub(crate) mod recycle;
 
 use std::collections::VecDeque;
 use std::ffi::CString;

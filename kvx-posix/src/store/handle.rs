@@ -9,16 +9,17 @@ use kvx_core::{BlockKey, OpId};
 use kvx_policy::BreakerState;
 
 use crate::config::Capabilities;
-use crate::health::Health;
-use crate::index::Index;
-use crate::io::{Engine, Sink};
+use crate::io::{Engine, JobBoard};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
-use crate::probes::{Begin, ProbeAnswer, ProbeTable};
-use crate::touch::TouchLane;
+use crate::shared_mount::probe_cache::{Begin, ProbeAnswer, ProbeTable};
+use crate::shared_mount::touch::TouchLane;
+use crate::store::health::Health;
+use crate::store::index::Index;
 
 /// Counters of a store (all since it opened).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[must_use = "counters read and dropped unread tell nothing"]
 pub struct PosixStats {
     /// Block I/Os accepted by the engine and not yet returned.
     pub in_flight: usize,
@@ -66,12 +67,15 @@ pub(crate) struct Counters {
     pub(crate) probes: AtomicU64,
 }
 
-pub(crate) struct Shared {
+/// What a store shares with its handles: the index, the breakers, the I/O engine and the
+/// lanes beside it.
+pub(crate) struct StoreState {
     pub(crate) index: Index,
     pub(crate) health: Health,
     pub(crate) layout: Layout,
-    pub(crate) engine: Box<dyn Engine>,
-    pub(crate) sink: Arc<Sink>,
+    pub(crate) io_engine: Box<dyn Engine>,
+    /// Finished jobs, for the store's next poll.
+    pub(crate) board: Arc<JobBoard>,
     pub(crate) caps: Capabilities,
     pub(crate) counters: Counters,
     /// Probe answers, on a shared mount.
@@ -81,15 +85,15 @@ pub(crate) struct Shared {
     /// Spare files for stores (see `PosixConfig::spare_files`).
     pub(crate) spares: Option<crate::spare::Spares>,
     /// What the newest collector pass found on the mount.
-    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::collector::Listing>>>,
+    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::shared_mount::collector::Listing>>>,
 }
 
-impl Shared {
+impl StoreState {
     /// A store's spare file it never opened goes back to the spares (else it would sit in the
     /// spare folder, nobody's, until the store is reopened).
     pub(crate) fn give_back_spare(&self, job: &mut BlockJob) {
         if let (Some(spares), Some(spare)) = (&self.spares, job.take_unused_spare()) {
-            spares.give_back(job.root, spare);
+            spares.give_back(job.core.root, spare);
         }
     }
 
@@ -108,14 +112,17 @@ impl Shared {
             JobParams::remove(nonce),
         ));
         if nonce.is_none()
-            && let Some((spare, len)) = self.spares.as_ref().and_then(|s| s.recycle_name(job.root))
+            && let Some((spare, len)) = self
+                .spares
+                .as_ref()
+                .and_then(|s| s.recycle_name(job.core.root))
         {
             job.recycle_into(spare, len);
         }
-        if let Err(mut r) = self.engine.submit(job) {
+        if let Err(mut r) = self.io_engine.submit(job) {
             tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
             if let (Some(_), Some(s)) = (r.job.take_recycle(), &self.spares) {
-                s.release(r.job.root);
+                s.release(r.job.core.root);
             }
         }
     }
@@ -123,34 +130,35 @@ impl Shared {
 
 /// The thread-safe side of a store: lookups, removal, health and counters. Cheap to clone.
 #[derive(Clone)]
+#[must_use = "a handle dropped at once does nothing"]
 pub struct PosixHandle {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) state: Arc<StoreState>,
 }
 
 impl PosixHandle {
     /// How many of `keys`, from the first, the store holds.
     pub fn lookup(&self, keys: &[BlockKey]) -> usize {
-        self.shared.index.lookup(keys)
+        self.state.index.lookup(keys)
     }
 
     /// Whether the store holds `key`.
     pub fn contains(&self, key: BlockKey) -> bool {
-        self.shared.index.contains(key)
+        self.state.index.contains(key)
     }
 
     /// Blocks held.
     pub fn len(&self) -> usize {
-        self.shared.index.len()
+        self.state.index.len()
     }
 
     /// True when no block is held.
     pub fn is_empty(&self) -> bool {
-        self.shared.index.is_empty()
+        self.state.index.is_empty()
     }
 
     /// Every key held.
     pub fn keys(&self) -> Vec<BlockKey> {
-        self.shared.index.keys()
+        self.state.index.keys()
     }
 
     /// Whether `key`'s block is there: the index, else (on a shared mount) a probe of the
@@ -160,14 +168,14 @@ impl PosixHandle {
     /// without an answer (a failure of the root's breaker) or while the breaker is open.
     /// Without [`crate::SharedMount`] settings a key missing from the index is `Absent`.
     pub fn probe(&self, key: BlockKey) -> ProbeAnswer {
-        if self.shared.index.contains(key) {
+        if self.state.index.contains(key) {
             return ProbeAnswer::Present;
         }
-        let Some(table) = &self.shared.probes else {
+        let Some(table) = &self.state.probes else {
             return ProbeAnswer::Absent;
         };
-        let root = self.shared.layout.root_of(key);
-        match table.begin(key, root, Instant::now(), &self.shared.health) {
+        let root = self.state.layout.root_of(key);
+        match table.begin(key, root, Instant::now(), &self.state.health) {
             Begin::Answer(a) => a,
             Begin::Start => {
                 let job = Box::new(BlockJob::new(
@@ -176,12 +184,12 @@ impl PosixHandle {
                     FileOp::Probe,
                     key,
                     None,
-                    self.shared.layout.paths(key, false),
+                    self.state.layout.paths(key, false),
                     JobParams::remove(None),
                 ));
-                match self.shared.engine.submit(job) {
+                match self.state.io_engine.submit(job) {
                     Ok(()) => {
-                        self.shared.counters.probes.fetch_add(1, Ordering::Relaxed);
+                        self.state.counters.probes.fetch_add(1, Ordering::Relaxed);
                         ProbeAnswer::Pending
                     }
                     Err(r) => {
@@ -196,16 +204,16 @@ impl PosixHandle {
 
     /// The probe deadline, on a shared mount.
     pub fn probe_deadline(&self) -> Option<std::time::Duration> {
-        self.shared.probes.as_ref().map(ProbeTable::deadline)
+        self.state.probes.as_ref().map(ProbeTable::deadline)
     }
 
     /// Forget `key` in this node's index without touching its file (on a shared mount the
     /// collector, not a node's eviction, decides what leaves the mount); true if it was held.
     pub fn forget(&self, key: BlockKey) -> bool {
-        if let Some(t) = &self.shared.probes {
+        if let Some(t) = &self.state.probes {
             t.forget(key);
         }
-        self.shared.index.remove(key)
+        self.state.index.remove(key)
     }
 
     /// Set `key`'s block file's recency (its mtime, which collectors order blocks by) back to
@@ -215,66 +223,66 @@ impl PosixHandle {
     /// touch lane (a shared mount with `touch_on_load`; without it nothing happens); never
     /// blocks.
     pub fn set_last_use(&self, key: BlockKey, at: std::time::SystemTime) {
-        if let Some(t) = &self.shared.touch {
-            let stamp = crate::touch::Stamp::Back {
+        if let Some(t) = &self.state.touch {
+            let stamp = crate::shared_mount::touch::Stamp::Back {
                 to: at,
                 unless_after: std::time::SystemTime::now(),
             };
-            t.touch(&self.shared.layout.block_path(key), stamp);
+            t.touch(&self.state.layout.block_path(key), stamp);
         }
     }
 
     /// True when the roots are shared with other nodes ([`crate::SharedMount`] settings).
     pub fn is_shared(&self) -> bool {
-        self.shared.probes.is_some()
+        self.state.probes.is_some()
     }
 
     /// Forget `key` at once and unlink its file through the engine (never blocks); true if the
     /// store held it.
     pub fn remove(&self, key: BlockKey) -> bool {
-        let had = self.shared.index.remove(key);
-        self.shared.unlink(key, None);
+        let had = self.state.index.remove(key);
+        self.state.unlink(key, None);
         had
     }
 
     /// Where `key`'s block file lives.
     pub fn block_path(&self, key: BlockKey) -> std::path::PathBuf {
-        self.shared.layout.block_path(key)
+        self.state.layout.block_path(key)
     }
 
     /// What the store found out when it opened.
     pub fn capabilities(&self) -> &Capabilities {
-        &self.shared.caps
+        &self.state.caps
     }
 
     /// Spare files ready for stores, per root (see [`crate::PosixConfig::spare_files`]).
     pub fn spare_files_ready(&self) -> Vec<usize> {
-        self.shared.spares.as_ref().map_or_else(
-            || vec![0; self.shared.layout.roots().len()],
+        self.state.spares.as_ref().map_or_else(
+            || vec![0; self.state.layout.roots().len()],
             crate::spare::Spares::ready,
         )
     }
 
     /// State of the breaker of root `root`.
     pub fn breaker_state(&self, root: usize) -> Option<BreakerState> {
-        self.shared.health.state(root)
+        self.state.health.state(root)
     }
 
     /// The root that holds `key`.
     pub fn root_of(&self, key: BlockKey) -> usize {
-        self.shared.layout.root_of(key)
+        self.state.layout.root_of(key)
     }
 
     /// The engine's counters, for the crate's tests.
     #[cfg(test)]
     pub(crate) fn engine_snapshot(&self) -> crate::io::EngineSnapshot {
-        self.shared.engine.snapshot()
+        self.state.io_engine.snapshot()
     }
 
     /// Counters.
     pub fn stats(&self) -> PosixStats {
-        let c = &self.shared.counters;
-        let e = self.shared.engine.snapshot();
+        let c = &self.state.counters;
+        let e = self.state.io_engine.snapshot();
         PosixStats {
             in_flight: e.in_flight,
             written_off: e.written_off,
@@ -289,8 +297,8 @@ impl PosixHandle {
             undone: c.undone.load(Ordering::Relaxed),
             recycled: c.recycled.load(Ordering::Relaxed),
             probes: c.probes.load(Ordering::Relaxed),
-            probe_entries: self.shared.probes.as_ref().map_or(0, ProbeTable::len),
-            touches_dropped: self.shared.touch.as_ref().map_or(0, TouchLane::dropped),
+            probe_entries: self.state.probes.as_ref().map_or(0, ProbeTable::len),
+            touches_dropped: self.state.touch.as_ref().map_or(0, TouchLane::dropped),
         }
     }
 }
