@@ -32,7 +32,7 @@ fn posix(c: &mut Criterion) {
             for size in [256 << 10, 1 << 20, 4 << 20] {
                 for qd in [1usize, 8, 32] {
                     let mut cfg = PosixConfig::new(root.join(format!("{engine}-{size}")));
-                    cfg.engine = engine;
+                    cfg.io_engine = engine;
                     cfg.queue_depth = qd;
                     let mut rig = BenchRig::new(cfg, size, qd).expect("open store");
                     let keys = bench_keys(size as u64, PER_ITER / size);

@@ -251,7 +251,7 @@ pub fn scheduler_side(cfg: &OffloadConfig) -> Result<SchedulerSide, OffloadError
             ));
         }
         let mut p = posix_config(f, 0);
-        p.engine = kvx_posix::IoEngine::Psync;
+        p.io_engine = kvx_posix::IoEngine::Psync;
         p.queue_depth = 1;
         p.spare_files = 0;
         let store =
@@ -331,7 +331,7 @@ fn open_file_tier(
 fn posix_config(f: &crate::config::FileTierConfig, block_bytes: usize) -> kvx_posix::PosixConfig {
     let mut p = kvx_posix::PosixConfig::new(f.roots[0].clone());
     p.roots = f.roots.clone();
-    p.engine = f.io_engine;
+    p.io_engine = f.io_engine;
     p.direct = f.direct;
     p.queue_depth = f.queue_depth;
     p.fdatasync = f.fdatasync;

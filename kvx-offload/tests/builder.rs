@@ -182,7 +182,7 @@ fn a_toml_config_builds_the_file_tier_it_names() {
         runtime,
     } = OffloadBuilder::new(cfg, memory).build().unwrap();
     let files = runtime.files().expect("a file tier").clone();
-    assert_eq!(files.capabilities().engine, kvx_posix::IoEngine::Psync);
+    assert_eq!(files.capabilities().io_engine, kvx_posix::IoEngine::Psync);
     arena.write_block(EngineBlockId(1), &[7; 4096]).unwrap();
     let key = BlockKey::chain(None, b"toml");
     sched.save_blocks(RequestId(1), &[(key, EngineBlockId(1))]);

@@ -66,7 +66,7 @@ pub struct PosixConfig {
     /// Root directories (one per disk or mount); blocks are spread over them by key.
     pub roots: Vec<PathBuf>,
     /// I/O engine (default: uring on Linux).
-    pub engine: IoEngine,
+    pub io_engine: IoEngine,
     /// Block I/Os in flight per ring (uring) or worker threads (psync); default 32.
     pub queue_depth: usize,
     /// Rings, each with its own thread (uring only); ops go to them in turn; default 1.
@@ -236,7 +236,7 @@ impl PosixConfig {
     pub fn new(root: impl Into<PathBuf>) -> PosixConfig {
         PosixConfig {
             roots: vec![root.into()],
-            engine: IoEngine::default(),
+            io_engine: IoEngine::default(),
             queue_depth: 32,
             rings: 1,
             max_stuck: 256,
@@ -317,8 +317,8 @@ impl PosixConfig {
 /// What a store found out about itself when it opened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {
-    /// The engine in use.
-    pub engine: IoEngine,
+    /// The I/O engine in use.
+    pub io_engine: IoEngine,
     /// True when every root uses O_DIRECT.
     pub direct: bool,
     /// O_DIRECT per root, in the order of the configuration.

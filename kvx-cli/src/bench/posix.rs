@@ -206,7 +206,7 @@ fn one_round(
 ) -> Result<(Round, bool), String> {
     let root = work.join("kv");
     let mut cfg = PosixConfig::new(&root);
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     cfg.queue_depth = args.queue_depth;
     cfg.rings = args.rings;
     cfg.inline_io = !args.no_inline_io;

@@ -145,7 +145,7 @@ pub(crate) fn start(
     }
     #[cfg(any(test, feature = "faults"))]
     let faults = over.faults;
-    let verify = if cfg.engine == IoEngine::Uring {
+    let verify = if cfg.io_engine == IoEngine::Uring {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
         let lane = verify::VerifyLane::start(threads, Arc::downgrade(&board)).map_err(|e| {
             PosixError::Engine {
@@ -161,7 +161,7 @@ pub(crate) fn start(
         board: board.clone(),
         verify,
     });
-    let engine: Box<dyn Engine> = match cfg.engine {
+    let engine: Box<dyn Engine> = match cfg.io_engine {
         IoEngine::Psync => Box::new(psync::PsyncEngine::new(
             cfg.queue_depth,
             cfg.max_stuck,

@@ -61,7 +61,7 @@ impl PosixStore {
         }
         let (board, io_engine) = crate::io::start(&cfg, over)?;
         let caps = Capabilities {
-            engine: cfg.engine,
+            io_engine: cfg.io_engine,
             direct: direct.iter().all(|d| *d),
             direct_per_root: direct.clone(),
             inline_per_root: inline.clone(),
@@ -90,7 +90,7 @@ impl PosixStore {
                 .collect::<Vec<_>>()
                 .join(",")
         );
-        tracing::info!(store = %name, engine = %cfg.engine, direct = caps.direct,
+        tracing::info!(store = %name, engine = %cfg.io_engine, direct = caps.direct,
             blocks = caps.scanned_blocks, removed_temps = caps.removed_temps, "posix store opened");
         Ok(PosixStore {
             name,

@@ -175,7 +175,7 @@ impl PosixStore {
         JobParams {
             direct: self.direct.get(root).copied().unwrap_or(false),
             inline: self.inline.get(root).copied().unwrap_or(false),
-            crc_off_ring: self.cfg.engine == IoEngine::Uring,
+            crc_off_ring: self.cfg.io_engine == IoEngine::Uring,
             fdatasync: self.cfg.fdatasync,
             make_dirs: dir == Direction::Store && !self.dirs.contains(&(root, Self::prefix(key))),
             deadline,

@@ -223,7 +223,7 @@ fn read_after_the_deadline_is_timed_out(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
     let faults = std::sync::Arc::new(crate::testing::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     let mut store = PosixStore::open_with_faults(cfg, faults.clone()).expect("open");
     let pool = BufferPool::new(4, 8192, DEFAULT_ALIGN).expect("pool");
     let k = key(7);
@@ -297,7 +297,7 @@ fn full_queue_is_busy_at_submit(engine: IoEngine) {
     let dir = tempfile::tempdir().expect("temp dir");
     let faults = std::sync::Arc::new(crate::testing::Faults::default());
     let mut cfg = crate::PosixConfig::new(dir.path());
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     cfg.queue_depth = 1;
     cfg.rings = 1;
     cfg.max_queued = 4;

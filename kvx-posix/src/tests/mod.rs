@@ -40,7 +40,7 @@ fn rig_in(
     tune: impl FnOnce(&mut PosixConfig),
 ) -> Rig {
     Rig::in_dir(dir, RigShape::new(bufs, BLOCK), |c| {
-        c.engine = engine;
+        c.io_engine = engine;
         tune(c);
     })
 }

@@ -63,7 +63,7 @@ impl Rig {
             }
         };
         let mut cfg = PosixConfig::new(&root);
-        cfg.engine = engine;
+        cfg.io_engine = engine;
         cfg.queue_depth = 64;
         tune(&mut cfg);
         let shape = RigShape {

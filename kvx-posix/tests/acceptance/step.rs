@@ -102,7 +102,7 @@ fn backend_calls(engine: IoEngine) {
     let dir = tempfile::tempdir().unwrap();
     let mount = StallFs::mount(dir.path(), Backing::Memory).unwrap();
     let mut cfg = PosixConfig::new(mount.path().join("kv"));
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     cfg.queue_depth = 8;
     cfg.max_stuck = 24;
     // Keep the breaker out of the way: this test is about the stuck-I/O bound.

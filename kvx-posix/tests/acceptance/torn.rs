@@ -28,7 +28,7 @@ pub fn child(spec: &str) {
     };
     let first: u64 = first.parse().expect("first key number");
     let mut cfg = PosixConfig::new(dir);
-    cfg.engine = engine.parse().expect("engine name");
+    cfg.io_engine = engine.parse().expect("engine name");
     // fdatasync before each rename keeps stores in flight long enough for the kill to land.
     cfg.fdatasync = true;
     let store = PosixStore::open(cfg).expect("open store");
@@ -139,7 +139,7 @@ fn kill_child_mid_write(
 fn reopen_and_verify(engine: IoEngine, root: &Path, temps_before: usize) -> usize {
     let r = {
         let mut cfg = PosixConfig::new(root);
-        cfg.engine = engine;
+        cfg.io_engine = engine;
         PosixStore::open(cfg).unwrap()
     };
     let caps = r.capabilities().clone();

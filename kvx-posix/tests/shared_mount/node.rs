@@ -37,7 +37,7 @@ pub fn payload(k: BlockKey, generation: u8) -> Vec<u8> {
 /// The settings of every node: a shared root, psync or uring, a short breaker cool-down.
 pub fn config(root: &Path, engine: IoEngine) -> PosixConfig {
     let mut c = PosixConfig::new(root);
-    c.engine = engine;
+    c.io_engine = engine;
     c.breaker.cool_down_ms = 200;
     c.shared = Some(SharedMount {
         probe_deadline: PROBE_DEADLINE,

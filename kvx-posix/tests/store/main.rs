@@ -29,9 +29,9 @@ fn round_trip_lookup_remove_both_engines() {
     for engine in ENGINES {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = PosixConfig::new(dir.path());
-        cfg.engine = engine;
+        cfg.io_engine = engine;
         let r = rig(cfg, 16, 64 << 10);
-        assert_eq!(r.files.capabilities().engine, engine);
+        assert_eq!(r.files.capabilities().io_engine, engine);
         let keys: Vec<BlockKey> = (0..6).map(key).collect();
         // A length that is not a multiple of 4096 exercises the O_DIRECT padding.
         assert!(r.store_keys(&keys, 10_000).is_ok(), "{engine}");
@@ -126,7 +126,7 @@ fn buffered_fallback_on_ramfs(ramfs: &Path) {
     for engine in ENGINES {
         let root = ramfs.join(engine.as_str());
         let mut cfg = PosixConfig::new(&root);
-        cfg.engine = engine;
+        cfg.io_engine = engine;
         let r = rig(cfg, 4, 8192);
         assert!(!r.files.capabilities().direct, "ramfs refuses O_DIRECT");
         let k = [key(7)];
@@ -158,7 +158,7 @@ fn disk_takes_direct() -> bool {
 fn write_through_padding_is_zeros(engine: IoEngine) {
     let dir = disk_dir();
     let mut cfg = PosixConfig::new(dir.path());
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     let r = rig(cfg, 4, 16 << 10);
     assert!(r.files.capabilities().direct);
     let k = key(11);
@@ -201,7 +201,7 @@ fn write_through_padding_is_zeros(engine: IoEngine) {
 fn newer_format_version_is_a_miss_and_stays(engine: IoEngine) {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = PosixConfig::new(dir.path());
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     let r = rig(cfg, 8, 8192);
     let keys = [key(21), key(22)];
     assert!(r.store_keys(&keys, 8192).is_ok());

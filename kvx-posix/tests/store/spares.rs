@@ -60,7 +60,7 @@ fn four_spares_no_refill(engine: IoEngine) -> (tempfile::TempDir, PathBuf, Posix
     let dir = tempfile::tempdir().unwrap();
     let spare_dir = dir.path().join(".kvx-spare");
     let mut cfg = PosixConfig::new(dir.path());
-    cfg.engine = engine;
+    cfg.io_engine = engine;
     cfg.spare_files = 4;
     cfg.spare_refill = false;
     (dir, spare_dir, cfg)
