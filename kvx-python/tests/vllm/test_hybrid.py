@@ -50,3 +50,76 @@ def test_hybrid_host_hit_loads_each_group_byte_exact(tmp_path):
         assert e.idle(), e.state()
     finally:
         e.close()
+
+
+def test_hybrid_preempted_request_reloads_every_group(tmp_path):
+    # 20 usable blocks shared by both groups; two requests that each grow to 9 full-attention
+    # blocks (plus their sliding windows): one is preempted.
+    e = HybridEngine(tmp_path, {"host_blocks": 128}, num_blocks=21, max_batched_tokens=256)
+    try:
+        for i in range(2):
+            e.add(f"r{i}", prompt(20 + i, 4 * BLOCK), max_tokens=5 * BLOCK)
+        e.run(timeout=60)
+        assert e.conn.stats()["preemptions"] >= 1
+        preempted = [t for t in e.tracked.values() if t.request.num_preemptions > 0]
+        assert preempted
+        for t in preempted:
+            assert t.waits, "the preempted request did not reload from kvx"
+            assert t.finished_status == DONE
+        sw, full = e.sliding.index(True), e.sliding.index(False)
+        assert e.verified[full] >= 4 and e.verified[sw] >= WINDOW // BLOCK, e.verified
+        assert all(t.finished_status == DONE for t in e.tracked.values())
+        assert e.invalid_reported == [] and e.failed_reported == set()
+        assert e.idle(), e.state()
+    finally:
+        e.close()
+
+
+def _corrupt(tmp_path, d, p, group_sliding: bool, index: int) -> None:
+    """Store ``p`` in the file tier, then flip a payload byte of one group's block ``index``."""
+    e = HybridEngine(tmp_path, {"host_blocks": 64, "file": {"roots": [str(d)], "blocks": 16384}})
+    try:
+        e.add("writer", p)
+        e.run()
+        keys = e.keys_of("writer", e.sliding.index(group_sliding))
+        path = e.worker._worker.native.file_block_path(keys[index * 16 : (index + 1) * 16])
+    finally:
+        e.close()
+    raw = bytearray(path.read_bytes())
+    raw[4096 + 100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("group", "policy"), [("sliding", "recompute"), ("full", "recompute"), ("sliding", "fail")]
+)
+def test_hybrid_load_failure_in_one_group(tmp_path, group, policy):
+    d = tmp_path / "files"
+    d.mkdir()
+    p = prompt(3, 5 * BLOCK + 1)
+    # Block 3 of 5: inside the sliding window of the 80-token hit, in either group.
+    _corrupt(tmp_path, d, p, group == "sliding", index=3)
+    e = HybridEngine(tmp_path, {"host_blocks": 64, "file": {"roots": [str(d)], "blocks": 16384}}, policy=policy)
+    try:
+        t = e.add("r", p)
+        e.run()
+        assert len(t.load_blocks) == 1
+        # Reported per request (vLLM refuses block ids with several groups), in finished_recving.
+        assert e.failed_reported == {"r"} and "r" in e.recv_reported
+        assert e.invalid_reported == []
+        assert e.worker.stats()["file_corrupt"] == 1
+        if policy == "recompute":
+            assert t.finished_status == DONE
+            assert e.conn.stats()["failed_loads"] == 1
+            # Restarted from 0 and looked up again: offered nothing from the failed block on.
+            assert e.conn.stats()["loads"] == 1
+            e.add("again", p)
+            e.run()
+            assert e.tracked["again"].finished_status == DONE
+            sw, full = e.sliding.index(True), e.sliding.index(False)
+            assert e.verified[full] == 5 and e.verified[sw] == 2, e.verified
+        else:
+            assert t.finished_status == RequestStatus.FINISHED_ERROR
+        assert e.idle(), e.state()
+    finally:
+        e.close()
