@@ -164,7 +164,9 @@ class HybridEngine:
         self.kv_cache_config = get_kv_cache_config_from_groups(self.vllm_config, groups, 1 << 34)
         assert self.kv_cache_config.num_blocks == num_blocks
         self.groups = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
-        self.sliding = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in self.kv_cache_config.kv_cache_groups]
+        self.sliding = [
+            isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in self.kv_cache_config.kv_cache_groups
+        ]
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         kv_transfer_state._KV_CONNECTOR_AGENT = self.worker

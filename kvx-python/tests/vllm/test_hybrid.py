@@ -21,8 +21,11 @@ def _hybrid_available():
         pytest.skip(reason)
 
 
-def test_hybrid_host_hit_loads_each_group_byte_exact(tmp_path):
-    e = HybridEngine(tmp_path, {"host_blocks": 64})
+@pytest.mark.parametrize("layout", [None, "BLHNC"])
+def test_hybrid_host_hit_loads_each_group_byte_exact(tmp_path, layout):
+    # None: the layout vLLM resolves with no preference; BLHNC: block-outermost (the groups'
+    # layers share each block's bytes).
+    e = HybridEngine(tmp_path, {"host_blocks": 64}, layout=layout)
     try:
         sw = e.sliding.index(True)
         full = e.sliding.index(False)
@@ -61,6 +64,9 @@ def test_hybrid_preempted_request_reloads_every_group(tmp_path):
             e.add(f"r{i}", prompt(20 + i, 4 * BLOCK), max_tokens=5 * BLOCK)
         e.run(timeout=60)
         assert e.conn.stats()["preemptions"] >= 1
+        # Sliding-window blocks left the window and were handed out again while stores of
+        # theirs may have been queued: each was fenced before the forward could write it.
+        assert e.conn._sched.fenced_blocks > 0
         preempted = [t for t in e.tracked.values() if t.request.num_preemptions > 0]
         assert preempted
         for t in preempted:

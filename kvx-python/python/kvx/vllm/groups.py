@@ -151,8 +151,8 @@ class HybridSchedulerSide(SchedulerSide):
         n = len(hashes) // self.ratio
         if n * self.ratio > done:
             new = [bytes(hashes[(i + 1) * self.ratio - 1]) for i in range(done // self.ratio, n)]
-            for g, k in zip(self.groups, keys):
-                k += _native.block_keys(g.namespace, new)
+            for g in self.groups:
+                keys[g.index] += _native.block_keys(g.namespace, new)
             self._ghashes[rid] = n * self.ratio
         return keys
 
@@ -211,7 +211,9 @@ class HybridSchedulerSide(SchedulerSide):
             self._present(r.number, b"")  # drop kvx's pending lookup
             return 0, False
         plan = _Plan(first, end, [self._wanted(g, first, end) for g in self.groups])
-        composite = b"".join(bytes(keys[g.index][j * KEY : (j + 1) * KEY]) for g in self.groups for j in plan.wanted[g.index])
+        composite = b"".join(
+            bytes(keys[g.index][j * KEY : (j + 1) * KEY]) for g in self.groups for j in plan.wanted[g.index]
+        )
         found = self.native.get_num_new_matched_tokens(r.number, composite, 0)
         if found is None:
             return self._none(r.number)
