@@ -168,7 +168,9 @@ class HybridEngine:
             isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in self.kv_cache_config.kv_cache_groups
         ]
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker = KVConnectorFactory.create_connector(
+            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
         kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
         self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
         try:
