@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvx_core::KvLayout;
+use kvx_core::{EngineBlockId, KvLayout};
 use kvx_offload::{JobPart, OffloadBuilder, OffloadRuntime, StepStarted};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -155,6 +155,36 @@ impl WorkerSide {
                         }
                     }
                     Err(e) => Err(kvx_err(e)),
+                }
+            })
+        })
+    }
+
+    /// Flush the stores queued on engine `blocks` and wait, at most the store deadline, until
+    /// no copy touches them any more. For blocks the engine freed while a store of them may
+    /// still be queued (sliding-window blocks that left the window) and hands to another use
+    /// in this step: call it before the step's own stores are queued (`start_step`). Raises
+    /// `FenceNotHeldError` if the fence did not hold in time.
+    fn fence_blocks(&self, py: Python<'_>, blocks: Vec<u32>) -> PyResult<()> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<EngineBlockId> = blocks.into_iter().map(EngineBlockId).collect();
+        py.detach(|| {
+            self.with(|r| {
+                let d = r
+                    .runtime
+                    .driver()
+                    .ok_or_else(|| kvx_err("driver stopped"))?;
+                let fence = d.fence_blocks(&ids).map_err(kvx_err)?;
+                if fence.wait(Instant::now() + r.store_timeout) {
+                    Ok(())
+                } else {
+                    Err(FenceNotHeldError::new_err(format!(
+                        "the fence over {} reused engine blocks did not hold within the store \
+                         deadline: a store of them may still be copying",
+                        ids.len()
+                    )))
                 }
             })
         })

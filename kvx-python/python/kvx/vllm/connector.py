@@ -23,8 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.worker_side import WorkerSide
@@ -46,7 +49,7 @@ def _namespace(vllm_config) -> bytes:
     return "|".join(parts).encode()
 
 
-class KvxConnector(KVConnectorBase_V1):
+class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvx's host-memory and file tiers, with per-block load failures."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
@@ -66,16 +69,23 @@ class KvxConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ValueError("KvxConnector needs the KV cache config (vLLM >= 0.32)")
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(
-                f"KvxConnector: {len(groups)} KV cache groups; block-level load failures need exactly one"
-            )
+        if not groups:
+            raise ValueError("KvxConnector: the KV cache config has no KV cache group")
+        # Several groups (a hybrid model): kvx.vllm.groups; one group: as before.
+        hybrid = describe_groups(kv_cache_config, _namespace(vllm_config)) if len(groups) > 1 else None
         block_size = groups[0].kv_cache_spec.block_size
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config))
+            if hybrid is not None:
+                self._sched = HybridSchedulerSide(
+                    self.config, block_size, hash_block_size, _namespace(vllm_config), hybrid
+                )
+            else:
+                self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config))
+        elif hybrid is not None:
+            self._worker = HybridWorkerSide(self.config, block_size, kv_cache_config.num_blocks)
         else:
             self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
 
@@ -119,8 +129,18 @@ class KvxConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side().get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self._worker_side()
+        if isinstance(worker, HybridWorkerSide):
+            # Several groups: a failed load is reported per request (vLLM refuses block ids).
+            return worker.transfer_results()
+        return super().get_transfer_results(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker_side().take_invalid()
+        worker = self._worker_side()
+        if isinstance(worker, HybridWorkerSide):
+            return set()
+        return worker.take_invalid()
 
     def build_connector_worker_meta(self):
         return self._worker_side().take_worker_meta()
@@ -151,6 +171,13 @@ class KvxConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's call with the hybrid KV cache manager (SupportsHMA), one block list per group.
+        flat = block_ids[0] if len(block_ids) == 1 else [b for ids in block_ids for b in ids if b]
+        return self.request_finished(request, flat)
 
     # -- kvx -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
