@@ -109,9 +109,294 @@ fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
     );
 }
 
+/// Store `k` (generation `generation`) with `deadline`, not waiting past it: whether the store
+/// reported success, and when its report came.
+fn store_by(
+    node: &Node,
+    k: kvx_core::BlockKey,
+    generation: u8,
+    deadline: Instant,
+) -> (bool, Instant) {
+    use kvx_core::*;
+    let Some(mut buf) = node.pool.take() else {
+        // Buffers of stores still stuck in the volume are quarantined.
+        return (false, Instant::now());
+    };
+    buf.set_len(BLOCK);
+    buf.as_mut_slice().copy_from_slice(&payload(k, generation));
+    let t = node
+        .driver
+        .submit(TaskSpec {
+            request: RequestId(3),
+            dir: Direction::Store,
+            route: vec![node.posix],
+            blocks: vec![OpBlock {
+                key: k,
+                engine: None,
+                buf: Buf::Owned(buf),
+            }],
+            deadline,
+            deferred: false,
+        })
+        .expect("submit store");
+    let r = node
+        .driver
+        .wait_report(t, deadline + SOON)
+        .expect("store report");
+    (r.is_ok(), Instant::now())
+}
+
+/// True when the breaker of `node`'s root is open.
+fn breaker_open(node: &Node) -> bool {
+    matches!(
+        node.files.breaker_state(0),
+        Some(kvx_policy::BreakerState::Open { .. })
+    )
+}
+
+/// b. One brick of a replica-2 volume stopped (SIGSTOP) while B and C probe and load and A
+/// stores: every op ends by its deadline plus a tick and 50 ms, the breakers open, lookups then
+/// answer at once; after SIGCONT every node serves again within the breaker's cool-down, no
+/// block is torn and every block reported stored is there, byte-exact.
+fn stopped_brick(g: &Gluster, engine: IoEngine) {
+    let mut v = g.volume(Layout::Replica2).expect("volume");
+    let roots = roots(&mut v, 3);
+    let a = Node::open(&roots[0], engine);
+    let mut b = ChildNode::spawn(&roots[1], engine);
+    let mut c = ChildNode::spawn(&roots[2], engine);
+    let keys: Vec<_> = (0..8).map(key).collect();
+    a.store(&keys, 1);
+    std::thread::sleep(Duration::from_millis(150));
+    for n in [&mut b, &mut c] {
+        assert_eq!(n.ask("load 0 8 1", "load"), vec![8, 0, 0, 0]);
+    }
+    v.stop_brick(0);
+    // B meets the stop with its probes first, C with its loads first; A stores meanwhile.
+    b.send("frozen 100 104 0 4 0");
+    c.send("frozen 200 204 0 4 1");
+    let mut stored = Vec::new();
+    let mut store_late = Duration::ZERO;
+    for i in 8..16 {
+        let deadline = Instant::now() + LOAD_DEADLINE;
+        let (ok, at) = store_by(&a, key(i), 2, deadline);
+        store_late = store_late.max(at.saturating_duration_since(deadline));
+        if ok {
+            stored.push(i);
+        }
+    }
+    assert!(
+        store_late <= MARGIN,
+        "a store ended {store_late:?} after its deadline (bound {MARGIN:?})"
+    );
+    assert!(breaker_open(&a), "A's breaker opened");
+    let bound = PROBE_DEADLINE + MARGIN;
+    for n in [&mut b, &mut c] {
+        let r = n.answer("frozen");
+        let (answer_us, first_absent, late_us, open) = (r[0], r[1], r[2], r[4]);
+        assert!(
+            Duration::from_micros(answer_us) <= bound,
+            "a lookup took {answer_us} us (bound {bound:?})"
+        );
+        assert_eq!(first_absent, 1, "probes end as misses, then answer at once");
+        assert!(
+            Duration::from_micros(late_us) <= MARGIN,
+            "a load ended {late_us} us after its deadline (bound {MARGIN:?})"
+        );
+        assert_eq!(open, 1, "the breaker opened");
+        println!(
+            "stopped brick: slowest lookup {answer_us} us (bound {bound:?}), loads at most {late_us} us late, stores at most {store_late:?} late (bound {MARGIN:?})"
+        );
+    }
+    v.continue_brick(0);
+    let continued = Instant::now();
+    // Served again: B loads a block stored before the stop, byte-exact.
+    let cool_down = Duration::from_millis(config(&roots[0], engine).breaker.cool_down_ms);
+    let mut served = None;
+    while served.is_none() && continued.elapsed() < SOON {
+        if b.ask("load 0 1 1", "load") == vec![1, 0, 0, 0] {
+            served = Some(continued.elapsed());
+        } else {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let served = served.expect("B serves again after SIGCONT");
+    println!("after SIGCONT B served again in {served:?} (cool-down {cool_down:?})");
+    assert!(
+        served <= cool_down + MARGIN,
+        "served again {served:?} after SIGCONT (bound: cool-down {cool_down:?} + {MARGIN:?})"
+    );
+    // Nothing torn, nothing reported stored lost.
+    std::thread::sleep(Duration::from_millis(150));
+    for n in [&mut b, &mut c] {
+        assert!(
+            kvx_posix::testing::wait_until(SOON, || n.ask("load 0 8 1", "load")
+                == vec![8, 0, 0, 0]),
+            "the blocks stored before the stop are all there"
+        );
+        for &i in &stored {
+            assert_eq!(
+                n.ask(&format!("load {i} {} 2", i + 1), "load"),
+                vec![1, 0, 0, 0],
+                "block {i} was reported stored during the stop"
+            );
+        }
+        let r = n.ask("load 8 16 2", "load");
+        assert_eq!((r[1], r[2]), (0, 0), "no torn or foreign block: {r:?}");
+    }
+    b.quit();
+    c.quit();
+    drop(a);
+    verify_clean(&roots[1]);
+}
+
+/// Where key `k`'s file really is: the brick of `v` holding it, if any.
+fn brick_of(v: &Volume<'_>, node: &Node, k: kvx_core::BlockKey) -> Option<usize> {
+    let name = node.files.block_path(k);
+    let name = name.file_name().expect("a file name");
+    v.bricks.iter().position(|b| {
+        kvx_posix::testing::files_with_suffix(&b.path, &name.to_string_lossy())
+            .iter()
+            .any(|p| !p.to_string_lossy().contains(".glusterfs"))
+    })
+}
+
+/// c. A brick killed: on the replica-2 volume every block is still served, and new blocks
+/// are stored; on the distributed volume the blocks on the dead brick fail one by one
+/// (invalid: recompute) and the others are served byte-exact.
+fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
+    let mut v = g.volume(layout).expect("volume");
+    let roots = roots(&mut v, 2);
+    let a = Node::open(&roots[0], engine);
+    let mut b = ChildNode::spawn(&roots[1], engine);
+    let keys: Vec<_> = (0..32).map(key).collect();
+    a.store(&keys, 1);
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(b.ask("load 0 32 1", "load"), vec![32, 0, 0, 0]);
+    let on_dead: Vec<u64> = (0..32)
+        .filter(|&i| brick_of(&v, &a, key(i)) == Some(1))
+        .collect();
+    v.kill_brick(1);
+    if layout == Layout::Replica2 {
+        assert_eq!(on_dead.len(), 32, "every block is on both bricks");
+        assert_eq!(
+            b.ask("load 0 32 1", "load"),
+            vec![32, 0, 0, 0],
+            "the other brick serves every block"
+        );
+        let more: Vec<_> = (32..48).map(key).collect();
+        a.store(&more, 1);
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(b.ask("load 32 48 1", "load"), vec![16, 0, 0, 0]);
+        println!("replica 2, one brick killed: all 48 blocks served");
+    } else {
+        assert!(
+            !on_dead.is_empty() && on_dead.len() < 32,
+            "the blocks spread over both bricks: {} on brick 1",
+            on_dead.len()
+        );
+        let mut failed = Vec::new();
+        let mut served = 0;
+        for i in 0..32 {
+            let r = b.ask(&format!("load {i} {} 1", i + 1), "load");
+            assert_eq!((r[1], r[2]), (0, 0), "block {i}: never foreign or torn");
+            if r[0] == 1 {
+                served += 1;
+            } else {
+                failed.push(i);
+            }
+        }
+        println!(
+            "distributed, brick 1 killed: {served} served, {} failed (on the dead brick: {})",
+            failed.len(),
+            on_dead.len()
+        );
+        assert_eq!(failed, on_dead, "exactly the blocks on the dead brick fail");
+    }
+    b.quit();
+}
+
+/// Store keys 0..16 round after round until killed (the writer node of test e).
+fn write_forever(spec: &str) {
+    let (engine, root) = spec.split_once(' ').expect("writer spec: <engine> <root>");
+    let node = Node::open(std::path::Path::new(root), engine.parse().expect("engine"));
+    println!("ready");
+    let keys: Vec<_> = (0..16).map(key).collect();
+    for generation in 1u8.. {
+        node.store(&keys, generation);
+    }
+}
+
+/// Environment variable that turns the test binary into [`write_forever`].
+const WRITER_ENV: &str = "KVX_GLUSTER_WRITER";
+
+/// e. A node SIGKILLed mid-store: B, loading the same keys all along, never loads a torn or
+/// partial block; the dead node's temporary files go at the next collector pass.
+fn node_killed_mid_store(g: &Gluster, engine: IoEngine) {
+    use std::io::BufRead;
+    let mut v = g.volume(Layout::Replica2).expect("volume");
+    let roots = roots(&mut v, 3);
+    let a = Node::open(&roots[0], engine);
+    a.store(&(0..16).map(key).collect::<Vec<_>>(), 0);
+    let mut b = ChildNode::spawn(&roots[1], engine);
+    let mut leftovers = Vec::new();
+    for attempt in 0..10 {
+        b.send("churn 0 16 800");
+        let mut w = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .env(WRITER_ENV, format!("{engine} {}", roots[2].display()))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn the writer");
+        let mut ready = String::new();
+        std::io::BufReader::new(w.stdout.take().expect("stdout"))
+            .read_line(&mut ready)
+            .expect("writer ready");
+        std::thread::sleep(Duration::from_millis(300 + 37 * attempt));
+        w.kill().expect("SIGKILL the writer");
+        w.wait().expect("reap the writer");
+        let r = b.answer("churn");
+        let (exact, mixed, invalid) = (r[0], r[1], r[2]);
+        assert_eq!(mixed, 0, "a load returned a mix of two writes: {r:?}");
+        assert_eq!(invalid, 0, "a load met a torn block: {r:?}");
+        assert!(exact > 0, "{r:?}");
+        let dead = format!("-{}-", w.id());
+        leftovers = kvx_posix::testing::files_with_suffix(&roots[2], ".kvb.tmp")
+            .into_iter()
+            .filter(|p| p.to_string_lossy().contains(&dead))
+            .collect();
+        if !leftovers.is_empty() {
+            break;
+        }
+    }
+    assert!(
+        !leftovers.is_empty(),
+        "no kill in 10 landed mid-store (no temporary file left)"
+    );
+    // On the same host a dead writer's temporaries are stale at once; another host's after
+    // `stale_temp_age`.
+    let cfg = CollectorConfig::new(1 << 40);
+    let r = a
+        .files
+        .collect(&cfg, &AtomicBool::new(false))
+        .expect("collect");
+    assert!(r.removed_temps >= leftovers.len(), "{r:?}, {leftovers:?}");
+    assert!(leftovers.iter().all(|p| !p.exists()), "{leftovers:?}");
+    assert_eq!(b.ask("load 0 16 0", "load")[2], 0, "no torn block");
+    println!(
+        "node killed mid-store: {} temporaries collected, no torn load",
+        leftovers.len()
+    );
+    b.quit();
+    drop(a);
+    verify_clean(&roots[1]);
+}
+
 fn main() {
     if let Ok(spec) = std::env::var(NODE_ENV) {
         serve(&spec);
+        return;
+    }
+    if let Ok(spec) = std::env::var(WRITER_ENV) {
+        write_forever(&spec);
         return;
     }
     let mut args = Arguments::from_args();
@@ -138,6 +423,17 @@ fn main() {
     };
     add("three_nodes_share_the_volume_uring", |g| {
         three_nodes_share_the_volume(g, IoEngine::Uring)
+    });
+    add("stopped_brick_uring", |g| stopped_brick(g, IoEngine::Uring));
+    add("stopped_brick_psync", |g| stopped_brick(g, IoEngine::Psync));
+    add("killed_brick_replica2", |g| {
+        killed_brick(g, Layout::Replica2, IoEngine::Uring)
+    });
+    add("killed_brick_distributed", |g| {
+        killed_brick(g, Layout::Distributed, IoEngine::Uring)
+    });
+    add("node_killed_mid_store", |g| {
+        node_killed_mid_store(g, IoEngine::Uring)
     });
     let conclusion = libtest_mimic::run(&args, trials);
     // The suite's last step: nothing it started is left.
