@@ -8,6 +8,8 @@
 //! suite's last step checks that no mount, GlusterFS process or network namespace it started
 //! is left.
 
+#[path = "../common/mod.rs"]
+mod common;
 #[path = "../../../kvx-posix/tests/shared_mount/node.rs"]
 mod node;
 mod volume;
@@ -396,6 +398,57 @@ fn node_killed_mid_store(g: &Gluster, engine: IoEngine) {
     verify_clean(&roots[1]);
 }
 
+/// The bound on `OffloadRuntime::shutdown` with I/O stuck in a stopped brick: one tick plus the
+/// 50 ms allowance (it stops the driver thread and drops the backends, which wait for no I/O).
+const SHUTDOWN_BOUND: Duration = MARGIN;
+
+/// 3. Shutdown on a stuck volume: with stores and loads stuck in a stopped brick,
+/// `runtime.shutdown()` returns within [`SHUTDOWN_BOUND`].
+fn shutdown_on_a_stopped_brick(g: &Gluster) {
+    use kvx_offload::SharedMount;
+    let mut v = g.volume(Layout::Replica2).expect("volume");
+    let root = roots(&mut v, 1).remove(0);
+    let opts = || common::Opts {
+        host_blocks: 4,
+        load_ms: 300,
+        store_ms: 300,
+        shared: Some(SharedMount::default()),
+        ..common::Opts::default()
+    };
+    let mut r = common::rig(&root, opts());
+    let stored = common::keys(1, 0, 1, 8);
+    assert!(
+        r.offload(1, &stored, &[0, 1, 2, 3, 4, 5, 6, 7], SOON),
+        "stored"
+    );
+    v.stop_brick(0);
+    // Stores of new blocks and loads of stored ones, all stuck in the brick.
+    let fresh = common::keys(2, 0, 2, 8);
+    r.offload(
+        2,
+        &fresh,
+        &[8, 9, 10, 11, 12, 13, 14, 15],
+        Duration::from_millis(100),
+    );
+    r.load(3, &stored, &[16, 17, 18, 19, 20, 21, 22, 23]);
+    let end = Instant::now() + Duration::from_millis(400);
+    while Instant::now() < end {
+        r.step();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t0 = Instant::now();
+    r.worker.take();
+    r.runtime.take().expect("runtime").shutdown();
+    let took = t0.elapsed();
+    println!("shutdown with I/O stuck in a stopped brick took {took:?} (bound {SHUTDOWN_BOUND:?})");
+    assert!(
+        took <= SHUTDOWN_BOUND,
+        "shutdown took {took:?} (bound {SHUTDOWN_BOUND:?})"
+    );
+    drop(r);
+    v.continue_brick(0);
+}
+
 fn main() {
     if let Ok(spec) = std::env::var(NODE_ENV) {
         serve(&spec);
@@ -441,6 +494,7 @@ fn main() {
     add("node_killed_mid_store", |g| {
         node_killed_mid_store(g, IoEngine::Uring)
     });
+    add("shutdown_on_a_stopped_brick", shutdown_on_a_stopped_brick);
     let conclusion = libtest_mimic::run(&args, trials);
     // The suite's last step: nothing it started is left.
     if let Some(g) = gluster {
