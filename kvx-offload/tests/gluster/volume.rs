@@ -104,7 +104,7 @@ pub fn alive(pid: u32) -> bool {
         // The state follows the command name in parentheses.
         Ok(stat) => stat
             .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().chars().next() != Some('Z')),
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
         Err(_) => false,
     }
 }
@@ -216,11 +216,6 @@ impl Gluster {
             std::thread::sleep(Duration::from_millis(100));
         }
         Ok(g)
-    }
-
-    /// The temp dir holding the bricks, the mounts and `glusterd`'s state.
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
     }
 
     /// Create and start a volume of two bricks with `layout`.
@@ -388,11 +383,6 @@ impl Volume<'_> {
         Ok(at)
     }
 
-    /// The volume's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Stop brick `i` (SIGSTOP: it holds its connections and answers nothing).
     pub fn stop_brick(&self, i: usize) {
         signal(self.bricks[i].pid, "STOP");
@@ -407,11 +397,6 @@ impl Volume<'_> {
     pub fn kill_brick(&self, i: usize) {
         signal(self.bricks[i].pid, "KILL");
         gone_within(self.bricks[i].pid, Duration::from_secs(5));
-    }
-
-    /// The FUSE client process of mount `i` (in [`Volume::mount`] order).
-    pub fn client(&self, i: usize) -> u32 {
-        self.mounts[i].1
     }
 }
 
