@@ -10,7 +10,7 @@ use kvx_posix::maintenance::{Collected, GcOptions, GcReport, Removal, gc};
 use serde_json::json;
 
 use super::child::in_child;
-use super::{Bar, FileOpArgs, unfinished};
+use super::{Bar, EXIT_BAD_ARGS, FileOpArgs, no_store, unfinished};
 use crate::size::parse_size;
 
 /// Options of `kvx gc`.
@@ -75,6 +75,13 @@ fn run_here(args: GcArgs) -> i32 {
         Ok(r) => r,
         Err(e) => return unfinished("gc", &args.dir, &e, args.ops.json),
     };
+    if report.blocks_before == 0
+        && report.temps.is_empty()
+        && let Some(msg) = no_store("gc", &args.dir)
+    {
+        eprintln!("{msg}");
+        return EXIT_BAD_ARGS;
+    }
     let now = SystemTime::now();
     for c in report.blocks.iter().chain(&report.temps) {
         println!(

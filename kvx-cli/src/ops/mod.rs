@@ -22,11 +22,71 @@ use kvx_posix::maintenance::{MaintenanceError, Phase, Progress};
 
 /// The exit codes, for `--help`.
 pub const EXIT_CODES: &str = "Exit codes: 0 all well; 1 problems found (verify) or quota not \
-    reached (gc); 2 bad arguments; 3 the run could not finish (a directory cannot be listed, or \
+    reached (gc); 2 bad arguments (also: DIR holds no block store); 3 the run could not finish (a directory cannot be listed, or \
     a file operation passed its deadline: the mount may be frozen).";
 
 /// The exit code of a run that could not finish.
 pub const EXIT_UNFINISHED: i32 = 3;
+
+/// The exit code of bad arguments, a directory holding no block store among them.
+pub const EXIT_BAD_ARGS: i32 = 2;
+
+/// True when `dir` looks like a block store's root: empty (a store not written yet), or
+/// holding its `ab/` directories or its spare folder.
+fn is_store_root(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.is_empty()
+        || names.iter().any(|n| {
+            n == ".kvx-spare" || (n.len() == 2 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+        })
+}
+
+/// When `dir` holds no block store: the message that says so, naming the stores found one or
+/// two levels below it. Called only after a walk of `dir` found nothing (so the mount answers).
+pub fn no_store(cmd: &str, dir: &Path) -> Option<String> {
+    if is_store_root(dir) {
+        return None;
+    }
+    let subdirs = |d: &Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(d)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.is_dir())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut below: Vec<String> = subdirs(dir)
+        .into_iter()
+        .flat_map(|d| {
+            let mut v = subdirs(&d);
+            v.insert(0, d);
+            v
+        })
+        .filter(|d| is_store_root(d) && std::fs::read_dir(d).is_ok_and(|mut r| r.next().is_some()))
+        .map(|d| d.display().to_string())
+        .collect();
+    below.sort();
+    let hint = if below.is_empty() {
+        "give the store's root directory (the one holding ab/<key>.kvb)".to_string()
+    } else {
+        format!(
+            "block stores below it: {}; run kvx {cmd} on each",
+            below.join(", ")
+        )
+    };
+    Some(format!(
+        "kvx {cmd}: {} holds no block store (no ab/ directories of block files); {hint}",
+        dir.display()
+    ))
+}
 
 /// Options both commands take.
 #[derive(Args, Debug, Clone)]

@@ -8,7 +8,7 @@ use kvx_posix::maintenance::{Action, Finding, VerifyOptions, VerifyReport, verif
 use serde_json::json;
 
 use super::child::in_child;
-use super::{Bar, FileOpArgs, unfinished};
+use super::{Bar, EXIT_BAD_ARGS, FileOpArgs, no_store, unfinished};
 
 /// Options of `kvx verify`.
 #[derive(Args, Debug, Clone)]
@@ -66,6 +66,13 @@ fn run_here(args: VerifyArgs) -> i32 {
         Ok(r) => r,
         Err(e) => return unfinished("verify", &args.dir, &e, args.ops.json),
     };
+    if report.blocks_checked == 0
+        && report.findings.is_empty()
+        && let Some(msg) = no_store("verify", &args.dir)
+    {
+        eprintln!("{msg}");
+        return EXIT_BAD_ARGS;
+    }
     for f in &report.findings {
         println!(
             "{}: {} [{}]",

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvx_core::{BlockError, Buf};
 
-use super::{JobCore, Next, Syscall, errno_name, open_flags, round_up, zeroed_statx};
+use super::{JobCore, Next, Syscall, errno_name, open_flags, replaced, round_up, zeroed_statx};
 use crate::format::{self, HEADER_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,6 +188,9 @@ impl Load {
                 self.call(c, LoadStep::Stat, Syscall::Statx { fd, buf })
             }
             LoadStep::Stat => {
+                if replaced(res) {
+                    return self.finish(c, Err(BlockError::NotFound));
+                }
                 if res < 0 {
                     let msg = format!("statx {:?}: {}", c.block_path(), errno_name(res));
                     return self.finish(c, Err(BlockError::Io(msg)));
@@ -199,7 +202,9 @@ impl Load {
                 self.read(c)
             }
             LoadStep::Read => {
-                let r = if res < 0 {
+                let r = if replaced(res) {
+                    Err(BlockError::NotFound)
+                } else if res < 0 {
                     Err(BlockError::Io(format!(
                         "read {:?}: {}",
                         c.block_path(),

@@ -140,6 +140,14 @@ pub(crate) struct BlockJob {
 // moved between threads only while no syscall of it is in flight.
 unsafe impl Send for BlockJob {}
 
+/// True when `res` is ESTALE: on a distributed file system (GlusterFS, NFS), the file was
+/// replaced or removed by another node since its name was looked up. For a load that is a
+/// miss (the block as this node knew it is gone), not a failing mount: it must not count
+/// against the root's breaker.
+pub(crate) fn replaced(res: i64) -> bool {
+    res == -(libc::ESTALE as i64)
+}
+
 fn errno_name(res: i64) -> String {
     std::io::Error::from_raw_os_error((-res) as i32).to_string()
 }
@@ -190,7 +198,7 @@ impl JobCore {
     /// The fd an `open` of the block file returned, or the block's error (`NotFound` for a
     /// missing file).
     fn opened(&self, res: i64) -> Result<i32, BlockError> {
-        if res == -(libc::ENOENT as i64) {
+        if res == -(libc::ENOENT as i64) || replaced(res) {
             return Err(BlockError::NotFound);
         }
         if res < 0 {
