@@ -293,10 +293,14 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut CUdeviceptr, bytes: usize) -> C
     }))
 }
 
-/// Free an allocation (only its start address).
+/// Free an allocation (only its start address); works on a failed context, as unregistering.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
-    answer(driver().current().and_then(|ctx| ctx.allocs.free(ptr)))
+    answer(
+        driver()
+            .current_even_failed()
+            .and_then(|ctx| ctx.allocs.free(ptr)),
+    )
 }
 
 /// Run one copy now on the calling thread (the synchronous calls); any host memory will do.

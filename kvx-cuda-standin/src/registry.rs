@@ -211,10 +211,15 @@ impl Driver {
 
     /// The calling thread's current context, checked for a sticky error.
     pub(crate) fn current(&self) -> Result<Arc<Context>, CUresult> {
-        self.check_init()?;
-        let ctx = self.context(CURRENT.with(Cell::get))?;
+        let ctx = self.current_even_failed()?;
         ctx.check()?;
         Ok(ctx)
+    }
+
+    /// The calling thread's current context, even one with a sticky error (for teardown).
+    pub(crate) fn current_even_failed(&self) -> Result<Arc<Context>, CUresult> {
+        self.check_init()?;
+        self.context(CURRENT.with(Cell::get))
     }
 
     pub(crate) fn insert(&self, h: Handle) -> usize {

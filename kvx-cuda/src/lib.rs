@@ -57,6 +57,9 @@
 //! - **Pinned memory.** [`PinnedPool`] is a kvx-core `BufferPool` whose buffers are registered
 //!   with `cuMemHostRegister`, so the op's own buffers are what the DMA reads or writes; see
 //!   `pinned.rs` for the ownership rule. Ops with buffers outside accepted pools fail per block.
+//!   A pool is pinned in chunks ([`DEFAULT_PIN_CHUNK`], 1 GiB, or
+//!   [`CudaBackendConfig::pin_chunk_bytes`]); a refused chunk is [`CudaError::PinFailed`],
+//!   naming the chunk size, and nothing stays pinned.
 //! - **Scatter/gather.** `plan.rs` sorts an op's segments by device address and merges runs that
 //!   are contiguous on both sides; the rest go in one batched call.
 //! - **Completion.** One non-blocking stream per direction; an event (blocking-sync, no timing)
@@ -92,4 +95,4 @@ pub use config::{BatchMode, CudaBackendConfig};
 pub use device::{CudaDevice, DeviceMem};
 pub use driver::cuda_available;
 pub use error::CudaError;
-pub use pinned::{PAGE_SIZE, PinnedPool};
+pub use pinned::{DEFAULT_PIN_CHUNK, PAGE_SIZE, PinnedPool};
