@@ -72,6 +72,24 @@
 //!   its buffers (a zombie, quarantined, [`CudaStats::zombies`]) until its event completed, a
 //!   preemption fence still waits for it, and only then does the backend give the buffers back.
 //!
+//! # Ordering against the engine's writes
+//!
+//! The backend's streams are its own: nothing orders a store's device→host copy after the
+//! engine's kernels that wrote the block, or a load's host→device copy before the kernels that
+//! read it. kvx relies on the **step boundary** instead: kvx-offload queues a store when the
+//! engine saves blocks and submits it at the start of the *next* step, and reports a load
+//! finished only after its event completed. So the engine must have finished the kernels of a
+//! step (its stream synchronized: vLLM does when the step's sampled tokens reach the host)
+//! before it starts the next step, and must not read loaded blocks before the load is
+//! reported. An engine that overlaps steps (asynchronous scheduling) must synchronize its
+//! stream, or wait for an event recorded on it, before calling the worker's `start_step`.
+//!
+//! # Trying it without a GPU
+//!
+//! `kvx-cuda-standin` is a CPU stand-in for the driver library (test-only):
+//! `scripts/cuda-standin.sh cargo test -p kvx-cuda --test gpu` runs the GPU tests on it, with
+//! asynchronous streams, range-checked copies and fault knobs.
+//!
 //! # As a tier
 //!
 //! A GPU tier is this backend on a route: a store to host is `[cuda]` with pinned buffers from
