@@ -108,7 +108,7 @@ impl Standin {
         (self.register_limit)(ordinal as c_int, bytes.map_or(0, |b| b.max(1) as u64));
     }
 
-    /// Stream copies device `ordinal` ran since its last reset.
+    /// Stream copies device `ordinal` started since its last reset.
     pub fn copies(&self, ordinal: u32) -> u64 {
         (self.copies)(ordinal as c_int)
     }

@@ -23,7 +23,7 @@ pub(crate) struct Knobs {
     resumed: Condvar,
     /// Stream copies that still succeed before the context fails (`u64::MAX`: never).
     copies_left: AtomicU64,
-    /// Stream copies run since the device was last reset.
+    /// Stream copies started since the device was last reset.
     copies: AtomicU64,
     /// Most bytes one `cuMemHostRegister` may pin (`usize::MAX`: no limit).
     register_limit: AtomicUsize,
@@ -60,13 +60,14 @@ impl Knobs {
         }
     }
 
-    /// Called by a stream thread before each copy: the delay, then count it (or fault).
+    /// Called by a stream thread before each copy: count it as started, sleep the delay, then
+    /// say whether it runs or faults.
     pub(crate) fn before_copy(&self) -> CopyVerdict {
+        self.copies.fetch_add(1, Ordering::Relaxed);
         let ns = self.copy_delay_ns.load(Ordering::Relaxed);
         if ns > 0 {
             std::thread::sleep(Duration::from_nanos(ns));
         }
-        self.copies.fetch_add(1, Ordering::Relaxed);
         let left = self
             .copies_left
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -157,7 +158,8 @@ pub extern "C" fn kvx_standin_set_register_limit(ordinal: c_int, bytes: u64) -> 
     })
 }
 
-/// Stream copies device `ordinal` ran since its last reset (`u64::MAX` for no such device).
+/// Stream copies device `ordinal` started since its last reset (`u64::MAX` for no such
+/// device).
 #[unsafe(no_mangle)]
 pub extern "C" fn kvx_standin_copies(ordinal: c_int) -> u64 {
     driver()

@@ -124,18 +124,29 @@ fn synchronous_calls_wait_for_the_streams() {
     let s = stream();
     let dev = alloc(1 << 16);
     let mut src = Pinned::new(1 << 16, 7);
-    kvx_standin_set_copy_delay_us(ord, 30_000);
-    let t = Instant::now();
+    kvx_standin_set_stalled(ord, 1);
     for _ in 0..3 {
         assert_eq!(cuMemcpyHtoDAsync_v2(dev, src.ptr(), 1 << 16, s), OK);
     }
-    assert!(
-        t.elapsed() < Duration::from_millis(30),
-        "submit does not wait"
+    assert_eq!(
+        kvx_standin_copies(ord),
+        0,
+        "submit returned without running anything"
     );
-    assert_eq!(cuStreamSynchronize(s), OK);
-    assert!(t.elapsed() >= Duration::from_millis(90), "3 copies x 30 ms");
-    assert_eq!(kvx_standin_copies(ord), 3);
+    let handle = s as usize;
+    let syncer = std::thread::spawn(move || cuStreamSynchronize(handle as CUstream));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        !syncer.is_finished(),
+        "cuStreamSynchronize returned on a stalled stream"
+    );
+    kvx_standin_set_stalled(ord, 0);
+    assert_eq!(syncer.join().unwrap(), OK);
+    assert_eq!(
+        kvx_standin_copies(ord),
+        3,
+        "cuStreamSynchronize returned before the copies ran"
+    );
     assert_eq!(cuMemcpyHtoDAsync_v2(dev, src.ptr(), 1 << 16, s), OK);
     assert_eq!(cuCtxSynchronize(), OK);
     assert_eq!(
@@ -153,18 +164,21 @@ fn each_stream_runs_on_its_own_thread() {
     let (s1, s2, ev2) = (stream(), stream(), event());
     let (d1, d2) = (alloc(64), alloc(64));
     let mut src = Pinned::new(64, 9);
-    kvx_standin_set_copy_delay_us(ord, 300_000);
+    let ev1 = event();
+    kvx_standin_set_copy_delay_us(ord, 2_000_000);
     assert_eq!(cuMemcpyHtoDAsync_v2(d1, src.ptr(), 64, s1), OK);
+    assert_eq!(cuEventRecord(ev1, s1), OK);
+    while kvx_standin_copies(ord) == 0 {
+        std::thread::sleep(Duration::from_millis(1)); // s1's thread is inside its 2 s copy
+    }
     kvx_standin_set_copy_delay_us(ord, 0);
-    std::thread::sleep(Duration::from_millis(20)); // s1's thread is now inside its 300 ms copy
-    let t = Instant::now();
     assert_eq!(cuMemcpyHtoDAsync_v2(d2, src.ptr(), 64, s2), OK);
     assert_eq!(cuEventRecord(ev2, s2), OK);
     assert_eq!(cuEventSynchronize(ev2), OK);
-    assert!(
-        t.elapsed() < Duration::from_millis(200),
-        "stream 2 waited for stream 1: {:?}",
-        t.elapsed()
+    assert_eq!(
+        cuEventQuery(ev1),
+        CUresult::CUDA_ERROR_NOT_READY,
+        "stream 2 waited for stream 1's copy"
     );
     assert_eq!(cuStreamSynchronize(s1), OK);
     assert_eq!(read_back(d1, 64), vec![9u8; 64]);
@@ -223,24 +237,7 @@ fn copies_out_of_range_or_from_unregistered_memory_are_errors() {
     );
     // The batch copy names the first bad entry and queues nothing.
     let host = pinned.ptr() as CUdeviceptr;
-    let mut dsts = [dev, dev + 4000];
-    let mut srcs = [host, host];
-    let mut sizes = [64usize, 200];
-    let (mut attrs, mut idx, mut fail) = (batch_attrs(), [0usize], usize::MAX);
-    // SAFETY: every array holds the count passed; `fail` is a live local.
-    let r = unsafe {
-        cu_memcpy_batch_async(
-            dsts.as_mut_ptr(),
-            srcs.as_mut_ptr(),
-            sizes.as_mut_ptr(),
-            2,
-            attrs.as_mut_ptr(),
-            idx.as_mut_ptr(),
-            1,
-            &mut fail,
-            s,
-        )
-    };
+    let (r, fail) = batch(s, &[(dev, host, 64), (dev + 4000, host, 200)]);
     assert_eq!((r, fail), (bad, 1));
     assert_eq!(cuStreamSynchronize(s), OK);
     assert_eq!(kvx_standin_copies(ord), 0, "nothing of the bad batch ran");
@@ -253,6 +250,29 @@ fn alloc_result(len: usize) -> CUresult {
     let mut p: CUdeviceptr = 0;
     // SAFETY: `p` is a live local.
     unsafe { cuMemAlloc_v2(&mut p, len) }
+}
+
+/// `cuMemcpyBatchAsync` of `(dst, src, len)` copies on `s`: its result and the failed index.
+fn batch(s: CUstream, copies: &[(CUdeviceptr, CUdeviceptr, usize)]) -> (CUresult, usize) {
+    let mut dsts: Vec<CUdeviceptr> = copies.iter().map(|c| c.0).collect();
+    let mut srcs: Vec<CUdeviceptr> = copies.iter().map(|c| c.1).collect();
+    let mut sizes: Vec<usize> = copies.iter().map(|c| c.2).collect();
+    let (mut attrs, mut idx, mut fail) = (batch_attrs(), [0usize], usize::MAX);
+    // SAFETY: every array holds `copies.len()` entries (one attribute); `fail` is a live local.
+    let r = unsafe {
+        cu_memcpy_batch_async(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            copies.len(),
+            attrs.as_mut_ptr(),
+            idx.as_mut_ptr(),
+            1,
+            &mut fail,
+            s,
+        )
+    };
+    (r, fail)
 }
 
 fn batch_attrs() -> [CUmemcpyAttributes; 1] {
@@ -378,24 +398,10 @@ fn the_batch_copy_runs_every_entry_in_order() {
     let mut a = Pinned::new(4096, 0xA);
     let mut out = Pinned::new(8192, 0);
     let (ha, ho) = (a.ptr() as CUdeviceptr, out.ptr() as CUdeviceptr);
-    let mut dsts = [dev, dev + 4096, ho];
-    let mut srcs = [ha, ha, dev];
-    let mut sizes = [4096usize, 4096, 8192];
-    let (mut attrs, mut idx, mut fail) = (batch_attrs(), [0usize], usize::MAX);
-    // SAFETY: every array holds the count passed; `fail` is a live local.
-    let r = unsafe {
-        cu_memcpy_batch_async(
-            dsts.as_mut_ptr(),
-            srcs.as_mut_ptr(),
-            sizes.as_mut_ptr(),
-            3,
-            attrs.as_mut_ptr(),
-            idx.as_mut_ptr(),
-            1,
-            &mut fail,
-            s,
-        )
-    };
+    let (r, _) = batch(
+        s,
+        &[(dev, ha, 4096), (dev + 4096, ha, 4096), (ho, dev, 8192)],
+    );
     assert_eq!(r, OK);
     assert_eq!(cuStreamSynchronize(s), OK);
     assert_eq!(kvx_standin_copies(ord), 3, "one copy per entry");

@@ -29,7 +29,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 /// device block.
 fn round_trip(gpu: &Gpu) -> Result<(), Failed> {
     let dir = tempfile::tempdir()?;
-    let mut r = cuda_rig(dir.path(), Opts::default(), gpu, Duration::ZERO)?;
+    let mut r = cuda_rig(dir.path(), Opts::default(), gpu)?;
     let data: Vec<u8> = (0..BLOCK).map(|i| (i * 7 % 251) as u8).collect();
     r.arena.write_block(EngineBlockId(3), &data)?;
     let key = BlockKey::chain(None, b"gpu block");
@@ -56,6 +56,27 @@ fn round_trip(gpu: &Gpu) -> Result<(), Failed> {
 
 type CudaTest = fn(&Gpu) -> Result<(), Failed>;
 
+/// The shared connector scenarios (`common/scenarios.rs`) on a rig over `gpu`.
+fn preempt_flush_then_reload(gpu: &Gpu) -> Result<(), Failed> {
+    common::scenarios::preempt_flush_then_reload(|d, o| cuda_rig(d, o, gpu).unwrap());
+    Ok(())
+}
+
+fn reuse_fence(gpu: &Gpu) -> Result<(), Failed> {
+    common::scenarios::reuse_fence(|d, o| cuda_rig(d, o, gpu).unwrap());
+    Ok(())
+}
+
+fn load_failure_recompute(gpu: &Gpu) -> Result<(), Failed> {
+    common::scenarios::load_failure_recompute(|d, o| cuda_rig(d, o, gpu).unwrap());
+    Ok(())
+}
+
+fn reset_drops_stale(gpu: &Gpu) -> Result<(), Failed> {
+    common::scenarios::reset_drops_stale(|d, o| cuda_rig(d, o, gpu).unwrap());
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let require = std::env::var("KVX_CUDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
@@ -64,14 +85,14 @@ fn main() {
         ("cuda_round_trip", round_trip, false, false),
         (
             "cuda_preempt_flush_then_reload",
-            scenarios::preempt_flush_then_reload,
+            preempt_flush_then_reload,
             true,
             false,
         ),
-        ("cuda_reuse_fence", scenarios::reuse_fence, false, false),
+        ("cuda_reuse_fence", reuse_fence, false, false),
         (
             "cuda_load_failure_recompute",
-            scenarios::load_failure_recompute,
+            load_failure_recompute,
             false,
             false,
         ),
@@ -81,12 +102,7 @@ fn main() {
             false,
             true,
         ),
-        (
-            "cuda_reset_drops_stale",
-            scenarios::reset_drops_stale,
-            true,
-            false,
-        ),
+        ("cuda_reset_drops_stale", reset_drops_stale, true, false),
     ];
     let fuse = kvx_fusefs::fuse_available();
     let opened = CudaDevice::open(0);

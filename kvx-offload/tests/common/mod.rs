@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod scenarios;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -3,7 +3,6 @@
 //! on kvx-cuda.
 
 use std::path::Path;
-use std::time::Duration;
 
 use kvx_core::{EngineBlockId, KvLayout, MemoryKind, Region};
 use kvx_cuda::{CudaDevice, DeviceMem};
@@ -75,19 +74,15 @@ impl EngineBlocks for DeviceArena {
 }
 
 /// A builder-made connector whose engine memory is on `gpu` (each block filled with 0xAB) and
-/// whose file tier is in `dir`. On the stand-in every engine copy takes `copy_delay`.
-pub fn cuda_rig(
-    dir: &Path,
-    o: Opts,
-    gpu: &Gpu,
-    copy_delay: Duration,
-) -> Result<Rig<DeviceArena>, Failed> {
+/// whose file tier is in `dir`. On the stand-in every engine copy takes `o.host_delay` (its
+/// delay knob); a real GPU is as fast as it is.
+pub fn cuda_rig(dir: &Path, o: Opts, gpu: &Gpu) -> Result<Rig<DeviceArena>, Failed> {
     let mut arena = DeviceArena::new(&gpu.dev)?;
     for b in 0..ENGINE_BLOCKS {
         arena.write_block(EngineBlockId(b), &vec![0xAB; BLOCK])?;
     }
     if let Some(s) = &gpu.standin {
-        s.set_copy_delay(gpu.dev.ordinal(), copy_delay);
+        s.set_copy_delay(gpu.dev.ordinal(), o.host_delay);
     }
     // SAFETY: the device memory outlives the runtime (Rig drops the runtime before its arena);
     // the tests touch engine blocks only when no load or store on them is in flight, and
