@@ -23,6 +23,9 @@ pub struct CudaBackendConfig {
     pub batch: BatchMode,
     /// Fewest runs for which a batch call is used; fewer go one call each (default 2).
     pub min_batch_runs: usize,
+    /// Most bytes [`crate::CudaBackend::pinned_pool`] pins per `cuMemHostRegister` call
+    /// (default [`crate::DEFAULT_PIN_CHUNK`], 1 GiB; a multiple of [`crate::PAGE_SIZE`]).
+    pub pin_chunk_bytes: usize,
 }
 
 impl Default for CudaBackendConfig {
@@ -32,6 +35,7 @@ impl Default for CudaBackendConfig {
             max_inflight_ops: 1024,
             batch: BatchMode::Auto,
             min_batch_runs: 2,
+            pin_chunk_bytes: crate::DEFAULT_PIN_CHUNK,
         }
     }
 }
@@ -52,7 +56,7 @@ impl CudaBackendConfig {
                 "min_batch_runs is 0; use 1 to batch every op, or BatchMode::Never".into(),
             ));
         }
-        Ok(())
+        crate::pinned::validate_chunk(self.pin_chunk_bytes)
     }
 }
 
@@ -74,6 +78,10 @@ mod tests {
             },
             CudaBackendConfig {
                 min_batch_runs: 0,
+                ..Default::default()
+            },
+            CudaBackendConfig {
+                pin_chunk_bytes: 1000,
                 ..Default::default()
             },
         ];

@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 
 use crate::driver::{Ctx, check};
 use crate::error::CudaError;
-use crate::pinned::PinnedPool;
+use crate::pinned::{DEFAULT_PIN_CHUNK, PinnedPool};
 
 /// One CUDA device (its primary context). Cheap to clone.
 ///
@@ -64,9 +64,22 @@ impl CudaDevice {
         })
     }
 
-    /// A pool of `count` page-locked host buffers of `buf_size` bytes (see [`PinnedPool`]).
+    /// A pool of `count` page-locked host buffers of `buf_size` bytes (see [`PinnedPool`]),
+    /// pinned in chunks of at most [`crate::DEFAULT_PIN_CHUNK`] bytes.
     pub fn pinned_pool(&self, count: usize, buf_size: usize) -> Result<PinnedPool, CudaError> {
-        PinnedPool::new(self.ctx.clone(), count, buf_size)
+        self.pinned_pool_in_chunks(count, buf_size, DEFAULT_PIN_CHUNK)
+    }
+
+    /// [`CudaDevice::pinned_pool`], pinned by `cuMemHostRegister` calls of at most
+    /// `chunk_bytes` each (a multiple of [`crate::PAGE_SIZE`]; a buffer larger than that is
+    /// one chunk). Fails with [`CudaError::PinFailed`] when the driver refuses a chunk.
+    pub fn pinned_pool_in_chunks(
+        &self,
+        count: usize,
+        buf_size: usize,
+        chunk_bytes: usize,
+    ) -> Result<PinnedPool, CudaError> {
+        PinnedPool::new(self.ctx.clone(), count, buf_size, chunk_bytes)
     }
 
     pub(crate) fn ctx(&self) -> &Arc<Ctx> {

@@ -35,6 +35,22 @@ pub enum CudaError {
         /// The CUresult's numeric value.
         code: u32,
     },
+    /// The driver refused to page-lock (pin) a chunk of a pinned pool.
+    #[error(
+        "pinning host memory failed: cuMemHostRegister of a {chunk_bytes}-byte chunk was refused \
+         ({pinned_bytes} of the pool's {total_bytes} bytes were pinned): {reason}; use a smaller \
+         pool or pin chunk (pin_chunk_bytes), or raise the locked-memory limit (ulimit -l)"
+    )]
+    PinFailed {
+        /// Bytes of the chunk the driver refused.
+        chunk_bytes: usize,
+        /// Bytes pinned before it (unregistered again).
+        pinned_bytes: usize,
+        /// Bytes of the whole pool.
+        total_bytes: usize,
+        /// The driver's answer.
+        reason: String,
+    },
     /// A configuration value that makes no sense.
     #[error("invalid kvx-cuda configuration: {0}")]
     BadConfig(String),

@@ -57,6 +57,9 @@
 //! - **Pinned memory.** [`PinnedPool`] is a kvx-core `BufferPool` whose buffers are registered
 //!   with `cuMemHostRegister`, so the op's own buffers are what the DMA reads or writes; see
 //!   `pinned.rs` for the ownership rule. Ops with buffers outside accepted pools fail per block.
+//!   A pool is pinned in chunks ([`DEFAULT_PIN_CHUNK`], 1 GiB, or
+//!   [`CudaBackendConfig::pin_chunk_bytes`]); a refused chunk is [`CudaError::PinFailed`],
+//!   naming the chunk size, and nothing stays pinned.
 //! - **Scatter/gather.** `plan.rs` sorts an op's segments by device address and merges runs that
 //!   are contiguous on both sides; the rest go in one batched call.
 //! - **Completion.** One non-blocking stream per direction; an event (blocking-sync, no timing)
@@ -68,6 +71,24 @@
 //!   `cancel` only marks the op abandoned (counted in [`CudaStats::abandoned_ops`]); the op keeps
 //!   its buffers (a zombie, quarantined, [`CudaStats::zombies`]) until its event completed, a
 //!   preemption fence still waits for it, and only then does the backend give the buffers back.
+//!
+//! # Ordering against the engine's writes
+//!
+//! The backend's streams are its own: nothing orders a store's device→host copy after the
+//! engine's kernels that wrote the block, or a load's host→device copy before the kernels that
+//! read it. kvx relies on the **step boundary** instead: kvx-offload queues a store when the
+//! engine saves blocks and submits it at the start of the *next* step, and reports a load
+//! finished only after its event completed. So the engine must have finished the kernels of a
+//! step (its stream synchronized: vLLM does when the step's sampled tokens reach the host)
+//! before it starts the next step, and must not read loaded blocks before the load is
+//! reported. An engine that overlaps steps (asynchronous scheduling) must synchronize its
+//! stream, or wait for an event recorded on it, before calling the worker's `start_step`.
+//!
+//! # Trying it without a GPU
+//!
+//! `kvx-cuda-standin` is a CPU stand-in for the driver library (test-only):
+//! `scripts/cuda-standin.sh cargo test -p kvx-cuda --test gpu` runs the GPU tests on it, with
+//! asynchronous streams, range-checked copies and fault knobs.
 //!
 //! # As a tier
 //!
@@ -92,4 +113,4 @@ pub use config::{BatchMode, CudaBackendConfig};
 pub use device::{CudaDevice, DeviceMem};
 pub use driver::cuda_available;
 pub use error::CudaError;
-pub use pinned::{PAGE_SIZE, PinnedPool};
+pub use pinned::{DEFAULT_PIN_CHUNK, PAGE_SIZE, PinnedPool};

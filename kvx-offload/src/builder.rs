@@ -45,12 +45,19 @@ impl EngineMemory {
     }
 
     /// Engine memory on a CUDA device, copied by kvx-cuda on its own streams; the pool's
-    /// buffers are pinned and registered with the device.
+    /// buffers are pinned and registered with the device (in chunks, `kvx_cuda::
+    /// DEFAULT_PIN_CHUNK`; a refused chunk fails `build` with an error naming its size).
+    ///
+    /// Ordering: kvx's copies do not wait for the engine's CUDA stream. They are ordered by the
+    /// step boundary: stores of the blocks saved in a step are submitted at the start of the
+    /// next `start_step`, so the engine must have finished that step's kernels (synchronized
+    /// its stream) before calling it, and reads loaded blocks only once the load is reported.
     ///
     /// # Safety
     /// As for `kvx_cuda::CudaBackend::new`: every region of `layout` is device memory of
     /// `device`, valid until the runtime shuts down; the engine does not touch a block while an
-    /// op on it is outstanding, and has finished the kernels that wrote a block before saving it.
+    /// op on it is outstanding, and has finished the kernels that wrote a block before the
+    /// `start_step` that submits its store.
     #[cfg(feature = "cuda")]
     pub unsafe fn cuda(device: &kvx_cuda::CudaDevice, layout: KvLayout) -> EngineMemory {
         EngineMemory {

@@ -4,6 +4,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::scenarios::{self, corrupt_third_block, seq};
 use common::*;
 use kvx_core::*;
 use kvx_offload::*;
@@ -11,56 +12,9 @@ use kvx_policy::{LoadDecision, LoadFailurePolicy};
 
 const T: Duration = Duration::from_secs(10);
 
-fn seq(n: u32, from: u32) -> Vec<u32> {
-    (from..from + n).collect()
-}
-
 #[test]
 fn preempt_flush_then_reload() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut r = rig(
-        dir.path(),
-        Opts {
-            host_delay: Duration::from_millis(40),
-            ..Opts::default()
-        },
-    );
-    let ks = keys(1, 0, 1, 4);
-    let blocks = seq(4, 0);
-    r.compute(&ks, &blocks);
-    r.save(1, &ks, &blocks).expect("a store job");
-    r.step(); // the store is queued (deferred to the next step)
-    r.sched.request_preempted(RequestId(1));
-    r.step(); // submits the queued store, flushes it, and hands back the fence
-    let fence = r.fences.pop().expect("the 40 ms store is still running");
-    assert_eq!(fence.requests(), &[RequestId(1)]);
-    assert!(!fence.is_ready());
-    assert!(
-        fence.wait(Instant::now() + T),
-        "the fence holds once the store ran"
-    );
-    r.step();
-    let host_done: usize = r
-        .out
-        .jobs
-        .iter()
-        .filter(|j| j.part == JobPart::StoreHost)
-        .map(|j| j.ok.len())
-        .sum();
-    assert_eq!(
-        host_done, 4,
-        "the fence held only after the stores completed"
-    );
-    // The engine now reuses the preempted request's blocks.
-    r.scribble(&blocks);
-    // Rescheduled: everything loads from the tiers, nothing is recomputed.
-    let again = seq(4, 20);
-    assert_eq!(r.load(1, &ks, &again), Some(4 * BT as u64));
-    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(1))));
-    assert!(r.out.invalid_blocks.is_empty());
-    assert!(r.holds(&ks, &again), "reloaded blocks are byte-exact");
-    r.finish(1);
-    assert!(r.settle(T));
+    scenarios::preempt_flush_then_reload(rig);
 }
 
 #[test]
@@ -126,43 +80,7 @@ fn abort_during_load() {
 
 #[test]
 fn reuse_fence() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut r = rig(
-        dir.path(),
-        Opts {
-            host_delay: Duration::from_millis(60),
-            ..Opts::default()
-        },
-    );
-    // Request 2's blocks are offloaded first (its content is what block 7 must end up with).
-    let b_keys = keys(3, 0, 3, 1);
-    r.compute(&b_keys, &[40]);
-    r.save(2, &b_keys, &[40]);
-    assert!(
-        r.step_until(T, |r| r.sched.manager().is_stored(Tier::Host, b_keys[0])),
-        "request 2's block was stored"
-    );
-    // Request 1 computed block 7 and saves it; it finishes while the store is queued.
-    let a_keys = keys(4, 0, 4, 1);
-    r.compute(&a_keys, &[7]);
-    r.save(1, &a_keys, &[7]);
-    r.step();
-    assert!(r.finish(1), "store in flight: freeing must wait");
-    // The engine hands block 7 to request 2 as a load target right away.
-    assert_eq!(r.load(2, &b_keys, &[7]), Some(BT as u64));
-    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(2))));
-    assert!(
-        r.holds(&b_keys, &[7]),
-        "the load landed after the store read block 7"
-    );
-    // Request 1's stored bytes are its own, not request 2's.
-    r.scribble(&[50]);
-    assert_eq!(r.load(3, &a_keys, &[50]), Some(BT as u64));
-    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(3))));
-    assert!(r.holds(&a_keys, &[50]));
-    r.finish(2);
-    r.finish(3);
-    assert!(r.settle(T));
+    scenarios::reuse_fence(rig);
 }
 
 #[test]
@@ -219,67 +137,14 @@ fn complete_store_per_job() {
     assert!(r.settle(T));
 }
 
-fn corrupt_third_block(policy: LoadFailurePolicy) -> (Rig, tempfile::TempDir, Vec<BlockKey>) {
-    let dir = tempfile::tempdir().unwrap();
-    let ks = keys(8, 8, 0, 0);
-    {
-        let mut r = rig(dir.path(), Opts::default());
-        assert!(r.offload(1, &ks, &seq(8, 0), T));
-    }
-    // Flip one payload byte of block 3's file.
-    let path = {
-        let r = rig(dir.path(), Opts::default());
-        r.files.block_path(ks[3])
-    };
-    let mut bytes = std::fs::read(&path).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0xFF;
-    std::fs::write(&path, bytes).unwrap();
-    let mut r = rig(
-        dir.path(),
-        Opts {
-            policy,
-            ..Opts::default()
-        },
-    );
-    assert_eq!(r.load(9, &ks, &seq(8, 10)), Some(8 * BT as u64));
-    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(9))));
-    (r, dir, ks)
-}
-
-fn engine_ids(v: std::ops::Range<u32>) -> Vec<EngineBlockId> {
-    v.map(EngineBlockId).collect()
-}
-
 #[test]
 fn load_failure_recompute() {
-    let (mut r, _d, ks) = corrupt_third_block(LoadFailurePolicy::Recompute);
-    let (req, d) = r.out.decisions[0].clone();
-    assert_eq!(req, RequestId(9));
-    assert_eq!(
-        d,
-        LoadDecision::Recompute {
-            first_invalid_index: 3,
-            valid_tokens: 3 * BT as u64,
-            invalid: engine_ids(13..18)
-        }
-    );
-    assert_eq!(r.out.invalid_blocks, engine_ids(13..18));
-    assert!(
-        r.holds(&ks[..3], &seq(3, 10)),
-        "blocks before the bad one are valid"
-    );
-    assert!(
-        !r.sched.manager().is_stored(Tier::File, ks[3]),
-        "the corrupt block left the index"
-    );
-    r.finish(9);
-    assert!(r.settle(T));
+    scenarios::load_failure_recompute(rig);
 }
 
 #[test]
 fn load_failure_fail() {
-    let (mut r, _d, _ks) = corrupt_third_block(LoadFailurePolicy::Fail);
+    let (mut r, _d, _ks) = corrupt_third_block(rig, LoadFailurePolicy::Fail);
     assert_eq!(
         r.out.decisions,
         vec![(
@@ -296,9 +161,12 @@ fn load_failure_fail() {
 #[test]
 fn load_failure_auto() {
     // 5 blocks (80 tokens) to redo: under a 100-token limit it recomputes, over a 64 one it fails.
-    let (mut r, _d, _ks) = corrupt_third_block(LoadFailurePolicy::Auto {
-        max_recompute_tokens: 100,
-    });
+    let (mut r, _d, _ks) = corrupt_third_block(
+        rig,
+        LoadFailurePolicy::Auto {
+            max_recompute_tokens: 100,
+        },
+    );
     assert!(matches!(
         r.out.decisions[0].1,
         LoadDecision::Recompute {
@@ -309,9 +177,12 @@ fn load_failure_auto() {
     r.finish(9);
     assert!(r.settle(T));
     drop(r);
-    let (mut r, _d, _ks) = corrupt_third_block(LoadFailurePolicy::Auto {
-        max_recompute_tokens: 64,
-    });
+    let (mut r, _d, _ks) = corrupt_third_block(
+        rig,
+        LoadFailurePolicy::Auto {
+            max_recompute_tokens: 64,
+        },
+    );
     assert!(matches!(r.out.decisions[0].1, LoadDecision::Fail { .. }));
     r.finish(9);
     assert!(r.settle(T));
@@ -319,44 +190,7 @@ fn load_failure_auto() {
 
 #[test]
 fn reset_drops_stale() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut r = rig(
-        dir.path(),
-        Opts {
-            host_delay: Duration::from_millis(50),
-            ..Opts::default()
-        },
-    );
-    let ks = keys(10, 0, 10, 4);
-    r.compute(&ks, &seq(4, 0));
-    r.save(1, &ks, &seq(4, 0));
-    r.step();
-    r.step(); // stores in flight (slow engine copies)
-    let reset = r.w().reset().unwrap();
-    assert!(
-        reset.fence.wait(Instant::now() + T),
-        "the reset's fence holds"
-    );
-    r.sched.reset();
-    r.out = WorkerOutput::default();
-    std::thread::sleep(Duration::from_millis(150));
-    r.step();
-    r.step();
-    assert!(
-        r.out.jobs.is_empty(),
-        "late completions of old jobs change nothing"
-    );
-    assert_eq!(
-        r.sched.manager().lookup(&ks).blocks(),
-        0,
-        "nothing became visible"
-    );
-    assert_eq!(r.w().host_blocks(), 0);
-    // New work runs normally.
-    let ks2 = keys(11, 0, 11, 2);
-    assert!(r.offload(2, &ks2, &[8, 9], T));
-    assert_eq!(r.sched.manager().lookup(&ks2).blocks(), 2);
-    assert!(r.pool_whole());
+    scenarios::reset_drops_stale(rig);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Engine memory from tensors: a description of each KV cache tensor (data pointer, shape,
-//! strides, element size, device) becomes one kvx-core [`KvLayout`], and the host backend over
-//! it. The only unsafe code of the crate is here.
+//! strides, element size, device) becomes one kvx-core [`KvLayout`], and the engine memory over
+//! it: host memory for `cpu` tensors, kvx-cuda for `cuda:N` tensors (all on one device). The
+//! only unsafe code of the crate is here.
 
 use kvx_core::{KvLayout, MemoryKind, TensorLayoutError, TensorView};
 use kvx_offload::EngineMemory;
@@ -26,29 +27,34 @@ pub struct TensorDesc {
 pub type LayoutError = TensorLayoutError;
 
 impl TensorDesc {
-    /// The tensor as kvx-core describes it; only host memory is wired in this build.
+    /// The tensor as kvx-core describes it: `cpu` is host memory, `cuda:N` (PyTorch's name;
+    /// `cuda` alone is device 0) memory of CUDA device N.
     fn view(&self) -> Result<TensorView, LayoutError> {
-        let reason = match self.device.as_str() {
-            "cpu" => None,
-            d if d.starts_with("cuda") => {
-                Some("CUDA tensors need the kvx-cuda backend: not wired in this build".into())
-            }
-            d => Some(format!("unsupported device {d:?} (only cpu)")),
-        };
-        if let Some(reason) = reason {
-            return Err(LayoutError {
-                name: self.name.clone(),
-                reason,
-            });
-        }
+        let kind = memory_kind(&self.device).map_err(|reason| LayoutError {
+            name: self.name.clone(),
+            reason,
+        })?;
         Ok(TensorView {
             name: self.name.clone(),
             ptr: self.ptr,
             shape: self.shape.clone(),
             strides: self.strides.clone(),
             elem_size: self.elem_size,
-            kind: MemoryKind::Host,
+            kind,
         })
+    }
+}
+
+/// The memory a PyTorch device name stands for.
+fn memory_kind(device: &str) -> Result<MemoryKind, String> {
+    match device.split_once(':') {
+        None if device == "cpu" => Ok(MemoryKind::Host),
+        None if device == "cuda" => Ok(MemoryKind::Cuda(0)),
+        Some(("cuda", n)) => n
+            .parse()
+            .map(MemoryKind::Cuda)
+            .map_err(|_| format!("unsupported device {device:?} (cpu or cuda:N)")),
+        _ => Err(format!("unsupported device {device:?} (cpu or cuda:N)")),
     }
 }
 
@@ -63,17 +69,39 @@ pub fn describe(tensors: &[TensorDesc], num_blocks: u32) -> Result<KvLayout, Lay
     KvLayout::from_tensors(&views, num_blocks)
 }
 
-/// The engine memory kvx-offload's builder copies blocks in and out of (host backend).
+/// The engine memory kvx-offload's builder copies blocks in and out of: the host backend over
+/// host tensors, kvx-cuda over tensors of one CUDA device (its driver is loaded here; without
+/// one the error says so).
 ///
 /// # Safety
 /// `layout` must come from [`describe`] over tensors whose storage the caller keeps alive (and
 /// never reallocates) until the runtime built over it has shut down.
-pub unsafe fn engine_memory(layout: KvLayout) -> EngineMemory {
-    // SAFETY: ownership rule: the engine (vLLM) keeps its KV cache tensors alive for the whole
-    // life of the connector, and `WorkerSide` additionally holds a reference to every tensor
-    // object it described until after its runtime (whose driver owns the host backend and joins
-    // its copy threads) has been dropped. kvx touches a block only inside a task the engine
-    // asked for, and the engine reuses a block only after the task's report, a preemption fence
-    // or `finished_sending`, per kvx-offload's contract.
-    unsafe { EngineMemory::host(layout) }
+pub unsafe fn engine_memory(layout: KvLayout) -> Result<EngineMemory, String> {
+    let devices: Vec<MemoryKind> = layout.regions().iter().map(|r| r.kind).collect();
+    let ordinal = match devices.first() {
+        Some(MemoryKind::Cuda(n)) => *n,
+        _ if layout.is_host() => {
+            // SAFETY: ownership rule: the engine (vLLM) keeps its KV cache tensors alive for
+            // the whole life of the connector, and `WorkerSide` additionally holds a reference
+            // to every tensor object it described until after its runtime (whose driver owns the
+            // backend and joins its threads) has been dropped. kvx touches a block only inside a
+            // task the engine asked for, and the engine reuses a block only after the task's
+            // report, a preemption fence or `finished_sending`, per kvx-offload's contract.
+            return Ok(unsafe { EngineMemory::host(layout) });
+        }
+        _ => return Err("KV cache tensors on host memory and a GPU at once".into()),
+    };
+    if devices.iter().any(|k| *k != MemoryKind::Cuda(ordinal)) {
+        return Err(format!(
+            "KV cache tensors on more than one device ({devices:?}): one worker serves one GPU"
+        ));
+    }
+    let device = kvx_cuda::CudaDevice::open(ordinal)
+        .map_err(|e| format!("CUDA KV cache on device {ordinal}: {e}"))?;
+    // SAFETY: as for the host case above: the tensors are device memory of `device` (vLLM
+    // allocated them there), alive until the runtime is dropped, and touched by kvx only inside
+    // tasks the engine asked for. Copies are ordered after the engine's kernels by the step
+    // boundary: vLLM synchronizes its stream when a step's sampled tokens reach the host, before
+    // the next step's `start_step` submits the stores (see `EngineMemory::cuda`).
+    Ok(unsafe { EngineMemory::cuda(&device, layout) })
 }

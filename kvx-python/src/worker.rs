@@ -1,6 +1,6 @@
 //! `WorkerSide`: kvx-offload's worker side for Python (each vLLM worker), built by
-//! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host backend), a host tier and
-//! an optional file tier (kvx-posix).
+//! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host memory, or a CUDA device
+//! through kvx-cuda), a host tier and an optional file tier (kvx-posix).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -109,10 +109,12 @@ impl WorkerSide {
         let built = py.detach(move || {
             // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
             // after this runtime is dropped (see `memory::engine_memory`).
-            let memory = unsafe { memory::engine_memory(lay) };
-            OffloadBuilder::new(cfg, memory).build()
+            let memory = unsafe { memory::engine_memory(lay) }?;
+            OffloadBuilder::new(cfg, memory)
+                .build()
+                .map_err(|e| e.to_string())
         });
-        let built = built.map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let built = built.map_err(PyValueError::new_err)?;
         drop(built.scheduler); // the scheduler side lives in vLLM's scheduler process
         Ok(WorkerSide {
             running: Mutex::new(Some(Running {

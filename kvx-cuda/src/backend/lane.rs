@@ -125,8 +125,10 @@ pub(crate) fn run<F: Fence>(lane: Arc<Lane<F>>, ledger: Arc<Ledger>) {
         if let Err(e) = fence.wait(&ledger) {
             // The copies' fate is unknown only if the context itself is broken (a sticky
             // error aborts all of its work), so the buffers are safe to hand back; the
-            // blocks are reported failed.
-            ledger.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+            // blocks are reported failed. (An op whose queueing already failed was counted.)
+            if results.iter().any(|r| r.is_ok()) {
+                ledger.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+            }
             let msg = format!("CUDA copy did not complete: {e}");
             for r in results.iter_mut().filter(|r| r.is_ok()) {
                 *r = Err(BlockError::Io(msg.clone()));

@@ -264,9 +264,12 @@ impl CudaBackend {
         Ok(backend)
     }
 
-    /// Create a pinned pool on this backend's device and accept it.
+    /// Create a pinned pool on this backend's device (pinned in chunks of
+    /// [`CudaBackendConfig::pin_chunk_bytes`]) and accept it.
     pub fn pinned_pool(&mut self, count: usize, buf_size: usize) -> Result<PinnedPool, CudaError> {
-        let pool = self.device.pinned_pool(count, buf_size)?;
+        let pool = self
+            .device
+            .pinned_pool_in_chunks(count, buf_size, self.cfg.pin_chunk_bytes)?;
         self.accept_pool(&pool);
         Ok(pool)
     }
@@ -438,7 +441,7 @@ impl Backend for CudaBackend {
             .invalid_blocks
             .fetch_add((op.blocks.len() - targets.len()) as u64, Ordering::Relaxed);
         let runs = match plan::plan(&self.layout, &targets) {
-            Ok(runs) => runs,
+            Ok(runs) => self.pinned.split(runs),
             Err(e) => {
                 // Unreachable in practice (each block was checked), but never lose the op.
                 for &i in &target_pos {

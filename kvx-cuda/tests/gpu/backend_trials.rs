@@ -10,15 +10,16 @@ use kvx_core::{
     WaitOutcome,
 };
 use kvx_cuda::{BatchMode, CudaBackend, CudaBackendConfig, CudaDevice, PAGE_SIZE};
+
 use libtest_mimic::Failed;
 use rand::RngCore;
 
 use crate::MIB;
 use crate::fixture::{
-    Engine, ensure, finish, fresh_rng, op, pick_blocks, poison_byte, random_block,
+    Engine, Gpu, ensure, finish, fresh_rng, op, pick_blocks, poison_byte, random_block,
 };
 
-pub fn round_trip_cross_layer(dev: &CudaDevice) -> Result<(), Failed> {
+pub fn round_trip_cross_layer(dev: &Gpu) -> Result<(), Failed> {
     round_trip(
         dev,
         "cross_layer",
@@ -28,7 +29,7 @@ pub fn round_trip_cross_layer(dev: &CudaDevice) -> Result<(), Failed> {
     )
 }
 
-pub fn round_trip_per_layer(dev: &CudaDevice) -> Result<(), Failed> {
+pub fn round_trip_per_layer(dev: &Gpu) -> Result<(), Failed> {
     // 3 layers x K/V, 8 KiB segments: a 48 KiB block is 6 segments.
     round_trip(
         dev,
@@ -39,7 +40,7 @@ pub fn round_trip_per_layer(dev: &CudaDevice) -> Result<(), Failed> {
     )
 }
 
-pub fn round_trip_odd_per_run(dev: &CudaDevice) -> Result<(), Failed> {
+pub fn round_trip_odd_per_run(dev: &Gpu) -> Result<(), Failed> {
     // Segments of 5000 bytes (unaligned device addresses), buffers larger than blocks.
     round_trip(
         dev,
@@ -52,7 +53,7 @@ pub fn round_trip_odd_per_run(dev: &CudaDevice) -> Result<(), Failed> {
 
 /// Load random data into a poisoned engine, check every byte, then store it into poisoned
 /// buffers and check every byte again.
-fn round_trip(
+pub fn round_trip(
     dev: &CudaDevice,
     name: &str,
     engine: Engine,
@@ -207,7 +208,7 @@ fn round_trip(
 
 /// Unpinned buffers, duplicates, out-of-range blocks and shared store destinations fail per
 /// block; the valid block of the same op still lands.
-pub fn invalid_blocks_fail_alone(dev: &CudaDevice) -> Result<(), Failed> {
+pub fn invalid_blocks_fail_alone(dev: &Gpu) -> Result<(), Failed> {
     let mut rng = fresh_rng("invalid_blocks");
     let bb = 64 << 10;
     let engine = Engine::cross(dev, bb, 16)?;
@@ -288,10 +289,11 @@ pub fn invalid_blocks_fail_alone(dev: &CudaDevice) -> Result<(), Failed> {
     Ok(())
 }
 
-/// A 4 GiB load is not done within a 1 ms wait budget; a second wait sees it complete.
-pub fn wait_really_waits(dev: &CudaDevice) -> Result<(), Failed> {
+/// A long load (4 GiB on a GPU, slowed copies on the stand-in) is not done within a 1 ms wait
+/// budget; a second wait sees it complete.
+pub fn wait_really_waits(dev: &Gpu) -> Result<(), Failed> {
     let mut rng = fresh_rng("wait_really_waits");
-    let (block, n) = (2 * MIB, 2048u32);
+    let (block, n) = dev.long_copy((2 * MIB, 2048));
     let engine = Engine::cross(dev, block, n)?;
     // SAFETY: as in `round_trip`.
     let mut backend =
@@ -310,7 +312,7 @@ pub fn wait_really_waits(dev: &CudaDevice) -> Result<(), Failed> {
     let outcome = backend.wait(&[OpId(1)], until);
     ensure!(
         outcome == WaitOutcome::TimedOut,
-        "a 4 GiB copy was reported complete within a 1 ms wait"
+        "a long copy was reported complete within a 1 ms wait"
     );
     ensure!(
         Instant::now() >= until,
@@ -326,7 +328,8 @@ pub fn wait_really_waits(dev: &CudaDevice) -> Result<(), Failed> {
     let t = Instant::now();
     let c = finish(&mut backend, &[OpId(1)])?;
     println!(
-        "wait_really_waits: the rest of the 4 GiB load took {:?}",
+        "wait_really_waits: the rest of the {} MiB load took {:?}",
+        block * n as usize / MIB,
         t.elapsed()
     );
     ensure!(

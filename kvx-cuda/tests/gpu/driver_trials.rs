@@ -8,18 +8,18 @@ use kvx_core::{
     BlockKey, Buf, Direction, DriverBuilder, DriverConfig, EngineBlockId, OpBlock, RequestId,
     TaskSpec, TaskState,
 };
-use kvx_cuda::{CudaBackend, CudaBackendConfig, CudaDevice};
+use kvx_cuda::{CudaBackend, CudaBackendConfig};
 use libtest_mimic::Failed;
 use rand::RngCore;
 
 use crate::MIB;
-use crate::fixture::{Engine, ensure, fresh_rng, poison_byte, random_block};
+use crate::fixture::{Engine, Gpu, ensure, fresh_rng, poison_byte, random_block};
 
 /// A task queued behind a long copy times out on time; its buffers stay quarantined (not in the
 /// pool, not in the report) until the copy really completed, then return; the late bytes land.
-pub fn deadline_quarantine_on_long_copy(dev: &CudaDevice) -> Result<(), Failed> {
+pub fn deadline_quarantine_on_long_copy(dev: &Gpu) -> Result<(), Failed> {
     let mut rng = fresh_rng("deadline_quarantine");
-    let (block, blocker_n, late_n) = (2 * MIB, 3072u32, 8u32);
+    let ((block, blocker_n), late_n) = (dev.long_copy((2 * MIB, 3072)), 8u32);
     let engine = Engine::cross(dev, block, blocker_n + late_n)?;
     // SAFETY: as in `round_trip`; the driver (which owns the backend) is dropped before `engine`.
     let mut backend =
@@ -104,7 +104,7 @@ pub fn deadline_quarantine_on_long_copy(dev: &CudaDevice) -> Result<(), Failed> 
     );
     ensure!(
         backend_now.in_flight >= 1,
-        "inconclusive: the 6 GiB blocker already finished {:?} after submission",
+        "inconclusive: the blocker already finished {:?} after submission",
         reported.elapsed()
     );
     ensure!(
@@ -170,11 +170,12 @@ pub fn deadline_quarantine_on_long_copy(dev: &CudaDevice) -> Result<(), Failed> 
     Ok(())
 }
 
-/// Preempting a request with a 1 GiB store in flight gives a fence that holds only once the
+/// Preempting a request with a long store in flight (1 GiB on a GPU, slowed copies on the
+/// stand-in) gives a fence that holds only once the
 /// copy physically completed; the store still finishes (flushed), byte-exact.
-pub fn preempt_fence_flushes_inflight_store(dev: &CudaDevice) -> Result<(), Failed> {
+pub fn preempt_fence_flushes_inflight_store(dev: &Gpu) -> Result<(), Failed> {
     let mut rng = fresh_rng("preempt_fence");
-    let (block, n) = (2 * MIB, 512u32);
+    let (block, n) = dev.long_copy((2 * MIB, 512));
     let engine = Engine::cross(dev, block, n)?;
     let base = random_block(&mut rng, block);
     let pattern = |i: u32| {
@@ -215,7 +216,7 @@ pub fn preempt_fence_flushes_inflight_store(dev: &CudaDevice) -> Result<(), Fail
     let fence = driver.preempt(RequestId(7))?;
     ensure!(
         !fence.wait(Instant::now() + Duration::from_millis(1)),
-        "fence held within 1 ms of a 1 GiB store"
+        "fence held within 1 ms of a long store"
     );
     ensure!(
         fence.wait(Instant::now() + Duration::from_secs(60)),

@@ -8,6 +8,7 @@ use kvx_core::{
     OpCompletion, OpId, Region, RequestId, TaskId, WaitOutcome,
 };
 use kvx_cuda::{CudaDevice, CudaError, DeviceMem};
+use kvx_cuda_standin::control::Standin;
 use libtest_mimic::Failed;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -21,6 +22,40 @@ macro_rules! ensure {
     };
 }
 pub(crate) use ensure;
+
+/// The device a trial runs on: a real GPU (every trial shares device 0), or the CPU stand-in
+/// for the driver (each trial has a device of its own, so its knobs touch no other trial).
+#[derive(Clone)]
+pub struct Gpu {
+    pub dev: CudaDevice,
+    /// The stand-in's knobs, when the driver library is the stand-in.
+    pub standin: Option<Standin>,
+}
+
+/// How slow the stand-in makes each copy of a trial that needs a long one.
+pub const STANDIN_COPY_DELAY: Duration = Duration::from_millis(250);
+
+impl Gpu {
+    /// `(block bytes, blocks)` of a copy that must outlast a trial's short waits: `gpu` on a
+    /// real device (sized to take long there); on the stand-in 8 blocks of 64 KiB, with each
+    /// copy on this trial's device slowed by [`STANDIN_COPY_DELAY`].
+    pub fn long_copy(&self, gpu: (usize, u32)) -> (usize, u32) {
+        match &self.standin {
+            None => gpu,
+            Some(s) => {
+                s.set_copy_delay(self.dev.ordinal(), STANDIN_COPY_DELAY);
+                (64 << 10, 8)
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for Gpu {
+    type Target = CudaDevice;
+    fn deref(&self) -> &CudaDevice {
+        &self.dev
+    }
+}
 
 /// A fresh random generator (new seed each run, printed so a failure can be replayed).
 pub fn fresh_rng(test: &str) -> SmallRng {

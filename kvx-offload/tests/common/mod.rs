@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod scenarios;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -73,18 +74,37 @@ impl Opts {
     }
 }
 
-pub struct Rig {
+/// The engine's KV memory as the tests touch it: host RAM here, a CUDA device in `tests/cuda`.
+pub trait EngineBlocks {
+    /// Write block `b` (its segments concatenated).
+    fn write_block(&mut self, b: EngineBlockId, data: &[u8]) -> Result<(), String>;
+    /// Read block `b` (its segments concatenated).
+    fn read_block(&self, b: EngineBlockId) -> Result<Vec<u8>, String>;
+}
+
+impl EngineBlocks for HostArena {
+    fn write_block(&mut self, b: EngineBlockId, data: &[u8]) -> Result<(), String> {
+        HostArena::write_block(self, b, data).map_err(|e| e.to_string())
+    }
+
+    fn read_block(&self, b: EngineBlockId) -> Result<Vec<u8>, String> {
+        HostArena::read_block(self, b).map_err(|e| e.to_string())
+    }
+}
+
+pub struct Rig<M: EngineBlocks = HostArena> {
     pub sched: SchedulerSide,
     pub worker: Option<WorkerSide>,
     pub runtime: Option<OffloadRuntime>,
     pub files: PosixHandle,
-    pub arena: HostArena,
+    /// The engine's memory.
+    pub arena: M,
     pub out: WorkerOutput,
     /// Preemption fences `start_step` handed back because they did not hold yet.
     pub fences: Vec<PreemptionFence>,
 }
 
-impl Drop for Rig {
+impl<M: EngineBlocks> Drop for Rig<M> {
     fn drop(&mut self) {
         self.worker.take();
         self.runtime.take();
@@ -149,23 +169,28 @@ pub fn rig(dir: &Path, o: Opts) -> Rig {
         None => Box::new(host),
     };
     let memory = EngineMemory::backend(engine, BLOCK, ENGINE_BLOCKS);
-    let Offload {
-        scheduler,
-        worker,
-        runtime,
-    } = OffloadBuilder::new(cfg, memory).build().unwrap();
-    Rig {
-        sched: scheduler,
-        worker: Some(worker),
-        files: runtime.files().unwrap().clone(),
-        runtime: Some(runtime),
-        arena,
-        out: WorkerOutput::default(),
-        fences: Vec::new(),
-    }
+    Rig::new(OffloadBuilder::new(cfg, memory).build().unwrap(), arena)
 }
 
-impl Rig {
+impl<M: EngineBlocks> Rig<M> {
+    /// A rig over what the builder made and the engine memory it serves.
+    pub fn new(offload: Offload, arena: M) -> Rig<M> {
+        let Offload {
+            scheduler,
+            worker,
+            runtime,
+        } = offload;
+        Rig {
+            sched: scheduler,
+            worker: Some(worker),
+            files: runtime.files().unwrap().clone(),
+            runtime: Some(runtime),
+            arena,
+            out: WorkerOutput::default(),
+            fences: Vec::new(),
+        }
+    }
+
     pub fn w(&mut self) -> &mut WorkerSide {
         self.worker.as_mut().unwrap()
     }
@@ -222,7 +247,7 @@ impl Rig {
     }
 
     /// Step until `done(self)` or the timeout; true if done.
-    pub fn step_until(&mut self, timeout: Duration, done: impl FnMut(&Rig) -> bool) -> bool {
+    pub fn step_until(&mut self, timeout: Duration, done: impl FnMut(&Self) -> bool) -> bool {
         self.step_until_last_miss(Instant::now(), timeout, done)
             .is_some()
     }
@@ -235,7 +260,7 @@ impl Rig {
         &mut self,
         since: Instant,
         timeout: Duration,
-        mut done: impl FnMut(&Rig) -> bool,
+        mut done: impl FnMut(&Self) -> bool,
     ) -> Option<Duration> {
         let mut missed_at = since;
         loop {
