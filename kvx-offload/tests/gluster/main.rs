@@ -112,7 +112,7 @@ fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
 }
 
 /// Store `k` (generation `generation`) with `deadline`, not waiting past it: whether the store
-/// reported success, and when its report came.
+/// reported success, and when kvx decided it (the report's finished_at).
 fn store_by(
     node: &Node,
     k: kvx_core::BlockKey,
@@ -145,7 +145,8 @@ fn store_by(
         .driver
         .wait_report(t, deadline + SOON)
         .expect("store report");
-    (r.is_ok(), Instant::now())
+    // When kvx decided, not when this thread woke up to read it: the bound is kvx's.
+    (r.is_ok(), r.finished_at)
 }
 
 /// True when the breaker of `node`'s root is open.
