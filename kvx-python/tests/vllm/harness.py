@@ -96,6 +96,7 @@ class Tracked:
     entered_wait: float | None = None
     waits: list[float] = field(default_factory=list)
     load_blocks: list[list[int]] = field(default_factory=list)  # block ids of each load
+    blocks: set[int] = field(default_factory=set)  # every engine block it ever held while running
     finished_status: RequestStatus | None = None
     seen_scheduled: bool = False
 
@@ -271,6 +272,7 @@ class Engine:
                 t.seen_scheduled = True
             states = self._states(t)
             ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            t.blocks.update(ids)
             for p in range(start, end):
                 self._write(ids[p // BLOCK], p % BLOCK, states[p])
             req_ids.append(req_id)
