@@ -70,19 +70,21 @@ class WorkerSide:
         self.registered = False
 
     def restore(self) -> None:
-        """After wake: take the KV cache's addresses again from the tensors registered before.
-        At the same addresses (vLLM's sleep mode remaps the same virtual range) kvx goes on as
-        it was; elsewhere the worker side is built again over them (its host tier starts
-        empty: loads the scheduler side still plans from it fail and are recomputed).
-        Idempotent."""
+        """After wake: take the KV cache's addresses again from the tensors registered before
+        and go on where kvx was (its host and file tiers kept their blocks). vLLM's sleep mode
+        maps the cache back at the same virtual addresses; a cache that came back elsewhere is
+        an error naming the tensor (the scheduler process's index of the host tier would no
+        longer match a worker side built again). Idempotent."""
         if self.registered or self.native is None:
             return
         described = describe_tensors(self._kv_caches)
-        if described != self._described:
-            logger.warning("kvx: the KV cache moved during sleep; the host tier starts again empty")
-            self.native.close()
-            self.native = None
-            self.register(self._kv_caches)
+        for old, new in zip(self._described, described):
+            if old != new:
+                raise KvxError(
+                    f"KvxConnector: KV cache tensor {new[0]!r} moved during sleep (address {old[1]:#x}, "
+                    f"shape {old[2]}, strides {old[3]} before; {new[1]:#x}, {new[2]}, {new[3]} after): "
+                    "kvx follows a cache restored at the same addresses only"
+                )
         self.registered = True
 
     def start(self, meta: KvxConnectorMetadata) -> None:
