@@ -93,7 +93,8 @@ def test_v2_model_runner_resumes_a_preempted_request_as_new(tmp_path):
     e = Engine(tmp_path, {"host_blocks": 64}, num_blocks=17, max_batched_tokens=256)
     try:
         if not getattr(e.vllm_config, "use_v2_model_runner", False):
-            skip("test_v2_model_runner_resumes_a_preempted_request_as_new", f"vLLM {vllm.__version__} runs the V1 model runner here")
+            reason = f"vLLM {vllm.__version__} runs the V1 model runner here"
+            skip("test_v2_model_runner_resumes_a_preempted_request_as_new", reason)
         for i in range(2):
             e.add(f"r{i}", prompt(92 + i, 4 * BLOCK), max_tokens=5 * BLOCK)
         e.run(timeout=60)

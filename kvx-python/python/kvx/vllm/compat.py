@@ -4,10 +4,13 @@ resolved KV cache layout, the layout kvx prefers, and the size of the largest st
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
 from kvx import _native
+
+logger = logging.getLogger("kvx.vllm")
 
 #: Versions of vLLM this package was tested with (``pyproject.toml`` declares the range).
 TESTED_VLLM = ("0.32.0", "0.33.0")
@@ -19,6 +22,15 @@ TESTED_VLLM = ("0.32.0", "0.33.0")
 PREFERRED_LAYOUT = "BLNHC"
 
 UNRESOLVED = "unresolved"
+
+
+def warn_if_untested() -> None:
+    """Log a warning on a vLLM version outside ``TESTED_VLLM``'s minor versions."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "?"))
+    if ".".join(version.split(".")[:2]) not in {".".join(v.split(".")[:2]) for v in TESTED_VLLM}:
+        logger.warning("kvx: vLLM %s is untested; kvx.vllm is tested with %s", version, ", ".join(TESTED_VLLM))
 
 
 def canonical_layout(name: str) -> str:
@@ -85,6 +97,7 @@ def check_host_blocks(config: str, block_size: int, vllm_config: Any) -> None:
         raise ValueError(
             f"kv_connector_extra_config: host_blocks = {host_blocks} is smaller than one store "
             f"job: a request computes up to {need} blocks in one step (max_num_batched_tokens "
-            f"{sc.max_num_batched_tokens} / block_size {block_size}), and a job the host tier "
+            f"{sc.max_num_batched_tokens}, max_model_len {vllm_config.model_config.max_model_len}, "
+            f"block_size {block_size}), and a job the host tier "
             f"cannot hold is stored in no tier; set host_blocks to at least {need}"
         )

@@ -54,6 +54,7 @@ class KvxConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.warn_if_untested()
         extra = self._kv_transfer_config.kv_connector_extra_config
         try:
             self.config = json.dumps(dict(extra or {}))

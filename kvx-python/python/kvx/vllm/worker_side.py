@@ -78,7 +78,7 @@ class WorkerSide:
         if self.registered or self.native is None:
             return
         described = describe_tensors(self._kv_caches)
-        for old, new in zip(self._described, described):
+        for old, new in zip(self._described, described, strict=True):
             if old != new:
                 raise KvxError(
                     f"KvxConnector: KV cache tensor {new[0]!r} moved during sleep (address {old[1]:#x}, "
