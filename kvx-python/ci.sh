@@ -14,6 +14,8 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative KVX_VENV is relative to where ci.sh was started.
+case "${KVX_VENV:-}" in "" | /*) ;; *) KVX_VENV="$PWD/$KVX_VENV" ;; esac
 cd "$root"
 want="${KVX_VLLM:-0.33.0}"
 case "$want" in

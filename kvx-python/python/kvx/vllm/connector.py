@@ -85,7 +85,6 @@ class KvxConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
-            self._worker.layout = compat.resolved_layout(vllm_config, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

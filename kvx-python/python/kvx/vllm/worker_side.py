@@ -40,8 +40,6 @@ class WorkerSide:
         self.invalid: set[int] = set()
         self.jobs: list[bytes] = []
         self._started: KvxConnectorMetadata | None = None
-        # vLLM's resolved KV cache layout (set by the connector; part of the key namespace).
-        self.layout = ""
         # The registered tensors and their description; None between unregister and restore.
         self._kv_caches: dict = {}
         self._described: list[tuple] = []
