@@ -1,40 +1,68 @@
 #!/usr/bin/env bash
-# Build the `kvx` wheel, install it with vllm 0.32.0 into a venv, and run the Python tests
+# Build the `kvx` wheel, install it into a venv that holds vLLM, and run the Python tests
 # (vLLM's real scheduler on CPU; no GPU needed). Run from the repository root:
 #
-#   bash kvx-python/ci.sh
+#   bash kvx-python/ci.sh                      # vLLM 0.33.0 (what CI runs)
+#   KVX_VLLM=0.32.0 bash kvx-python/ci.sh      # vLLM 0.32.0, in a venv of its own
 #
-# KVX_VENV: the venv to create or reuse (default kvx-python/.venv, ignored by git).
-# PYTHON:   the interpreter that creates it (default python3; CPython >= 3.10).
+# KVX_VLLM: the vLLM version to test (default 0.33.0; tested: 0.32.0 and 0.33.0).
+# KVX_VENV: the venv to create or reuse (default kvx-python/.venv-$KVX_VLLM, ignored by git).
+#           A venv without vLLM gets vllm==$KVX_VLLM; one that holds another version is refused,
+#           never reinstalled: point KVX_VENV at a venv of that version, or set KVX_VLLM to match.
+# PYTHON:   the interpreter that creates the venv (default python3; CPython >= 3.10).
+# MATURIN:  the maturin binary (default: the venv's, else the one on PATH).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative KVX_VENV is relative to where ci.sh was started.
+case "${KVX_VENV:-}" in "" | /*) ;; *) KVX_VENV="$PWD/$KVX_VENV" ;; esac
 cd "$root"
-venv="${KVX_VENV:-$root/kvx-python/.venv}"
+want="${KVX_VLLM:-0.33.0}"
+case "$want" in
+    0.32.0 | 0.33.0) ;;
+    *) echo "ci.sh: KVX_VLLM=$want: kvx is tested with vLLM 0.32.0 and 0.33.0" >&2; exit 2 ;;
+esac
+venv="${KVX_VENV:-$root/kvx-python/.venv-$want}"
 python="${PYTHON:-python3}"
 start=$(date +%s)
 stamp() { echo "ci.sh: $1 at +$(($(date +%s) - start))s"; }
 
-"$python" - <<'EOF'
+"$python" - <<'PY'
 import sys
 if sys.implementation.name != "cpython" or sys.version_info < (3, 10):
     sys.exit(f"ci.sh: kvx needs CPython >= 3.10, found {sys.implementation.name} {sys.version.split()[0]}")
-EOF
+PY
 
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet "vllm==0.32.0" "maturin>=1.5,<2" pytest ruff mypy
-stamp "vllm 0.32.0, maturin, pytest, ruff and mypy installed"
+have="$("$venv/bin/python" -c 'import importlib.metadata as m
+try:
+    print(m.version("vllm"))
+except m.PackageNotFoundError:
+    print("")')"
+if [ -z "$have" ]; then
+    "$venv/bin/python" -m pip install --quiet "vllm==$want"
+elif [ "$have" != "$want" ]; then
+    echo "ci.sh: $venv holds vllm $have, not $want; ci.sh does not replace it." >&2
+    echo "ci.sh: run KVX_VLLM=$have bash kvx-python/ci.sh, or point KVX_VENV at a venv of vllm $want" >&2
+    exit 1
+fi
+# The test tools, where missing (an installed one is kept as it is).
+"$venv/bin/python" -c 'import maturin, pytest, ruff, mypy' 2>/dev/null ||
+    "$venv/bin/python" -m pip install --quiet "maturin>=1.5,<2" pytest ruff mypy
+stamp "vllm $want, maturin, pytest, ruff and mypy in $venv"
 
 # Lint and type-check the package and the unit tests (settings in kvx-python/pyproject.toml).
-(cd "$root/kvx-python" && "$venv/bin/ruff" check . && "$venv/bin/mypy")
+(cd "$root/kvx-python" && "$venv/bin/python" -m ruff check . && "$venv/bin/python" -m mypy)
 stamp "ruff and mypy clean"
 
+maturin="${MATURIN:-$venv/bin/maturin}"
+[ -x "$maturin" ] || maturin="$(command -v maturin)"
 rm -rf "$root/target/wheels/kvx-"*.whl
 # The test wheel: with the FUSE fixture kvx.testing.FrozenMount (cargo feature `testing`).
-VIRTUAL_ENV="$venv" "$venv/bin/maturin" build --release --quiet --features testing \
+VIRTUAL_ENV="$venv" "$maturin" build --release --quiet --features testing \
     --manifest-path "$root/kvx-python/Cargo.toml" --interpreter "$venv/bin/python" \
     --out "$root/target/wheels"
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$root/target/wheels/"kvx-*.whl
@@ -42,10 +70,10 @@ stamp "kvx wheel built and installed"
 
 # Import from the installed wheel, not from the source tree.
 empty="$(mktemp -d)"
-(cd "$empty" && "$venv/bin/python" -c "from kvx.vllm import KvxConnector; print('ci.sh: imported', KvxConnector.__module__)")
+(cd "$empty" && "$venv/bin/python" -c "import vllm; from kvx.vllm import KvxConnector; print('ci.sh: imported', KvxConnector.__module__, 'with vllm', vllm.__version__)")
 rmdir "$empty"
 
 cd "$root/kvx-python"
 # tests/unit needs no vLLM; tests/vllm drives vLLM's real scheduler.
 "$venv/bin/python" -m pytest tests/unit tests/vllm -q -rs -p no:cacheprovider
-stamp "python tests done"
+stamp "python tests done on vllm $want"

@@ -333,6 +333,23 @@ impl WorkerSide {
         self.with(|r| Ok(r.runtime.files().map(|f| f.block_path(k))))
     }
 
+    /// A fence over every engine block (queued stores are copied now), waited for at most
+    /// `timeout_ms`: true once no kvx copy into or out of engine memory is out. Before the
+    /// engine's KV memory goes away (vLLM's sleep).
+    fn fence_engine(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<bool> {
+        let blocks: Vec<EngineBlockId> = (0..self.layout.num_blocks()).map(EngineBlockId).collect();
+        py.detach(|| {
+            let fence = self.with(|r| {
+                let d = r
+                    .runtime
+                    .driver()
+                    .ok_or_else(|| kvx_err("driver stopped"))?;
+                d.fence_blocks(&blocks).map_err(kvx_err)
+            })?;
+            Ok(fence.wait(Instant::now() + Duration::from_millis(timeout_ms)))
+        })
+    }
+
     /// Stop the driver and its backends, then let go of the tensors. Idempotent.
     fn close(&self, py: Python<'_>) {
         let running = self.lock().take();

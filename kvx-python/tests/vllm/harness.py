@@ -96,6 +96,7 @@ class Tracked:
     entered_wait: float | None = None
     waits: list[float] = field(default_factory=list)
     load_blocks: list[list[int]] = field(default_factory=list)  # block ids of each load
+    blocks: set[int] = field(default_factory=set)  # every engine block it ever held while running
     finished_status: RequestStatus | None = None
     seen_scheduled: bool = False
 
@@ -111,11 +112,15 @@ class Engine:
         num_blocks: int = 64,
         policy: str = "recompute",
         max_num_seqs: int = 8,
-        max_batched_tokens: int = 512,
+        max_batched_tokens: int = 128,
         kv_caches: dict | None = None,
         prefix_caching: bool = False,
         cross_layer: bool = False,
+        layouts: list[str] | None = None,
     ):
+        """``layouts``: allocate the KV cache with vLLM's own functions, in the layout vLLM
+        resolves when the attention backends support these (most preferred first, as a worker
+        reports them); ``None``: the harness's own tensors (``kv_caches`` or the defaults)."""
         self.num_blocks = num_blocks
         model = ModelConfig(model=str(write_model_dir(tmp)), skip_tokenizer_init=True, dtype="float16",
                             max_model_len=2048)
@@ -139,17 +144,15 @@ class Engine:
             ),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    [f"layer{i}" for i in range(LAYERS)],
-                    FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
-                                      dtype=torch.float16),
-                )
-            ],
-        )
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16)
+        groups = [KVCacheGroupSpec([f"layer{i}" for i in range(LAYERS)], spec)]
+        self.layout: str | None = None
+        if layouts is not None:
+            # As vLLM's engine core and workers do: resolve one layout (the connector's
+            # preference counts), plan the tensors for it, allocate them.
+            self.kv_cache_config, kv_caches, self.layout = vllm_kv_caches(self.vllm_config, groups, layouts, num_blocks)
+        else:
+            self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         # Worker side first: a bad layout must fail here, before any step.
         self.worker = KVConnectorFactory.create_connector(
             self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
@@ -167,6 +170,8 @@ class Engine:
                 for i in range(LAYERS)
             }
         self.kv = kv_caches
+        # [K/V, blocks, ...] tensors (the harness's default) or block-first ones.
+        self.kv_first = self.kv["layer0"].shape[0] != num_blocks
         try:
             self.driver = ActiveKVConnector(self.vllm_config, kv_caches)
         except Exception:
@@ -188,6 +193,7 @@ class Engine:
         self.send_reported: list[str] = []
         self.steps = 0
         self.meta_sizes: list[int] = []
+        self.resumed_as_new = 0  # preempted requests that came back among the new ones (V2 runner)
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Tracked:
@@ -212,15 +218,27 @@ class Engine:
         return t.states
 
     # -- the fake model ---------------------------------------------------------------------
-    def _plane(self, layer: int, plane: int) -> torch.Tensor:
-        """(blocks, block size, kv heads, head size) int16 view of one layer's K or V."""
+    def _slot(self, layer: int, block: int, off: int) -> torch.Tensor:
+        """int16 view of one token slot of one layer (K and V, every head), through the
+        tensor's own strides: whatever the physical layout, the model reads and writes it
+        only through these views, as attention kernels do."""
         t = self.kv[f"layer{layer}"].view(torch.int16)
-        return t[:, plane] if self.cross_layer else t[plane]
+        return t[:, block, off] if self.kv_first else t[block, :, off]
+
+    @staticmethod
+    def _words(h: int, layer: int) -> torch.Tensor:
+        return torch.cat([slot_words(h, layer, 0), slot_words(h, layer, 1)])
 
     def _write(self, block: int, off: int, h: int) -> None:
         for layer in range(LAYERS):
-            for plane in range(2):
-                self._plane(layer, plane)[block, off] = slot_words(h, layer, plane).view(KV_HEADS, HEAD)
+            slot = self._slot(layer, block, off)
+            slot.copy_(self._words(h, layer).view(slot.shape))
+
+    def block_content(self, block: int) -> torch.Tensor:
+        """What engine block ``block`` holds, every layer and slot, read through the views."""
+        return torch.stack(
+            [self._slot(layer, block, o).reshape(-1) for layer in range(LAYERS) for o in range(BLOCK)]
+        )
 
     def _check(self, t: Tracked, upto: int) -> None:
         """Every full block below token ``upto`` holds its tokens' bytes."""
@@ -228,16 +246,13 @@ class Engine:
         ids = self.scheduler.kv_cache_manager.get_block_ids(t.request.request_id)[0]
         for b in range(upto // BLOCK):
             for layer in range(LAYERS):
-                for plane in range(2):
-                    got = self._plane(layer, plane)[ids[b]]
-                    want = torch.stack(
-                        [slot_words(states[b * BLOCK + o], layer, plane) for o in range(BLOCK)]
-                    ).view(BLOCK, KV_HEADS, HEAD)
-                    if not torch.equal(got, want):
-                        raise AssertionError(
-                            f"{t.request.request_id}: block {b} (engine block {ids[b]}) layer {layer} "
-                            f"plane {plane} does not hold its tokens' bytes"
-                        )
+                got = torch.stack([self._slot(layer, ids[b], o).reshape(-1) for o in range(BLOCK)])
+                want = torch.stack([self._words(states[b * BLOCK + o], layer) for o in range(BLOCK)])
+                if not torch.equal(got, want):
+                    raise AssertionError(
+                        f"{t.request.request_id}: block {b} (engine block {ids[b]}) layer {layer} "
+                        "does not hold its tokens' bytes"
+                    )
             self.verified_blocks += 1
 
     def _forward(self, so) -> ModelRunnerOutput:
@@ -247,13 +262,17 @@ class Engine:
             req = t.request
             end = req.num_computed_tokens  # already advanced by the scheduler
             start = end - n
-            if not t.seen_scheduled or start == 0 or self._resumed(so, req_id):
+            resumed = self._resumed(so, req_id)
+            if t.seen_scheduled and any(r.req_id == req_id for r in so.scheduled_new_reqs):
+                self.resumed_as_new += 1
+            if not t.seen_scheduled or start == 0 or resumed:
                 # First time this request runs (or again after a preemption): whatever it did
                 # not compute itself — local prefix cache, kvx loads — must already be exact.
                 self._check(t, start)
                 t.seen_scheduled = True
             states = self._states(t)
             ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            t.blocks.update(ids)
             for p in range(start, end):
                 self._write(ids[p // BLOCK], p % BLOCK, states[p])
             req_ids.append(req_id)
@@ -266,17 +285,29 @@ class Engine:
 
     @staticmethod
     def _resumed(so, req_id: str) -> bool:
+        """Running again after a preemption: in ``resumed_req_ids`` (vLLM 0.32, and 0.33's V1
+        model runner) or among the new requests with its whole block table (0.33's V2 runner)."""
         c = so.scheduled_cached_reqs
-        return req_id in getattr(c, "resumed_req_ids", ()) or False
+        if req_id in getattr(c, "resumed_req_ids", ()):
+            return True
+        return any(r.req_id == req_id for r in so.scheduled_new_reqs)
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> None:
+        self.execute(self.schedule())
+
+    def schedule(self):
+        """vLLM's ``schedule()``: the scheduler output of one step, not yet run."""
         so = self.scheduler.schedule()
         now = time.monotonic()
         for t in self.tracked.values():
             if t.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and t.entered_wait is None:
                 t.entered_wait = now
                 t.load_blocks.append(list(self.scheduler.kv_cache_manager.get_block_ids(t.request.request_id)[0]))
+        return so
+
+    def execute(self, so) -> None:
+        """Run one scheduled step: worker connector, fake forward, ``update_from_output``."""
         # What crosses from the scheduler process to the worker is pickled, as in vLLM.
         wire = pickle.dumps(so.kv_connector_metadata)
         self.meta_sizes.append(len(wire))
@@ -348,6 +379,29 @@ class Engine:
         self.scheduler.shutdown()
         self.worker.shutdown()
         kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+def vllm_kv_caches(vllm_config, groups, layouts: list[str], num_blocks: int):
+    """(KV cache config, KV caches, layout name) as vLLM makes them: ``resolve_kv_cache_layout``
+    with ``layouts`` as every worker's supported list, the tensors planned for that layout, and
+    ``allocate_kv_cache``. vLLM 0.33 moved ``get_kv_cache_config_from_groups`` to
+    ``kv_cache_planning``."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+    specs = [g.kv_cache_spec for g in groups]
+    layout = resolve_kv_cache_layout(vllm_config, [list(layouts)], specs)
+    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    kcc = get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
+    assert kcc.num_blocks == num_blocks, (kcc.num_blocks, num_blocks)
+    # The engine core hands the resolved layout to every worker in the KV cache config.
+    kcc.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    return kcc, allocate_kv_cache(kcc, torch.device("cpu"), layout), layout.name
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -30,7 +30,7 @@ def test_read_only_file_dir_fails_at_construction(tmp_path):
         reason = f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}"
         print(f"skip: test_read_only_file_dir_fails_at_construction: {reason}")
         pytest.skip(reason)
-    extra = {"host_blocks": 4, "file": {"roots": [str(ro)], "blocks": 16, "io_engine": "psync"}}
+    extra = {"host_blocks": 8, "file": {"roots": [str(ro)], "blocks": 16, "io_engine": "psync"}}
     try:
         with pytest.raises(ValueError) as e:
             Engine(tmp_path, extra)
@@ -58,10 +58,10 @@ def layers(make):
             lambda: torch.zeros((2, 63, BLOCK, KV_HEADS, HEAD), dtype=torch.float16),
             ["no dimension of size num_blocks=64"],
         ),
-        # Heads and positions swapped by a view: a block is not one run per plane.
+        # Two dimensions over the same bytes (a broadcast): no block is a set of runs.
         (
-            lambda: torch.zeros((2, 64, KV_HEADS, BLOCK, HEAD), dtype=torch.float16).transpose(2, 3),
-            ["not contiguous", "layer0"],
+            lambda: torch.zeros((2, 64, BLOCK, 1, HEAD), dtype=torch.float16).expand(2, 64, BLOCK, KV_HEADS, HEAD),
+            ["overlaps", "layer0"],
         ),
         (
             lambda: torch.zeros((2, 64, BLOCK, KV_HEADS, HEAD), dtype=torch.float16, device="meta"),

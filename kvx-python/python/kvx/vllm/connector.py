@@ -1,4 +1,4 @@
-"""``KvxConnector``: vLLM 0.32's ``KVConnectorBase_V1`` on kvx-offload.
+"""``KvxConnector``: vLLM's ``KVConnectorBase_V1`` (0.32 and 0.33) on kvx-offload.
 
 Enable it with::
 
@@ -27,17 +27,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvx.vllm import compat
 from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.worker_side import WorkerSide
 
 
-def _namespace(vllm_config) -> bytes:
-    """Identity of the KV bytes a block key stands for: model, dtypes, block size, parallelism."""
+def _namespace(vllm_config, kv_cache_config) -> bytes:
+    """Identity of the KV bytes a block key stands for: model, dtypes, block size, parallelism,
+    and the physical KV cache layout (a block's bytes mean something else under another one)."""
     m, c, p = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     parts = (
-        "kvx-vllm-1",
+        "kvx-vllm-2",
         str(getattr(m, "model", "")),
         str(getattr(m, "revision", "")),
         str(getattr(m, "dtype", "")),
@@ -45,6 +47,7 @@ def _namespace(vllm_config) -> bytes:
         str(c.block_size),
         str(p.tensor_parallel_size),
         str(p.pipeline_parallel_size),
+        f"layout={compat.resolved_layout(vllm_config, kv_cache_config)}",
     )
     return "|".join(parts).encode()
 
@@ -54,6 +57,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.warn_if_untested()
         extra = self._kv_transfer_config.kv_connector_extra_config
         try:
             self.config = json.dumps(dict(extra or {}))
@@ -71,23 +75,39 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_config.kv_cache_groups
         if not groups:
             raise ValueError("KvxConnector: the KV cache config has no KV cache group")
+        namespace = _namespace(vllm_config, kv_cache_config)
         # Several groups (a hybrid model): kvx.vllm.groups; one group: as before.
-        hybrid = describe_groups(kv_cache_config, _namespace(vllm_config)) if len(groups) > 1 else None
+        hybrid = describe_groups(kv_cache_config, namespace) if len(groups) > 1 else None
         block_size = groups[0].kv_cache_spec.block_size
+        compat.check_host_blocks(self.config, block_size, vllm_config)
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if hybrid is not None:
                 self._sched = HybridSchedulerSide(
-                    self.config, block_size, hash_block_size, _namespace(vllm_config), hybrid
+                    self.config, block_size, hash_block_size, namespace, hybrid
                 )
             else:
-                self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config))
+                self._sched = SchedulerSide(self.config, block_size, hash_block_size, namespace)
         elif hybrid is not None:
             self._worker = HybridWorkerSide(self.config, block_size, kv_cache_config.num_blocks)
         else:
             self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """The layout kvx asks vLLM for: block-outermost, so each block is one run of bytes
+        (one copy per block, not one per layer); ``None`` where it cannot help (see
+        ``compat.preferred_layout``). vLLM drops a preference its attention backends do not
+        support (with a warning), and ``VLLM_KV_CACHE_LAYOUT`` overrides it."""
+        return compat.preferred_layout(vllm_config)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """Sleep mode (vLLM >= 0.33): the worker side drops its pointers into the KV cache in
+        ``unregister_kv_caches`` and takes them again in ``restore_kv_caches``."""
+        return True
 
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
@@ -102,6 +122,13 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]):
         self._worker_side().register(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        # Sleep (vLLM >= 0.33): the KV cache memory goes away until restore_kv_caches.
+        self._worker_side().unregister()
+
+    def restore_kv_caches(self) -> None:
+        self._worker_side().restore()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         # Before the forward may overwrite a preempted request's blocks: the whole step starts

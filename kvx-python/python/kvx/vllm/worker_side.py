@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from kvx import _native
@@ -39,17 +40,57 @@ class WorkerSide:
         self.invalid: set[int] = set()
         self.jobs: list[bytes] = []
         self._started: KvxConnectorMetadata | None = None
+        # The registered tensors and their description; None between unregister and restore.
+        self._kv_caches: dict = {}
+        self._described: list[tuple] = []
+        self.registered = False
+        timeouts = json.loads(_native.parse_config(config, block_size))["timeouts"]
+        self._fence_ms = int(max(timeouts["load_ms"], timeouts["store_ms"])) + 1000
 
     def register(self, kv_caches: dict) -> None:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
+        described = describe_tensors(kv_caches)
         self.native = _native.WorkerSide(
-            self.config, self.block_size, describe_tensors(kv_caches), list(kv_caches.values()), self.num_blocks
+            self.config, self.block_size, described, list(kv_caches.values()), self.num_blocks
         )
+        self._kv_caches, self._described, self.registered = dict(kv_caches), described, True
+
+    def unregister(self) -> None:
+        """Before sleep: end every kvx copy into or out of the KV cache (queued stores are
+        copied now, while the memory still holds their blocks; loads end by their deadline),
+        then accept no step until ``restore``. kvx keeps no copy running and starts none on
+        the KV cache's addresses meanwhile; the host and file tiers keep their blocks.
+        Idempotent."""
+        if self.native is None or not self.registered:
+            return
+        if not self.native.fence_engine(self._fence_ms):
+            logger.error("kvx: copies into the KV cache did not end within %d ms before sleep", self._fence_ms)
+        self.registered = False
+
+    def restore(self) -> None:
+        """After wake: take the KV cache's addresses again from the tensors registered before
+        and go on where kvx was (its host and file tiers kept their blocks). vLLM's sleep mode
+        maps the cache back at the same virtual addresses; a cache that came back elsewhere is
+        an error naming the tensor (the scheduler process's index of the host tier would no
+        longer match a worker side built again). Idempotent."""
+        if self.registered or self.native is None:
+            return
+        described = describe_tensors(self._kv_caches)
+        for old, new in zip(self._described, described, strict=True):
+            if old != new:
+                raise KvxError(
+                    f"KvxConnector: KV cache tensor {new[0]!r} moved during sleep (address {old[1]:#x}, "
+                    f"shape {old[2]}, strides {old[3]} before; {new[1]:#x}, {new[2]}, {new[3]} after): "
+                    "kvx follows a cache restored at the same addresses only"
+                )
+        self.registered = True
 
     def start(self, meta: KvxConnectorMetadata) -> None:
         """Start this step once (from whichever of vLLM's per-step calls comes first)."""
         if self._started is meta:
             return
+        if self.native is not None and not self.registered:
+            raise KvxError("KvxConnector: a step between unregister_kv_caches and restore_kv_caches (sleep)")
         self._started = meta
         if self.native is None:
             raise KvxError("KvxConnector: register_kv_caches was not called before the first step")

@@ -1,0 +1,103 @@
+"""What the connector reads from vLLM's config, the same way on vLLM 0.32 and 0.33: the
+resolved KV cache layout, the layout kvx prefers, and the size of the largest store job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+from kvx import _native
+
+logger = logging.getLogger("kvx.vllm")
+
+#: Versions of vLLM this package was tested with (``pyproject.toml`` declares the range).
+TESTED_VLLM = ("0.32.0", "0.33.0")
+
+#: The layout kvx asks for: blocks outermost, so a block of every layer is one run of bytes
+#: (one copy per block instead of one per layer and K/V plane), with tokens before heads inside
+#: a layer's block as in vLLM's default (``LBNHC``), which keeps the attention kernels' view of a
+#: layer's block unchanged.
+PREFERRED_LAYOUT = "BLNHC"
+
+UNRESOLVED = "unresolved"
+
+
+def warn_if_untested() -> None:
+    """Log a warning on a vLLM version outside ``TESTED_VLLM``'s minor versions."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "?"))
+    if ".".join(version.split(".")[:2]) not in {".".join(v.split(".")[:2]) for v in TESTED_VLLM}:
+        logger.warning("kvx: vLLM %s is untested; kvx.vllm is tested with %s", version, ", ".join(TESTED_VLLM))
+
+
+def canonical_layout(name: str) -> str:
+    """vLLM's name for a layout, aliases (``NHD``, ``HND``) resolved."""
+    try:
+        from vllm.config.cache import _layout_from_name
+    except ImportError:  # a vLLM without physical layouts: the name is all there is
+        return name
+    return str(_layout_from_name(name).name)
+
+
+def resolved_layout(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The physical KV cache layout vLLM resolved for this engine, as its canonical name.
+
+    The engine core resolves it before it builds the scheduler (``CacheConfig.kv_cache_layout``)
+    and hands it to every worker in ``KVCacheConfig.kv_cache_layout``, so both sides of the
+    connector agree. ``"unresolved"`` where neither holds one (KV caches not allocated by vLLM).
+    """
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    return canonical_layout(name) if name else UNRESOLVED
+
+
+def preferred_layout(vllm_config: Any) -> str | None:
+    """``PREFERRED_LAYOUT``, or ``None`` where stating it cannot help: the CPU attention backend
+    supports ``LBHNC`` only; MLA caches have no K/V heads; hybrid and attention-free models
+    resolve their layout from their own specs (a block-outermost layout cannot split a block
+    into kernel blocks)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    m = vllm_config.model_config
+    if m is None:
+        return None
+    for flag in ("use_mla", "is_hybrid", "is_attention_free"):
+        try:
+            if getattr(m, flag, False):
+                return None
+        except Exception:  # a config without model info (unit tests): no opinion
+            return None
+    return PREFERRED_LAYOUT
+
+
+def max_store_job_blocks(block_size: int, vllm_config: Any) -> int:
+    """Most blocks one request can compute in one step, i.e. the largest store job: the
+    scheduler gives a request at most ``max_num_batched_tokens`` tokens per step (and never more
+    than ``max_model_len``)."""
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    max_len = getattr(vllm_config.model_config, "max_model_len", None)
+    if max_len:
+        tokens = min(tokens, max_len)
+    return math.ceil(tokens / block_size)
+
+
+def check_host_blocks(config: str, block_size: int, vllm_config: Any) -> None:
+    """Refuse a host tier smaller than one store job: such a job finds no room, and a store
+    goes to the file tier through the host tier, so it would store nothing in any tier."""
+    host_blocks = json.loads(_native.parse_config(config, block_size))["host_blocks"]
+    need = max_store_job_blocks(block_size, vllm_config)
+    if host_blocks < need:
+        sc = vllm_config.scheduler_config
+        raise ValueError(
+            f"kv_connector_extra_config: host_blocks = {host_blocks} is smaller than one store "
+            f"job: a request computes up to {need} blocks in one step (max_num_batched_tokens "
+            f"{sc.max_num_batched_tokens}, max_model_len {vllm_config.model_config.max_model_len}, "
+            f"block_size {block_size}), and a job the host tier "
+            f"cannot hold is stored in no tier; set host_blocks to at least {need}"
+        )

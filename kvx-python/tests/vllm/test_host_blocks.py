@@ -1,0 +1,37 @@
+"""``host_blocks`` and the batch: a host tier smaller than one store job is refused at
+construction (it would store nothing in any tier); one of exactly that size works."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import BLOCK, Engine, prompt
+
+
+@pytest.mark.parametrize("file_tier", [False, True])
+def test_host_tier_smaller_than_one_store_job_is_refused(tmp_path, file_tier):
+    # 128 tokens a step: one request computes up to 8 blocks in one step.
+    extra: dict = {"host_blocks": 7}
+    if file_tier:
+        d = tmp_path / "files"
+        d.mkdir()
+        extra["file"] = {"roots": [str(d)], "blocks": 1024}
+    with pytest.raises(ValueError) as e:
+        Engine(tmp_path, extra, max_batched_tokens=128)
+    msg = str(e.value)
+    assert "host_blocks = 7" in msg and "at least 8" in msg and "max_num_batched_tokens 128" in msg, msg
+
+
+def test_host_tier_of_exactly_one_store_job_stores_and_serves_it(tmp_path):
+    e = Engine(tmp_path, {"host_blocks": 8}, max_batched_tokens=128)
+    try:
+        p = prompt(70, 8 * BLOCK + 3)  # the first step computes 8 full blocks: one 8-block job
+        e.add("a", p)
+        e.run()
+        assert e.worker.stats()["host_blocks"] == 8
+        e.add("b", p)
+        e.run()
+        assert e.conn.stats()["host_hit_blocks"] == 8
+        assert e.verified_blocks == 8
+    finally:
+        e.close()
