@@ -58,6 +58,10 @@ stamp "vllm $want, maturin, pytest, ruff and mypy in $venv"
 (cd "$root/kvx-python" && "$venv/bin/python" -m ruff check . && "$venv/bin/python" -m mypy)
 stamp "ruff and mypy clean"
 
+# The CPU stand-in for the CUDA driver, for tests/unit/test_cuda_standin.py.
+cargo build --quiet -p kvx-cuda-standin
+stamp "CUDA stand-in built"
+
 maturin="${MATURIN:-$venv/bin/maturin}"
 [ -x "$maturin" ] || maturin="$(command -v maturin)"
 rm -rf "$root/target/wheels/kvx-"*.whl
@@ -74,6 +78,10 @@ empty="$(mktemp -d)"
 rmdir "$empty"
 
 cd "$root/kvx-python"
-# tests/unit needs no vLLM; tests/vllm drives vLLM's real scheduler.
-"$venv/bin/python" -m pytest tests/unit tests/vllm -q -rs -p no:cacheprovider
+# tests/unit needs no vLLM; tests/vllm drives vLLM's real scheduler, on the platform vLLM picks
+# with no VLLM_TARGET_DEVICE, and the hybrid-model tests on vLLM's CPU platform (the one with a
+# hybrid KV cache manager here): the platform is fixed when vLLM is imported, so two processes.
+"$venv/bin/python" -m pytest tests/unit tests/vllm -q -rs -p no:cacheprovider \
+    --ignore=tests/vllm/test_hybrid.py
+VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest tests/vllm/test_hybrid.py -q -rs -p no:cacheprovider
 stamp "python tests done on vllm $want"
