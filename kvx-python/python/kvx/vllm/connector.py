@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvx.vllm import parallel
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.worker_side import WorkerSide
@@ -56,13 +57,7 @@ class KvxConnector(KVConnectorBase_V1):
             self.config = json.dumps(dict(extra or {}))
         except TypeError as e:
             raise ValueError(f"kv_connector_extra_config: not JSON data: {e}") from e
-        par = vllm_config.parallel_config
-        world = par.tensor_parallel_size * par.pipeline_parallel_size
-        if world != 1:
-            raise ValueError(
-                f"KvxConnector: tensor_parallel_size x pipeline_parallel_size = {world}; this build "
-                "supports one worker per engine"
-            )
+        tp_size, pp_size = parallel.sizes(vllm_config)  # tensor x pipeline parallel workers
         if kv_cache_config is None:
             raise ValueError("KvxConnector needs the KV cache config (vLLM >= 0.32)")
         groups = kv_cache_config.kv_cache_groups
@@ -75,9 +70,11 @@ class KvxConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config))
+            self._sched = SchedulerSide(self.config, block_size, hash_block_size, _namespace(vllm_config),
+                                        tp_size=tp_size, pp_size=pp_size)
         else:
-            self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
+            self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks,
+                                      shard=parallel.worker_place(vllm_config).shard())
 
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:

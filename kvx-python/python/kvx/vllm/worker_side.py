@@ -26,11 +26,14 @@ class WorkerSide:
     as long as a load or a delayed free of it may still be reported.
     """
 
-    def __init__(self, config: str, block_size: int, num_blocks: int):
+    def __init__(self, config: str, block_size: int, num_blocks: int,
+                 shard: tuple[int, int, int, int] | None = None):
         _native.parse_config(config, block_size)  # a bad config fails here, not at registration
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # (tp rank, tp size, pp rank, pp size) with several workers: see kvx.vllm.parallel.
+        self.shard = shard
         self.native: _native.WorkerSide | None = None
         self.names: dict[int, str] = {}
         self.loading: set[int] = set()
@@ -43,7 +46,8 @@ class WorkerSide:
     def register(self, kv_caches: dict) -> None:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
         self.native = _native.WorkerSide(
-            self.config, self.block_size, describe_tensors(kv_caches), list(kv_caches.values()), self.num_blocks
+            self.config, self.block_size, describe_tensors(kv_caches), list(kv_caches.values()), self.num_blocks,
+            shard=self.shard,
         )
 
     def start(self, meta: KvxConnectorMetadata) -> None:
