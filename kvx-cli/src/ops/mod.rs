@@ -10,6 +10,7 @@
 
 pub mod child;
 pub mod gc;
+pub mod shards;
 pub mod verify;
 
 use std::io::IsTerminal;
