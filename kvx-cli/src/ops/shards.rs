@@ -87,13 +87,16 @@ pub fn blocks(
         .collect())
 }
 
+/// What became of one shard file: `None` in a dry run, `Err` with the error of a failed removal.
+pub type Outcome = Result<Option<Removal>, String>;
+
 /// Remove a block's shard files (each only if unchanged since the walk; nothing in a dry run):
 /// the outcome of each, `Err` with the error for a removal that failed.
 pub fn remove(
     worker: &mut Worker,
     b: &ShardedBlock,
     dry_run: bool,
-) -> Result<Vec<(PathBuf, Result<Option<Removal>, String>)>, MaintenanceError> {
+) -> Result<Vec<(PathBuf, Outcome)>, MaintenanceError> {
     let mut out = Vec::new();
     for f in &b.files {
         let Some(id) = f.id.filter(|_| !dry_run) else {
