@@ -72,7 +72,7 @@ fn run_here(args: GcArgs) -> i32 {
         dry_run: args.dry_run,
     };
     let mut bar = Bar::new("removed");
-    let result = match shards::shard_dirs(&args.dir) {
+    let result = match shards::shard_dirs(&args.dir, opts.deadline) {
         Ok(dirs) if !dirs.is_empty() => gc_sharded(&args.dir, &dirs, &opts, &mut |p| bar.update(p)),
         Ok(_) => gc(&args.dir, &opts, &mut |p| bar.update(p)),
         Err(e) => Err(e),
@@ -248,7 +248,7 @@ mod tests {
         let old_files = [put(d.path(), s0, old, 500), put(d.path(), s1, old, 400)];
         let new_files = [put(d.path(), s0, new, 10), put(d.path(), s1, new, 10)];
         let half_file = put(d.path(), s0, half, 100);
-        let dirs = shards::shard_dirs(d.path()).unwrap();
+        let dirs = shards::shard_dirs(d.path(), Duration::from_secs(5)).unwrap();
         let mut opts = GcOptions::new(250);
         opts.stale_after = Duration::from_secs(60);
         let r = gc_sharded(d.path(), &dirs, &opts, &mut |_| {}).unwrap();

@@ -56,13 +56,21 @@ impl ShardedBlock {
     }
 }
 
-/// The shard directories under `root` (empty for a store of one worker).
-pub fn shard_dirs(root: &Path) -> Result<Vec<(Shard, PathBuf)>, MaintenanceError> {
-    kvx_posix::shard::shard_dirs(root).map_err(|source| MaintenanceError::Io {
-        op: "list",
-        path: root.to_path_buf(),
-        source,
-    })
+/// The shard directories under `root` (empty for a store of one worker), listed on a
+/// [`Worker`] within `deadline` (a frozen mount ends the run with an error, never a hang).
+pub fn shard_dirs(
+    root: &Path,
+    deadline: Duration,
+) -> Result<Vec<(Shard, PathBuf)>, MaintenanceError> {
+    let mut worker = Worker::spawn(deadline)?;
+    let owned = root.to_path_buf();
+    worker
+        .run("list", root, move || kvx_posix::shard::shard_dirs(&owned))?
+        .map_err(|source| MaintenanceError::Io {
+            op: "list",
+            path: root.to_path_buf(),
+            source,
+        })
 }
 
 /// Every logical block of the shard directories `dirs`, grouped by layout and key.
@@ -131,7 +139,7 @@ mod tests {
                 std::fs::write(dir.join(format!("{hex}.kvb")), [0u8; 10]).unwrap();
             }
         }
-        let dirs = shard_dirs(d.path()).unwrap();
+        let dirs = shard_dirs(d.path(), Duration::from_secs(5)).unwrap();
         assert_eq!(dirs.len(), 2);
         let mut w = Worker::spawn(Duration::from_secs(5)).unwrap();
         let found = blocks(&dirs, &mut w, &mut |_| {}).unwrap();

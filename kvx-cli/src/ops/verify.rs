@@ -163,7 +163,7 @@ fn verify_shards(
     opts: &VerifyOptions,
     report: &mut VerifyReport,
 ) -> Result<ShardedFindings, kvx_posix::maintenance::MaintenanceError> {
-    let dirs = shards::shard_dirs(&args.dir)?;
+    let dirs = shards::shard_dirs(&args.dir, opts.deadline)?;
     let mut out = ShardedFindings {
         dirs: dirs.iter().map(|d| d.1.clone()).collect(),
         ..ShardedFindings::default()
