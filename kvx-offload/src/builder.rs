@@ -83,6 +83,7 @@ pub struct OffloadBuilder {
     cfg: OffloadConfig,
     memory: EngineMemory,
     driver: DriverConfig,
+    shard: Option<kvx_posix::Shard>,
 }
 
 /// What [`OffloadBuilder::build`] returns: both sides of the connector and the runtime.
@@ -119,7 +120,16 @@ impl OffloadBuilder {
             cfg,
             memory,
             driver: DriverConfig::default(),
+            shard: None,
         }
+    }
+
+    /// This worker holds `shard` of each block (a tensor- or pipeline-parallel rank): its file
+    /// tier lives in the shard's directory under each root (created if missing; see
+    /// [`kvx_posix::shard`]). A layout of one worker keeps the roots as they are.
+    pub fn shard(mut self, shard: kvx_posix::Shard) -> OffloadBuilder {
+        self.shard = (shard.world() > 1).then_some(shard);
+        self
     }
 
     /// Driver settings other than the defaults (tracker limits).
@@ -133,11 +143,15 @@ impl OffloadBuilder {
     /// found, and install the file-tier hook that removes evicted and corrupt block files.
     pub fn build(self) -> Result<Offload, OffloadError> {
         let OffloadBuilder {
-            cfg,
+            mut cfg,
             memory,
             driver: driver_cfg,
+            shard,
         } = self;
         cfg.validate()?;
+        if let (Some(s), Some(f)) = (shard, cfg.file.as_mut()) {
+            f.roots = shard_roots(s, &f.roots)?;
+        }
         let mut b = DriverBuilder::new(driver_cfg);
         #[cfg(feature = "cuda")]
         let mut pinned = None;
@@ -266,6 +280,74 @@ pub fn scheduler_side(cfg: &OffloadConfig) -> Result<SchedulerSide, OffloadError
         side.adopt_file_blocks(store.handle().keys());
     }
     Ok(side)
+}
+
+/// The scheduler side of an engine whose KV cache is split over `tp_size × pp_size` workers,
+/// each with its own shard of every block ([`OffloadBuilder::shard`]): as [`scheduler_side`],
+/// with the job results of all ranks merged ([`SchedulerSide::set_world`]), and a block the file
+/// tier holds adopted only when every shard directory holds it (a block some worker never wrote
+/// cannot be loaded; `kvx gc` and `kvx verify --repair` remove such leftovers). A layout of one
+/// worker is exactly [`scheduler_side`].
+pub fn scheduler_side_sharded(
+    cfg: &OffloadConfig,
+    tp_size: u32,
+    pp_size: u32,
+) -> Result<SchedulerSide, OffloadError> {
+    let shards = kvx_posix::Shard::all(tp_size, pp_size);
+    if shards.is_empty() {
+        return Err(OffloadError::config(
+            "parallel layout",
+            format!("tensor size {tp_size} x pipeline size {pp_size}: both must be at least 1"),
+        ));
+    }
+    if shards.len() == 1 {
+        return scheduler_side(cfg);
+    }
+    cfg.validate()?;
+    let mut side = SchedulerSide::new(cfg.scheduler())?;
+    side.set_world(shards.len() as u32);
+    let Some(f) = &cfg.file else {
+        return Ok(side);
+    };
+    if f.shared.is_some() {
+        return Err(OffloadError::config(
+            "file.shared",
+            "a scheduler side built on its own cannot probe a shared mount (build both \
+             sides in one process with OffloadBuilder)",
+        ));
+    }
+    let mut complete: Option<rustc_hash::FxHashSet<kvx_core::BlockKey>> = None;
+    for s in shards {
+        let mut fs = f.clone();
+        fs.roots = shard_roots(s, &f.roots)?;
+        let mut p = posix_config(&fs, 0);
+        p.io_engine = kvx_posix::IoEngine::Psync;
+        p.queue_depth = 1;
+        p.spare_files = 0;
+        let store =
+            kvx_posix::PosixStore::open(p).map_err(|e| setup("file tier")(e.to_string()))?;
+        let keys = store.handle().keys().into_iter();
+        complete = Some(match complete {
+            None => keys.collect(),
+            Some(c) => keys.filter(|k| c.contains(k)).collect(),
+        });
+    }
+    side.adopt_file_blocks(complete.unwrap_or_default());
+    Ok(side)
+}
+
+/// `shard`'s directory under each of `roots`, created if missing.
+fn shard_roots(
+    shard: kvx_posix::Shard,
+    roots: &[std::path::PathBuf],
+) -> Result<Vec<std::path::PathBuf>, OffloadError> {
+    let dirs = shard.roots(roots);
+    for d in &dirs {
+        std::fs::create_dir_all(d).map_err(|e| {
+            OffloadError::config("file.roots", format!("cannot create {}: {e}", d.display()))
+        })?;
+    }
+    Ok(dirs)
 }
 
 /// The file tier as the builder set it up (all empty without one).

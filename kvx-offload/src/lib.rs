@@ -89,12 +89,14 @@ mod scheduler;
 mod tier;
 mod worker;
 
-pub use builder::{EngineMemory, Offload, OffloadBuilder, OffloadRuntime, scheduler_side};
+pub use builder::{
+    EngineMemory, Offload, OffloadBuilder, OffloadRuntime, scheduler_side, scheduler_side_sharded,
+};
 pub use config::{FileTierConfig, OffloadConfig};
 pub use error::OffloadError;
 pub use eviction::EvictionKind;
 pub use file_hook::{FileTierHook, FileTierProbe};
-pub use kvx_posix::{IoEngine, Listing, ProbeAnswer, SharedMount};
+pub use kvx_posix::{IoEngine, Listing, ProbeAnswer, Shard, SharedMount};
 pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
 pub use meta::{
     JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, StepMeta, StoreJob, WorkerOutput,

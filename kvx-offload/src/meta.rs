@@ -89,7 +89,7 @@ pub struct StepMeta {
 }
 
 /// Which part of a job a [`JobResult`] reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum JobPart {
     /// A load into engine memory.
     Load,

@@ -84,6 +84,7 @@ mod io;
 mod job;
 pub mod maintenance;
 mod paths;
+pub mod shard;
 mod shared_mount;
 mod spare;
 mod store;
@@ -94,6 +95,7 @@ mod tests;
 
 pub use config::{BadSetting, Capabilities, IoEngine, PosixConfig, SharedMount};
 pub use error::PosixError;
+pub use shard::Shard;
 pub use shared_mount::collector;
 pub use shared_mount::collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use shared_mount::probe_cache::ProbeAnswer;

@@ -315,9 +315,11 @@ fn read_error(r: &mut Reader<'_>) -> Result<BlockError, DecodeError> {
     })
 }
 
-/// Encode the job outcomes a worker reports to the scheduler side.
-pub fn encode_jobs(jobs: &[JobResult]) -> Vec<u8> {
+/// Encode the job outcomes worker `rank` (its global rank; 0 for a single worker) reports to
+/// the scheduler side.
+pub fn encode_jobs(rank: u32, jobs: &[JobResult]) -> Vec<u8> {
     let mut w = Writer::new();
+    w.var(u64::from(rank));
     w.var(jobs.len() as u64);
     for j in jobs {
         w.var(j.job.0);
@@ -334,9 +336,10 @@ pub fn encode_jobs(jobs: &[JobResult]) -> Vec<u8> {
     w.0
 }
 
-/// Decode job outcomes.
-pub fn decode_jobs(buf: &[u8]) -> Result<Vec<JobResult>, DecodeError> {
+/// Decode job outcomes: the reporting worker's rank, and its results.
+pub fn decode_jobs(buf: &[u8]) -> Result<(u32, Vec<JobResult>), DecodeError> {
     let mut r = Reader::new(buf)?;
+    let rank = u32::try_from(r.var()?).map_err(|_| DecodeError("rank overflows".into()))?;
     let n = r.count(6)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
@@ -361,5 +364,5 @@ pub fn decode_jobs(buf: &[u8]) -> Result<Vec<JobResult>, DecodeError> {
         });
     }
     r.done()?;
-    Ok(out)
+    Ok((rank, out))
 }

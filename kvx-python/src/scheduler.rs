@@ -28,12 +28,14 @@ impl SchedulerSide {
 #[pymethods]
 impl SchedulerSide {
     /// A scheduler side with the connector's settings `config` (vLLM's extra config, as JSON)
-    /// and vLLM's `block_tokens`; a file tier's existing blocks are adopted into the index.
+    /// and vLLM's `block_tokens`, for `tp_size × pp_size` workers; a file tier's existing blocks
+    /// are adopted into the index (with several workers, those every worker's shard holds).
     #[new]
-    fn new(config: &str, block_tokens: u32) -> PyResult<SchedulerSide> {
+    #[pyo3(signature = (config, block_tokens, tp_size=1, pp_size=1))]
+    fn new(config: &str, block_tokens: u32, tp_size: u32, pp_size: u32) -> PyResult<SchedulerSide> {
         let cfg = connector_config(config, block_tokens)?;
-        let side =
-            kvx_offload::scheduler_side(&cfg).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let side = kvx_offload::scheduler_side_sharded(&cfg, tp_size, pp_size)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(SchedulerSide {
             inner: Mutex::new(side),
             block_tokens: u64::from(block_tokens),
@@ -115,15 +117,23 @@ impl SchedulerSide {
         (PyBytes::new(py, &codec::encode_meta(&m)), loads, delayed)
     }
 
-    /// Take in the job outcomes a worker reported. Returns, for each load that did not fully
-    /// succeed, its request and the keys that failed (16 bytes each, concatenated).
+    /// Take in the job outcomes a worker reported (the message names its rank). With several
+    /// workers a job counts once every rank reported it (kvx-offload merges them). Returns, for
+    /// each load that did not fully succeed on every rank, its request and the keys that failed
+    /// (16 bytes each, concatenated).
     fn update_from_worker<'py>(
         &self,
         py: Python<'py>,
         jobs: &[u8],
     ) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
-        let jobs = codec::decode_jobs(jobs).map_err(|e| KvxError::new_err(e.to_string()))?;
-        let failed_loads = jobs
+        let (rank, jobs) =
+            codec::decode_jobs(jobs).map_err(|e| KvxError::new_err(e.to_string()))?;
+        let out = kvx_offload::WorkerOutput {
+            jobs,
+            ..Default::default()
+        };
+        let applied = self.side().update_from_rank(rank, &out);
+        let failed_loads = applied
             .iter()
             .filter(|j| j.part == kvx_offload::JobPart::Load && !j.failed.is_empty())
             .map(|j| {
@@ -131,11 +141,6 @@ impl SchedulerSide {
                 (j.request.0, PyBytes::new(py, &keys))
             })
             .collect();
-        let out = kvx_offload::WorkerOutput {
-            jobs,
-            ..Default::default()
-        };
-        self.side().update_from_worker(&out);
         Ok(failed_loads)
     }
 
@@ -147,6 +152,16 @@ impl SchedulerSide {
     /// Jobs not yet fully reported.
     fn job_count(&self) -> usize {
         self.side().job_count()
+    }
+
+    /// Job parts some workers reported and others not yet (0 with one worker).
+    fn partial_count(&self) -> usize {
+        self.side().partial_count()
+    }
+
+    /// Workers behind this scheduler side (tensor × pipeline parallel size).
+    fn world(&self) -> u32 {
+        self.side().world()
     }
 
     /// True when nothing is pinned, stored or promoted in the index.

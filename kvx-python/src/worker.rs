@@ -48,6 +48,8 @@ pub struct WorkerSide {
     /// The tensor objects described at construction, kept alive while kvx may copy into them.
     tensors: Mutex<Vec<Py<PyAny>>>,
     layout: KvLayout,
+    /// This worker's global rank (named in its job reports; 0 for a single worker).
+    rank: u32,
 }
 
 impl WorkerSide {
@@ -78,8 +80,11 @@ impl WorkerSide {
     /// A worker side with the connector's settings `config` (vLLM's extra config, as JSON) and
     /// vLLM's `block_tokens`, over `num_blocks` engine blocks. `tensors` describes each KV
     /// tensor as (name, data pointer, shape, strides in elements, element size, device);
-    /// `owners` are the tensor objects themselves, held until `close`.
+    /// `owners` are the tensor objects themselves, held until `close`. `shard`: this worker's
+    /// place in a parallel layout, (tensor rank, tensor size, pipeline rank, pipeline size): its
+    /// file tier is the shard's own directory under each root, and its job reports name its rank.
     #[new]
+    #[pyo3(signature = (config, block_tokens, tensors, owners, num_blocks, shard=None))]
     fn new(
         py: Python<'_>,
         config: &str,
@@ -87,7 +92,13 @@ impl WorkerSide {
         tensors: Vec<TensorTuple>,
         owners: Vec<Py<PyAny>>,
         num_blocks: u32,
+        shard: Option<(u32, u32, u32, u32)>,
     ) -> PyResult<WorkerSide> {
+        let shard = shard
+            .map(|(t, tn, p, pn)| kvx_offload::Shard::new(t, tn, p, pn))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("shard: {e}")))?;
+        let rank = shard.map_or(0, |s| s.rank());
         let cfg = connector_config(config, block_tokens)?;
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
@@ -110,9 +121,12 @@ impl WorkerSide {
             // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
             // after this runtime is dropped (see `memory::engine_memory`).
             let memory = unsafe { memory::engine_memory(lay) }?;
-            OffloadBuilder::new(cfg, memory)
-                .build()
-                .map_err(|e| e.to_string())
+            let b = OffloadBuilder::new(cfg, memory);
+            match shard {
+                Some(s) => b.shard(s).build(),
+                None => b.build(),
+            }
+            .map_err(|e| e.to_string())
         });
         let built = built.map_err(PyValueError::new_err)?;
         drop(built.scheduler); // the scheduler side lives in vLLM's scheduler process
@@ -127,6 +141,7 @@ impl WorkerSide {
             })),
             tensors: Mutex::new(owners),
             layout,
+            rank,
         })
     }
 
@@ -239,7 +254,7 @@ impl WorkerSide {
         let jobs = if out.jobs.is_empty() {
             Vec::new()
         } else {
-            codec::encode_jobs(&out.jobs)
+            codec::encode_jobs(self.rank, &out.jobs)
         };
         Ok((
             out.finished_sending.iter().map(|r| r.0).collect(),

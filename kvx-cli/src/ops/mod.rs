@@ -10,6 +10,7 @@
 
 pub mod child;
 pub mod gc;
+pub mod shards;
 pub mod verify;
 
 use std::io::IsTerminal;
@@ -43,7 +44,9 @@ fn is_store_root(dir: &Path) -> bool {
         .collect();
     names.is_empty()
         || names.iter().any(|n| {
-            n == ".kvx-spare" || (n.len() == 2 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+            n == ".kvx-spare"
+                || (n.len() == 2 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+                || kvx_posix::shard::Shard::parse(n).is_some()
         })
 }
 

@@ -4,16 +4,18 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use kvx_posix::maintenance::{Action, Finding, VerifyOptions, VerifyReport, verify};
+use kvx_posix::maintenance::{Action, Finding, Removal, VerifyOptions, VerifyReport, verify};
 use serde_json::json;
 
 use super::child::in_child;
-use super::{Bar, EXIT_BAD_ARGS, FileOpArgs, no_store, unfinished};
+use super::{Bar, EXIT_BAD_ARGS, FileOpArgs, no_store, shards, unfinished};
 
 /// Options of `kvx verify`.
 #[derive(Args, Debug, Clone)]
 pub struct VerifyArgs {
-    /// The store's root directory (the one holding `ab/<key>.kvb`).
+    /// The store's root directory (the one holding `ab/<key>.kvb`, or the shard directories
+    /// `shard-tp<t>of<T>-pp<p>of<P>/` of a tensor- or pipeline-parallel engine: each is checked,
+    /// and blocks some shard lacks are reported).
     pub dir: PathBuf,
     /// Remove corrupt blocks, foreign `.kvb` files and stale temporary files (never a block of
     /// a newer format version, never a file that is not kvx's).
@@ -62,8 +64,12 @@ fn run_here(args: VerifyArgs) -> i32 {
     let mut bar = Bar::new("checked");
     let result = verify(&args.dir, &opts, &mut |p| bar.update(p));
     bar.finish();
-    let report = match result {
+    let mut report = match result {
         Ok(r) => r,
+        Err(e) => return unfinished("verify", &args.dir, &e, args.ops.json),
+    };
+    let sharded = match verify_shards(&args, &opts, &mut report) {
+        Ok(s) => s,
         Err(e) => return unfinished("verify", &args.dir, &e, args.ops.json),
     };
     if report.blocks_checked == 0
@@ -72,6 +78,9 @@ fn run_here(args: VerifyArgs) -> i32 {
     {
         eprintln!("{msg}");
         return EXIT_BAD_ARGS;
+    }
+    for (path, reason, action) in &sharded.incomplete {
+        println!("{}: {reason} [{action}]", path.display());
     }
     for f in &report.findings {
         println!(
@@ -103,7 +112,17 @@ fn run_here(args: VerifyArgs) -> i32 {
         report.findings.len() - problems,
         report.temps_in_flight,
     );
-    let code = exit_code(&report);
+    if !sharded.dirs.is_empty() {
+        println!(
+            "sharded: {} shard directories; {} incomplete blocks (a shard missing) {}; {} \
+             incomplete blocks younger than the stale age (stores in flight)",
+            sharded.dirs.len(),
+            sharded.stale,
+            if args.repair { "removed" } else { "found" },
+            sharded.young,
+        );
+    }
+    let code = exit_code(&report).max(i32::from(sharded.stale > 0));
     if args.ops.json {
         let findings: Vec<_> = report.findings.iter().map(finding_json).collect();
         println!(
@@ -121,9 +140,93 @@ fn run_here(args: VerifyArgs) -> i32 {
                 "removed": removed,
                 "unresolved": report.unresolved(),
                 "findings": findings,
+                "shard_dirs": sharded.dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>(),
+                "incomplete_blocks": sharded.stale,
+                "incomplete_in_flight": sharded.young,
                 "exit_code": code,
             })
         );
     }
     code
+}
+
+/// What `verify` found about a sharded store (nothing for a store of one worker).
+#[derive(Default)]
+struct ShardedFindings {
+    /// The shard directories, each verified as a store.
+    dirs: Vec<PathBuf>,
+    /// Shard files of incomplete blocks older than the stale age: path, reason, action.
+    incomplete: Vec<(PathBuf, String, String)>,
+    /// Incomplete blocks older than the stale age (problems).
+    stale: usize,
+    /// Incomplete blocks younger than it (a store of the block may be in flight).
+    young: usize,
+}
+
+/// Verify every shard directory under `args.dir` into `report`, and find the blocks some
+/// shard lacks (see [`super::shards`]); `--repair` removes the shards of stale incomplete ones.
+fn verify_shards(
+    args: &VerifyArgs,
+    opts: &VerifyOptions,
+    report: &mut VerifyReport,
+) -> Result<ShardedFindings, kvx_posix::maintenance::MaintenanceError> {
+    let dirs = shards::shard_dirs(&args.dir, opts.deadline)?;
+    let mut out = ShardedFindings {
+        dirs: dirs.iter().map(|d| d.1.clone()).collect(),
+        ..ShardedFindings::default()
+    };
+    if dirs.is_empty() {
+        return Ok(out);
+    }
+    for (_, dir) in &dirs {
+        let r = verify(dir, opts, &mut |_| {})?;
+        report.blocks_checked += r.blocks_checked;
+        report.blocks_ok += r.blocks_ok;
+        report.bytes_ok += r.bytes_ok;
+        report.temps_in_flight += r.temps_in_flight;
+        report.vanished += r.vanished;
+        report.findings.extend(r.findings);
+    }
+    let mut worker = kvx_posix::maintenance::Worker::spawn(opts.deadline)?;
+    let now = std::time::SystemTime::now();
+    for b in shards::blocks(&dirs, &mut worker, &mut |_| {})? {
+        if b.complete() {
+            continue;
+        }
+        if b.age(now) < opts.stale_after {
+            out.young += 1;
+            continue;
+        }
+        out.stale += 1;
+        let reason = format!(
+            "incomplete block: {} of {} shards (tensor {} x pipeline {}) hold it; no engine can load it",
+            b.files.len(),
+            b.layout.0 * b.layout.1,
+            b.layout.0,
+            b.layout.1
+        );
+        let actions: Vec<(PathBuf, String)> = if args.repair {
+            shards::remove(&mut worker, &b, false)?
+                .into_iter()
+                .map(|(p, r)| {
+                    let a = match r {
+                        Ok(Some(Removal::Removed)) => "removed".to_string(),
+                        Ok(Some(Removal::AlreadyGone)) => "already gone".into(),
+                        Ok(_) => "replaced since read, left alone".into(),
+                        Err(e) => format!("remove failed: {e}"),
+                    };
+                    (p, a)
+                })
+                .collect()
+        } else {
+            b.files
+                .iter()
+                .map(|f| (f.path.clone(), "reported".into()))
+                .collect()
+        };
+        for (p, a) in actions {
+            out.incomplete.push((p, reason.clone(), a));
+        }
+    }
+    Ok(out)
 }

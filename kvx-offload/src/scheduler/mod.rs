@@ -11,7 +11,9 @@ use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
 use crate::file_hook::FileTierProbe;
 use crate::manager::{Lookup, OffloadManager};
-use crate::meta::{JobId, JobPart, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput};
+use crate::meta::{
+    JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput,
+};
 use crate::tier::Tier;
 use crate::worker::WorkerConfig;
 
@@ -138,6 +140,10 @@ pub struct SchedulerSide {
     write_back_pending: Vec<(BlockKey, Instant)>,
     /// Write-back jobs in flight: their keys, each with its last use.
     write_backs: FxHashMap<JobId, Vec<(BlockKey, SystemTime)>>,
+    /// Workers behind this half (see [`SchedulerSide::set_world`]).
+    world: u32,
+    /// Job parts some ranks reported and others not yet.
+    partials: ranks::Partials,
 }
 
 /// Most keys one lookup asks a shared file tier about.
@@ -161,6 +167,8 @@ impl SchedulerSide {
             listing_pass: 0,
             write_back_pending: Vec::new(),
             write_backs: FxHashMap::default(),
+            world: 1,
+            partials: ranks::Partials::default(),
         })
     }
 
@@ -378,9 +386,15 @@ impl SchedulerSide {
         m
     }
 
-    /// Take in what the worker reported.
+    /// Take in what the worker reported (with several workers: what rank 0 reported, see
+    /// [`SchedulerSide::update_from_rank`]).
     pub fn update_from_worker(&mut self, out: &WorkerOutput) {
-        for r in &out.jobs {
+        self.update_from_rank(0, out);
+    }
+
+    /// Apply job results (a single worker's, or the ranks' merged ones).
+    fn apply_results(&mut self, results: &[JobResult]) {
+        for r in results {
             if let Some(used) = self.write_backs.remove(&r.job) {
                 self.write_back_done(r, &used);
                 continue;
@@ -468,6 +482,7 @@ impl SchedulerSide {
         self.mgr.reset_in_flight();
         self.write_backs.clear();
         self.write_back_pending.clear();
+        self.partials.clear();
         self.jobs.clear();
         self.reqs.clear();
         self.lookups.clear();
@@ -511,6 +526,7 @@ impl SchedulerSide {
     }
 }
 
+mod ranks;
 mod shared;
 #[cfg(test)]
 mod tests;

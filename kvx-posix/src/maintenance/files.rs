@@ -152,7 +152,7 @@ pub enum Removal {
 }
 
 /// Remove `path` if it is still file `id` and (when given) still has mtime `modified`.
-pub(super) fn remove_if_unchanged(
+pub fn remove_if_unchanged(
     path: &Path,
     id: FileId,
     modified: Option<SystemTime>,

@@ -31,7 +31,7 @@ mod worker;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use files::{FileId, Removal};
+pub use files::{FileId, Removal, remove_if_unchanged};
 pub use gc::{Collected, GcOptions, GcReport, gc};
 pub use verify::{Action, Finding, FindingKind, VerifyOptions, VerifyReport, verify};
 pub use walk::{FileEntry, Kind, kind_of, walk};

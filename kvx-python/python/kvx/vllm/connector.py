@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvx.vllm import compat
+from kvx.vllm import compat, parallel
 from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
@@ -63,13 +63,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             self.config = json.dumps(dict(extra or {}))
         except TypeError as e:
             raise ValueError(f"kv_connector_extra_config: not JSON data: {e}") from e
-        par = vllm_config.parallel_config
-        world = par.tensor_parallel_size * par.pipeline_parallel_size
-        if world != 1:
-            raise ValueError(
-                f"KvxConnector: tensor_parallel_size x pipeline_parallel_size = {world}; this build "
-                "supports one worker per engine"
-            )
+        tp_size, pp_size = parallel.sizes(vllm_config)  # tensor x pipeline parallel workers
         if kv_cache_config is None:
             raise ValueError("KvxConnector needs the KV cache config (vLLM >= 0.32)")
         groups = kv_cache_config.kv_cache_groups
@@ -86,14 +80,19 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             if hybrid is not None:
                 self._sched = HybridSchedulerSide(
-                    self.config, block_size, hash_block_size, namespace, hybrid
+                    self.config, block_size, hash_block_size, namespace, hybrid,
+                    tp_size=tp_size, pp_size=pp_size,
                 )
             else:
-                self._sched = SchedulerSide(self.config, block_size, hash_block_size, namespace)
-        elif hybrid is not None:
-            self._worker = HybridWorkerSide(self.config, block_size, kv_cache_config.num_blocks)
+                self._sched = SchedulerSide(
+                    self.config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size
+                )
         else:
-            self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks)
+            shard = parallel.worker_place(vllm_config).shard()
+            if hybrid is not None:
+                self._worker = HybridWorkerSide(self.config, block_size, kv_cache_config.num_blocks, shard=shard)
+            else:
+                self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks, shard=shard)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

@@ -119,8 +119,17 @@ class _Plan:
 class HybridSchedulerSide(SchedulerSide):
     """The scheduler side over several KV cache groups (see the module docs)."""
 
-    def __init__(self, config: str, block_size: int, hash_block_size: int, namespace: bytes, groups: list[Group]):
-        super().__init__(config, block_size, hash_block_size, namespace)
+    def __init__(
+        self,
+        config: str,
+        block_size: int,
+        hash_block_size: int,
+        namespace: bytes,
+        groups: list[Group],
+        tp_size: int = 1,
+        pp_size: int = 1,
+    ):
+        super().__init__(config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size)
         self.groups = groups
         # Per request id: each group's keys (16 bytes each) and how many hashes they cover.
         self._gkeys: dict[str, list[bytearray]] = {}
@@ -363,8 +372,10 @@ class HybridWorkerSide(WorkerSide):
     """The worker side over several KV cache groups: fences reused sliding-window store sources
     before the step's stores are queued, and reports a failed load per request."""
 
-    def __init__(self, config: str, block_size: int, num_blocks: int):
-        super().__init__(config, block_size, num_blocks)
+    def __init__(
+        self, config: str, block_size: int, num_blocks: int, shard: tuple[int, int, int, int] | None = None
+    ):
+        super().__init__(config, block_size, num_blocks, shard=shard)
         self.load_blocks: dict[str, set[int]] = {}
 
     def start(self, meta: KvxConnectorMetadata) -> None:

@@ -43,7 +43,8 @@ class SchedulerStats:
 class SchedulerSide:
     """Maps vLLM's scheduler calls onto kvx's native ``SchedulerSide``."""
 
-    def __init__(self, config: str, block_size: int, hash_block_size: int, namespace: bytes):
+    def __init__(self, config: str, block_size: int, hash_block_size: int, namespace: bytes,
+                 tp_size: int = 1, pp_size: int = 1):
         if block_size % hash_block_size:
             raise ValueError(
                 f"KV block size {block_size} is not a multiple of the hash block size {hash_block_size}"
@@ -51,7 +52,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.ratio = block_size // hash_block_size
         self.namespace = namespace
-        self.native = _native.SchedulerSide(config, block_size)
+        # With several workers, kvx-offload counts a job once every rank reported it.
+        self.native = _native.SchedulerSide(config, block_size, tp_size, pp_size)
         self.cache_manager: Any = None
         self._next = 1
         self.reqs: dict[str, _Req] = {}

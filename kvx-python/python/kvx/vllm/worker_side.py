@@ -27,11 +27,14 @@ class WorkerSide:
     as long as a load or a delayed free of it may still be reported.
     """
 
-    def __init__(self, config: str, block_size: int, num_blocks: int):
+    def __init__(self, config: str, block_size: int, num_blocks: int,
+                 shard: tuple[int, int, int, int] | None = None):
         _native.parse_config(config, block_size)  # a bad config fails here, not at registration
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # (tp rank, tp size, pp rank, pp size) with several workers: see kvx.vllm.parallel.
+        self.shard = shard
         self.native: _native.WorkerSide | None = None
         self.names: dict[int, str] = {}
         self.loading: set[int] = set()
@@ -51,7 +54,8 @@ class WorkerSide:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
         described = describe_tensors(kv_caches)
         self.native = _native.WorkerSide(
-            self.config, self.block_size, described, list(kv_caches.values()), self.num_blocks
+            self.config, self.block_size, described, list(kv_caches.values()), self.num_blocks,
+            shard=self.shard,
         )
         self._kv_caches, self._described, self.registered = dict(kv_caches), described, True
 
