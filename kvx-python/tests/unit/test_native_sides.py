@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -25,15 +28,28 @@ def kv_tensor(num_blocks: int) -> tuple[tuple, ctypes.Array]:
 
 
 def test_cuda_tensor_without_a_driver_is_a_clear_error():
-    try:
-        ctypes.CDLL("libcuda.so")
-        pytest.skip("a CUDA driver (or the stand-in) is loadable here")
-    except OSError:
-        pass
+    # In a process of its own: once another test loaded the CUDA stand-in (its soname is
+    # libcuda.so), every later dlopen of libcuda in this process finds it.
     (_, _, shape, strides, _, _), _ = kv_tensor(8)
-    with pytest.raises(ValueError) as e:
-        WorkerSide(SMALL, BLOCK, [("layer0", 0x7F0000000000, shape, strides, 2, "cuda:0")], [], 8)
-    assert "CUDA KV cache on device 0: no CUDA" in str(e.value)
+    code = f"""
+import ctypes, sys
+try:
+    ctypes.CDLL("libcuda.so")
+    print("skip: a CUDA driver is loadable here"); sys.exit(3)
+except OSError:
+    pass
+from kvx import WorkerSide
+try:
+    WorkerSide({SMALL!r}, {BLOCK}, [("layer0", 0x7F0000000000, {shape!r}, {strides!r}, 2, "cuda:0")], [], 8)
+except ValueError as e:
+    print(e); sys.exit(0 if "CUDA KV cache on device 0: no CUDA" in str(e) else 1)
+sys.exit(2)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=60)
+    if r.returncode == 3:
+        pytest.skip("a CUDA driver is loadable here (the no-driver error cannot be shown)")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
 
 
 def test_malformed_step_metadata_is_an_error_not_a_crash():
