@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use kvx_core::{BlockKey, EngineBlockId, RequestId};
+use kvx_core::{BlockKey, EngineBlockId, RequestId, lock};
 use kvx_offload::{Lookup, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -17,12 +17,6 @@ use crate::{KvxError, keys_from_bytes};
 pub struct SchedulerSide {
     inner: Mutex<kvx_offload::SchedulerSide>,
     block_tokens: u64,
-}
-
-impl SchedulerSide {
-    fn side(&self) -> std::sync::MutexGuard<'_, kvx_offload::SchedulerSide> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 #[pymethods]
@@ -52,7 +46,7 @@ impl SchedulerSide {
         num_computed: u64,
     ) -> PyResult<Option<(u64, usize, usize)>> {
         let keys = keys_from_bytes(keys)?;
-        let mut s = self.side();
+        let mut s = lock(&self.inner);
         let skip = ((num_computed / self.block_tokens) as usize).min(keys.len());
         let Lookup::Hit(tiers) = s.manager().lookup(&keys[skip..]) else {
             return Ok(None);
@@ -68,7 +62,7 @@ impl SchedulerSide {
     /// load was queued.
     fn update_state_after_alloc(&self, req: u64, blocks: Vec<u32>) -> PyResult<bool> {
         let blocks: Vec<EngineBlockId> = blocks.into_iter().map(EngineBlockId).collect();
-        self.side()
+        lock(&self.inner)
             .update_state_after_alloc(RequestId(req), &blocks)
             .map(|j| j.is_some())
             .map_err(|e| KvxError::new_err(e.to_string()))
@@ -88,18 +82,20 @@ impl SchedulerSide {
             .into_iter()
             .zip(blocks.into_iter().map(EngineBlockId))
             .collect();
-        Ok(self.side().save_blocks(RequestId(req), &pairs).is_some())
+        Ok(lock(&self.inner)
+            .save_blocks(RequestId(req), &pairs)
+            .is_some())
     }
 
     /// The engine preempted a request.
     fn request_preempted(&self, req: u64) {
-        self.side().request_preempted(RequestId(req));
+        lock(&self.inner).request_preempted(RequestId(req));
     }
 
     /// The engine is done with a request; true when its blocks must stay until it is reported
     /// in `finished_sending`.
     fn request_finished(&self, req: u64) -> bool {
-        self.side().request_finished(RequestId(req))
+        lock(&self.inner).request_finished(RequestId(req))
     }
 
     /// This step's instructions, encoded, with the requests that load and the requests whose
@@ -110,7 +106,7 @@ impl SchedulerSide {
         py: Python<'py>,
         undelay: Vec<u64>,
     ) -> (Bound<'py, PyBytes>, Vec<u64>, Vec<u64>) {
-        let mut m = self.side().build_meta();
+        let mut m = lock(&self.inner).build_meta();
         m.delayed_free.retain(|r| !undelay.contains(&r.0));
         let loads = m.loads.iter().map(|l| l.request.0).collect();
         let delayed = m.delayed_free.iter().map(|r| r.0).collect();
@@ -132,7 +128,7 @@ impl SchedulerSide {
             jobs,
             ..Default::default()
         };
-        let applied = self.side().update_from_rank(rank, &out);
+        let applied = lock(&self.inner).update_from_rank(rank, &out);
         let failed_loads = applied
             .iter()
             .filter(|j| j.part == kvx_offload::JobPart::Load && !j.failed.is_empty())
@@ -146,32 +142,32 @@ impl SchedulerSide {
 
     /// Requests with state here.
     fn request_count(&self) -> usize {
-        self.side().request_count()
+        lock(&self.inner).request_count()
     }
 
     /// Jobs not yet fully reported.
     fn job_count(&self) -> usize {
-        self.side().job_count()
+        lock(&self.inner).job_count()
     }
 
     /// Job parts some workers reported and others not yet (0 with one worker).
     fn partial_count(&self) -> usize {
-        self.side().partial_count()
+        lock(&self.inner).partial_count()
     }
 
     /// Workers behind this scheduler side (tensor × pipeline parallel size).
     fn world(&self) -> u32 {
-        self.side().world()
+        lock(&self.inner).world()
     }
 
     /// True when nothing is pinned, stored or promoted in the index.
     fn is_quiet(&self) -> bool {
-        self.side().manager().is_quiet()
+        lock(&self.inner).manager().is_quiet()
     }
 
     /// Blocks held by the host tier and by the file tier.
     fn tier_sizes(&self) -> (usize, usize) {
-        let s = self.side();
+        let s = lock(&self.inner);
         let m = s.manager();
         (m.blocks(Tier::Host), m.blocks(Tier::File))
     }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use kvx_core::lock;
 use kvx_fusefs::{Backing, StallFs, StallMount};
 use pyo3::prelude::*;
 
@@ -18,12 +19,7 @@ pub struct FrozenMount {
 
 impl FrozenMount {
     fn with<T>(&self, f: impl FnOnce(&StallMount) -> T) -> PyResult<T> {
-        match self
-            .mount
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
+        match lock(&self.mount).as_ref() {
             Some(m) => Ok(f(m)),
             None => Err(KvxError::new_err("the mount is closed")),
         }
@@ -71,7 +67,7 @@ impl FrozenMount {
 
     /// Abort the connection and unmount (releases anything stuck). Idempotent.
     fn close(&self, py: Python<'_>) {
-        let m = self.mount.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let m = lock(&self.mount).take();
         py.detach(move || drop(m));
     }
 }

@@ -4,10 +4,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvx_core::{EngineBlockId, KvLayout};
+use kvx_core::{EngineBlockId, KvLayout, lock};
 use kvx_offload::{JobPart, OffloadBuilder, OffloadRuntime, StepStarted};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -53,12 +53,8 @@ pub struct WorkerSide {
 }
 
 impl WorkerSide {
-    fn lock(&self) -> MutexGuard<'_, Option<Running>> {
-        self.running.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     fn with<T>(&self, f: impl FnOnce(&mut Running) -> PyResult<T>) -> PyResult<T> {
-        match self.lock().as_mut() {
+        match lock(&self.running).as_mut() {
             Some(r) => f(r),
             None => Err(KvxError::new_err("the kvx worker side is closed")),
         }
@@ -367,16 +363,13 @@ impl WorkerSide {
 
     /// Stop the driver and its backends, then let go of the tensors. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let running = self.lock().take();
+        let running = lock(&self.running).take();
         py.detach(move || {
             if let Some(r) = running {
                 drop(r.worker);
                 r.runtime.shutdown();
             }
         });
-        self.tensors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        lock(&self.tensors).clear();
     }
 }
