@@ -49,21 +49,21 @@ def put(d: dict[str, Any], key: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize("extra, words", BAD_EXTRA)
-def test_bad_extra_config_names_the_key(extra, words):
+def test_bad_extra_config_names_the_key(extra: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(ValueError) as e:
         parse_config(json.dumps(extra), 16)
     for w in words:
         assert w in str(e.value), str(e.value)
 
 
-def test_not_an_object_is_refused():
+def test_not_an_object_is_refused() -> None:
     for bad in ("[]", "3", "{"):
         with pytest.raises(ValueError) as e:
             parse_config(bad, 16)
         assert "kv_connector_extra_config" in str(e.value)
 
 
-def test_readme_table_is_the_config_struct(tmp_path):
+def test_readme_table_is_the_config_struct(tmp_path: Path) -> None:
     rows = readme_table()
     required = {"file.roots": [str(tmp_path)], "file.blocks": 7}
     extra: dict[str, Any] = {}
@@ -86,7 +86,7 @@ def test_readme_table_is_the_config_struct(tmp_path):
             assert default == "null" and out[key] == "object", f"{key}: an object row is one that may be null"
 
 
-def test_defaults_are_documented_values():
+def test_defaults_are_documented_values() -> None:
     rows = readme_table()
     cfg = flatten(json.loads(parse_config("{}", 32)))
     assert (cfg["block_tokens"], cfg["load_failure"]) == (32, "fail")

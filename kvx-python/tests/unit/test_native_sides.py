@@ -27,7 +27,7 @@ def kv_tensor(num_blocks: int) -> tuple[tuple, ctypes.Array]:
     return ("layer0", ctypes.addressof(buf), shape, strides, 2, "cpu"), buf
 
 
-def test_cuda_tensor_without_a_driver_is_a_clear_error():
+def test_cuda_tensor_without_a_driver_is_a_clear_error() -> None:
     # In a process of its own: once another test loaded the CUDA stand-in (its soname is
     # libcuda.so), every later dlopen of libcuda in this process finds it.
     (_, _, shape, strides, _, _), _ = kv_tensor(8)
@@ -52,7 +52,7 @@ sys.exit(2)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
 
 
-def test_malformed_step_metadata_is_an_error_not_a_crash():
+def test_malformed_step_metadata_is_an_error_not_a_crash() -> None:
     desc, buf = kv_tensor(8)
     w = WorkerSide(SMALL, BLOCK, [desc], [buf], 8)
     try:
@@ -66,7 +66,7 @@ def test_malformed_step_metadata_is_an_error_not_a_crash():
         w.start_step(b"\x01")
 
 
-def test_a_stored_block_is_found_in_the_host_tier():
+def test_a_stored_block_is_found_in_the_host_tier() -> None:
     desc, buf = kv_tensor(8)
     sched = SchedulerSide(SMALL, BLOCK)
     worker = WorkerSide(SMALL, BLOCK, [desc], [buf], 8)

@@ -29,12 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvx.vllm import compat, parallel
 from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
-from kvx.vllm.meta import KvxConnectorMetadata
+from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.worker_side import WorkerSide
 
 
-def _namespace(vllm_config, kv_cache_config) -> bytes:
+def _namespace(vllm_config: Any, kv_cache_config: Any) -> bytes:
     """Identity of the KV bytes a block key stands for: model, dtypes, block size, parallelism,
     and the physical KV cache layout (a block's bytes mean something else under another one)."""
     m, c, p = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -55,7 +55,7 @@ def _namespace(vllm_config, kv_cache_config) -> bytes:
 class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvx's host-memory and file tiers, with per-block load failures."""
 
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         compat.warn_if_untested()
         extra = self._kv_transfer_config.kv_connector_extra_config
@@ -95,7 +95,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks, shard=shard)
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """The layout kvx asks vLLM for: block-outermost, so each block is one run of bytes
         (one copy per block, not one per layer); ``None`` where it cannot help (see
         ``compat.preferred_layout``). vLLM drops a preference its attention backends do not
@@ -103,7 +103,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         return compat.preferred_layout(vllm_config)
 
     @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """Sleep mode (vLLM >= 0.33): the worker side drops its pointers into the KV cache in
         ``unregister_kv_caches`` and takes them again in ``restore_kv_caches``."""
         return True
@@ -119,7 +119,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched
 
     # -- worker side ---------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]):
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker_side().register(kv_caches)
 
     def unregister_kv_caches(self) -> None:
@@ -129,13 +129,13 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         self._worker_side().restore()
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Before the forward may overwrite a preempted request's blocks: the whole step starts
         # here (stores of preempted requests flushed and waited for, their loads fenced).
         assert isinstance(kv_connector_metadata, KvxConnectorMetadata)
         self._worker_side().start(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata)
         self._worker_side().start(meta)
@@ -143,10 +143,10 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous, between steps
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores are planned per step by the scheduler side
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata)
@@ -168,38 +168,38 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             return set()
         return worker.take_invalid()
 
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> KvxWorkerMetadata | None:
         return self._worker_side().take_worker_meta()
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self._worker is not None:
             self._worker_side().close()
 
     # -- scheduler side ------------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler_side().cache_manager = kv_cache_manager
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         return self._scheduler_side().hit_sources(request, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler_side().build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output):
+    def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
     def request_finished_all_groups(
-        self, request, block_ids: tuple[list[int], ...]
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # vLLM's call with the hybrid KV cache manager (SupportsHMA), one block list per group.
         flat = block_ids[0] if len(block_ids) == 1 else [b for ids in block_ids for b in ids if b]

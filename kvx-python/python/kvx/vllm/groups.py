@@ -98,10 +98,10 @@ class HybridConnectorMetadata(KvxConnectorMetadata):
         self.fence = fence
         self.load_blocks = load_blocks
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Any, ...]:
         return (super().__getstate__(), self.fence, self.load_blocks)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         base, self.fence, self.load_blocks = state
         super().__setstate__(base)
 
@@ -183,7 +183,7 @@ class HybridSchedulerSide(SchedulerSide):
         return None if found is None else found[0] // self.block_size
 
     # -- vLLM's scheduler-side calls -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         r = self._req(request)
         self.stats.lookups += 1
         self._plans.pop(request.request_id, None)
@@ -239,7 +239,7 @@ class HybridSchedulerSide(SchedulerSide):
         self._present(number, b"")
         return None, False
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
         r = self._req(request)
@@ -269,7 +269,7 @@ class HybridSchedulerSide(SchedulerSide):
             self.stats.host_hit_blocks += r.hit[0]
             self.stats.file_hit_blocks += r.hit[1]
 
-    def hit_sources(self, request, num_external_tokens: int) -> dict:
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         r = self.reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             return {}
@@ -280,7 +280,7 @@ class HybridSchedulerSide(SchedulerSide):
         out = {CacheHitSource.DISK: disk, CacheHitSource.HOST: num_external_tokens - disk}
         return {k: v for k, v in out.items() if v > 0}
 
-    def build_connector_meta(self, so) -> KvxConnectorMetadata:
+    def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
         # Blocks handed out this step that a queued sliding-window store may still read.
         fence = sorted(self._sw_sources.intersection(_new_blocks(so)))
         self._sw_sources.difference_update(fence)
@@ -340,7 +340,7 @@ class HybridSchedulerSide(SchedulerSide):
                 r.cap = idx if r.cap is None else min(r.cap, idx)
         self.stats.failed_loads += 1
 
-    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._forget(request.request_id)
         return super().request_finished(request, block_ids)
 
@@ -350,7 +350,7 @@ class HybridSchedulerSide(SchedulerSide):
         return out
 
 
-def _new_blocks(so) -> set[int]:
+def _new_blocks(so: Any) -> set[int]:
     """Engine blocks this step's scheduler output hands to requests (new, resumed, grown, copied
     into, zeroed)."""
     out: set[int] = set()

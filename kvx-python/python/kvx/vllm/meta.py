@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -26,10 +28,10 @@ class KvxConnectorMetadata(KVConnectorMetadata):
         self.delayed = delayed
         self.abandoned = abandoned
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Any, ...]:
         return (self.step, self.loads, self.delayed, self.abandoned)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.step, self.loads, self.delayed, self.abandoned = state
 
 
@@ -41,10 +43,10 @@ class KvxWorkerMetadata(KVConnectorWorkerMetadata):
     def __init__(self, jobs: list[bytes]):
         self.jobs = jobs
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Any, ...]:
         return (self.jobs,)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self.jobs,) = state
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

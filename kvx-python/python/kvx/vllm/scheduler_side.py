@@ -67,7 +67,7 @@ class SchedulerSide:
         self.stats = SchedulerStats()
 
     # -- keys ------------------------------------------------------------------------------
-    def _req(self, request) -> _Req:
+    def _req(self, request: Any) -> _Req:
         r = self.reqs.get(request.request_id)
         if r is None:
             r = _Req(number=self._next, request=request)
@@ -87,7 +87,7 @@ class SchedulerSide:
         return r.keys
 
     # -- vLLM's scheduler-side calls -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         r = self._req(request)
         self.stats.lookups += 1
         keys = self._keys(r)
@@ -101,7 +101,7 @@ class SchedulerSide:
         r.hit = (host, file)
         return tokens, tokens > 0
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
         r = self._req(request)
@@ -115,7 +115,7 @@ class SchedulerSide:
             self.stats.host_hit_blocks += r.hit[0]
             self.stats.file_hit_blocks += r.hit[1]
 
-    def hit_sources(self, request, num_external_tokens: int) -> dict:
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         r = self.reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             return {}
@@ -126,7 +126,7 @@ class SchedulerSide:
         out[CacheHitSource.HOST] = num_external_tokens - out.get(CacheHitSource.DISK, 0)
         return {k: v for k, v in out.items() if v > 0}
 
-    def build_connector_meta(self, so) -> KvxConnectorMetadata:
+    def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
         for req_id in so.preempted_req_ids or ():
             r = self.reqs.get(req_id)
             if r is not None:
@@ -154,7 +154,7 @@ class SchedulerSide:
             abandoned,
         )
 
-    def update_connector_output(self, out) -> None:
+    def update_connector_output(self, out: Any) -> None:
         wm = out.kv_connector_worker_meta
         if isinstance(wm, KvxWorkerMetadata):
             for jobs in wm.jobs:
@@ -178,7 +178,7 @@ class SchedulerSide:
                 r.cap = idx if r.cap is None else min(r.cap, idx)
         self.stats.failed_loads += 1
 
-    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         r = self.reqs.pop(req_id, None)
         if r is None:
