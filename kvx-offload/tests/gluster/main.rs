@@ -10,6 +10,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod netns;
 #[path = "../../../kvx-posix/tests/shared_mount/node.rs"]
 mod node;
 mod volume;
@@ -111,44 +112,6 @@ fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
     );
 }
 
-/// Store `k` (generation `generation`) with `deadline`, not waiting past it: whether the store
-/// reported success, and when kvx decided it (the report's finished_at).
-fn store_by(
-    node: &Node,
-    k: kvx_core::BlockKey,
-    generation: u8,
-    deadline: Instant,
-) -> (bool, Instant) {
-    use kvx_core::*;
-    let Some(mut buf) = node.pool.take() else {
-        // Buffers of stores still stuck in the volume are quarantined.
-        return (false, Instant::now());
-    };
-    buf.set_len(BLOCK);
-    buf.as_mut_slice().copy_from_slice(&payload(k, generation));
-    let t = node
-        .driver
-        .submit(TaskSpec {
-            request: RequestId(3),
-            dir: Direction::Store,
-            route: vec![node.posix],
-            blocks: vec![OpBlock {
-                key: k,
-                engine: None,
-                buf: Buf::Owned(buf),
-            }],
-            deadline,
-            deferred: false,
-        })
-        .expect("submit store");
-    let r = node
-        .driver
-        .wait_report(t, deadline + SOON)
-        .expect("store report");
-    // When kvx decided, not when this thread woke up to read it: the bound is kvx's.
-    (r.is_ok(), r.finished_at)
-}
-
 /// True when the breaker of `node`'s root is open.
 fn breaker_open(node: &Node) -> bool {
     matches!(
@@ -181,7 +144,7 @@ fn stopped_brick(g: &Gluster, engine: IoEngine) {
     let mut store_late = Duration::ZERO;
     for i in 8..16 {
         let deadline = Instant::now() + LOAD_DEADLINE;
-        let (ok, at) = store_by(&a, key(i), 2, deadline);
+        let (ok, at) = a.store_by(key(i), 2, deadline);
         store_late = store_late.max(at.saturating_duration_since(deadline));
         if ok {
             stored.push(i);
@@ -319,6 +282,103 @@ fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
     }
     c.quit();
     b.quit();
+}
+
+/// d. One node cut from the bricks: C's FUSE client and C itself run in a network namespace
+/// that reaches the bricks through one veth pair, and the link is dropped. C's loads, probes
+/// and stores end by their deadline plus a tick and 50 ms (at kvx's verdict) and its breaker
+/// opens; meanwhile B loads and probes and A stores with nothing failed and no breaker open;
+/// after the link returns C serves again, and loads byte-exact what A stored during the cut.
+fn node_cut_off(g: &Gluster, engine: IoEngine) {
+    let island = netns::Island::create().expect("a network namespace");
+    // The bricks are named by the host's end of the pair: reached from here and the island.
+    let mut v = g
+        .volume_at(Layout::Replica2, netns::HOST_ADDR)
+        .expect("volume");
+    let mut roots = roots(&mut v, 2);
+    let island_mount = v.mount_under(&island.enter()).expect("mount in the island");
+    roots.push(island_mount.join("kv"));
+    let a = Node::open(&roots[0], engine);
+    let mut b = ChildNode::spawn(&roots[1], engine);
+    let mut c = ChildNode::spawn_under(&island.enter(), &roots[2], engine);
+    let keys: Vec<_> = (0..16).map(key).collect();
+    a.store(&keys, 1);
+    std::thread::sleep(Duration::from_millis(150));
+    for n in [&mut b, &mut c] {
+        assert_eq!(n.ask("load 0 8 1", "load"), vec![8, 0, 0, 0]);
+    }
+    island.cut().expect("drop the link");
+    // C loads keys 8..12, B keys 12..16, neither read before (their FUSE clients cache what
+    // they read: quick-read keeps small files), then both probe new keys.
+    c.send("frozen 100 104 8 12 1");
+    b.send("frozen 200 204 12 16 1");
+    let mut a_stored = 0;
+    for i in 16..24 {
+        let deadline = Instant::now() + LOAD_DEADLINE;
+        a_stored += usize::from(a.store_by(key(i), 1, deadline).0);
+    }
+    let rb = b.answer("frozen");
+    let rc = c.answer("frozen");
+    let cut_stores = c.ask(
+        &format!("stores 300 304 1 {}", LOAD_DEADLINE.as_millis()),
+        "stores",
+    );
+    let bound = PROBE_DEADLINE + MARGIN;
+    let (answer_us, first_absent, late_us, open) = (rc[0], rc[1], rc[2], rc[4]);
+    let store_late_us = cut_stores[1];
+    println!(
+        "node cut off: C loaded {} of 4 and stored {} of 4, its slowest lookup {answer_us} us (bound {bound:?}), loads at most {late_us} us late, stores at most {store_late_us} us late (bound {MARGIN:?}); B loaded {} of 4, slowest lookup {} us; A stored {a_stored} of 8",
+        rc[3], cut_stores[0], rb[3], rb[0]
+    );
+    assert!(
+        Duration::from_micros(answer_us) <= bound,
+        "C: a lookup took {answer_us} us (bound {bound:?})"
+    );
+    assert_eq!(
+        first_absent, 1,
+        "C: probes end as misses, then answer at once"
+    );
+    assert!(
+        Duration::from_micros(late_us) <= MARGIN,
+        "C: a load ended {late_us} us after its deadline (bound {MARGIN:?})"
+    );
+    assert!(
+        Duration::from_micros(store_late_us) <= MARGIN,
+        "C: a store ended {store_late_us} us after its deadline (bound {MARGIN:?})"
+    );
+    assert_eq!(rc[3], 0, "C loaded nothing it had not cached: {rc:?}");
+    assert_eq!(open, 1, "C's breaker opened");
+    // The others: every load and store served within its deadline, no breaker open.
+    assert_eq!(rb[3], 4, "B loaded every block during the cut: {rb:?}");
+    assert_eq!(rb[4], 0, "B's breaker stayed closed: {rb:?}");
+    assert_eq!(a_stored, 8, "A stored every block during the cut");
+    assert!(!breaker_open(&a), "A's breaker stayed closed");
+    island.restore().expect("bring the link back");
+    let restored = Instant::now();
+    let mut served = None;
+    while served.is_none() && restored.elapsed() < SOON {
+        if c.ask("load 16 24 1", "load") == vec![8, 0, 0, 0] {
+            served = Some(restored.elapsed());
+        } else {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let served = served.expect("C serves again after the link returns");
+    println!(
+        "node cut off: after the link returned C loaded A's 8 blocks of the cut in {served:?}"
+    );
+    // What C reported stored during the cut is there for B, byte-exact.
+    std::thread::sleep(Duration::from_millis(150));
+    let r = b.ask("load 300 304 1", "load");
+    assert_eq!(
+        r[0], cut_stores[0],
+        "C's stores reported ok are whole: {r:?}"
+    );
+    assert_eq!((r[1], r[2]), (0, 0), "no torn or foreign block: {r:?}");
+    c.quit();
+    b.quit();
+    drop(a);
+    verify_clean(&roots[1]);
 }
 
 /// Store keys 0..16 round after round until killed (the writer node of test e).
@@ -495,6 +555,7 @@ fn main() {
     add("killed_brick_distributed", |g| {
         killed_brick(g, Layout::Distributed, IoEngine::Uring)
     });
+    add("node_cut_off", |g| node_cut_off(g, IoEngine::Uring));
     add("node_killed_mid_store", |g| {
         node_killed_mid_store(g, IoEngine::Uring)
     });
@@ -503,7 +564,12 @@ fn main() {
     // The suite's last step: nothing it started is left.
     if let Some(g) = gluster {
         let g = Arc::try_unwrap(g).unwrap_or_else(|_| panic!("a test still holds the fixture"));
-        let left = g.stop();
+        let mut left = g.stop();
+        left.extend(
+            netns::left()
+                .into_iter()
+                .map(|n| format!("network namespace {n}")),
+        );
         if !left.is_empty() {
             eprintln!("GlusterFS suite left behind: {left:?}");
             std::process::exit(1);

@@ -119,7 +119,40 @@ impl Node {
         assert!(r.is_ok(), "store failed: {:?}", r.blocks[0].result);
     }
 
-    /// Load `k` with `deadline`; returns the verdict and when the report arrived.
+    /// Store `k` (generation `generation`) with `deadline`: whether the store reported
+    /// success, and when kvx decided it (the report's `finished_at`, not when this thread woke
+    /// up to read it: the bound is kvx's).
+    pub fn store_by(&self, k: BlockKey, generation: u8, deadline: Instant) -> (bool, Instant) {
+        let Some(mut buf) = self.pool.take() else {
+            // Buffers of stores still stuck in a frozen mount are quarantined.
+            return (false, Instant::now());
+        };
+        buf.set_len(BLOCK);
+        buf.as_mut_slice().copy_from_slice(&payload(k, generation));
+        let t = self
+            .driver
+            .submit(TaskSpec {
+                request: RequestId(3),
+                dir: Direction::Store,
+                route: vec![self.posix],
+                blocks: vec![OpBlock {
+                    key: k,
+                    engine: None,
+                    buf: Buf::Owned(buf),
+                }],
+                deadline,
+                deferred: false,
+            })
+            .expect("submit store");
+        let r = self
+            .driver
+            .wait_report(t, deadline + SOON)
+            .expect("store report");
+        (r.is_ok(), r.finished_at)
+    }
+
+    /// Load `k` with `deadline`; returns the verdict and when kvx decided it (the report's
+    /// `finished_at`).
     pub fn load(&self, k: BlockKey, deadline: Instant) -> (Loaded, Instant) {
         let Some(buf) = self.pool.take() else {
             // Buffers of loads still stuck in a frozen mount are quarantined.
@@ -147,7 +180,7 @@ impl Node {
             .driver
             .wait_report(t, deadline + SOON)
             .expect("load report");
-        let at = Instant::now();
+        let at = r.finished_at;
         let b = &r.blocks[0];
         let verdict = match (&b.result, &b.buf) {
             (Ok(()), Some(buf)) => {
@@ -184,6 +217,8 @@ impl Node {
 /// - `find A B` → `found P` (keys A..B whose probe said present);
 /// - `load A B G` → `load EXACT OTHER MIXED INVALID` (exact: generation G; other: another
 ///   generation; mixed: no generation at all);
+/// - `stores A B G MS` → `stores OK LATE_US` (store keys A..B in generation G, each with a
+///   deadline of MS: how many succeeded, and the latest verdict past its deadline);
 /// - `churn A B MS` → `churn EXACT MIXED INVALID NOTFOUND` (load A..B round after round for MS);
 /// - `collect QUOTA MS` → `collect PASSES REMOVED` (collector passes with a quota of QUOTA
 ///   bytes, one after another for MS; any failed pass panics the node);
@@ -220,6 +255,16 @@ pub fn serve(spec: &str) {
                     }
                 }
                 format!("load {exact} {other} {mixed} {invalid}")
+            }
+            Some("stores") => {
+                let (mut ok, mut late) = (0, Duration::ZERO);
+                for i in n(1)..n(2) {
+                    let deadline = Instant::now() + Duration::from_millis(n(4));
+                    let (stored, at) = node.store_by(key(i), n(3) as u8, deadline);
+                    ok += u64::from(stored);
+                    late = late.max(at.saturating_duration_since(deadline));
+                }
+                format!("stores {ok} {}", late.as_micros())
             }
             Some("churn") => churn(&node, n(1)..n(2), Duration::from_millis(n(3))),
             Some("collect") => {
@@ -308,6 +353,19 @@ fn frozen(
     )
 }
 
+/// The command that runs `program` under `prefix` (a program that execs the rest of its
+/// command line, as `nsenter` does), or `program` itself when `prefix` is empty.
+pub fn command_under(prefix: &[String], program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match prefix.split_first() {
+        Some((first, args)) => {
+            let mut c = Command::new(first);
+            c.args(args).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
 /// A child node process, driven over its stdin and stdout.
 pub struct ChildNode {
     child: Child,
@@ -318,8 +376,14 @@ pub struct ChildNode {
 impl ChildNode {
     /// Start this test binary as a node on `root` and wait for its `ready`.
     pub fn spawn(root: &Path, engine: IoEngine) -> ChildNode {
+        ChildNode::spawn_under(&[], root, engine)
+    }
+
+    /// Start this test binary as a node on `root` under the command `prefix` (which must exec
+    /// it, as `nsenter --net=...` does) and wait for its `ready`.
+    pub fn spawn_under(prefix: &[String], root: &Path, engine: IoEngine) -> ChildNode {
         let exe: PathBuf = std::env::current_exe().expect("test binary");
-        let mut child = Command::new(exe)
+        let mut child = command_under(prefix, exe)
             .env(NODE_ENV, format!("{engine} {}", root.display()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
