@@ -297,7 +297,10 @@ fn churn(node: &Node, keys: std::ops::Range<u64>, span: Duration) -> String {
                 Loaded::Exact(_) => exact += 1,
                 Loaded::Mixed => mixed += 1,
                 Loaded::Invalid(BlockError::NotFound) => not_found += 1,
-                Loaded::Invalid(_) => invalid += 1,
+                Loaded::Invalid(e) => {
+                    eprintln!("churn: load of block {i} refused: {e:?}");
+                    invalid += 1
+                }
             }
         }
     }
