@@ -227,9 +227,12 @@ fn on_brick(v: &Volume<'_>, i: usize, node: &Node, k: kvx_core::BlockKey) -> boo
 
 /// c. A brick killed: on the replica-2 volume every block is still served, and new blocks
 /// are stored; on the distributed volume the blocks whose data was on the dead brick fail one
-/// by one (invalid: recompute) and the others are served byte-exact. (GlusterFS keeps a
-/// renamed file's data on the brick its temporary name hashed to, with a link file under the
-/// final name: the victim is the brick holding the most blocks' data.)
+/// by one (invalid: recompute) and the others are served byte-exact, each load given the
+/// breaker's cool-down after a failure (three failures in a row open the root's breaker, and
+/// an open breaker refuses every block of the root). GlusterFS keeps a renamed file's data
+/// on the brick its temporary name hashed to, with a link file under the final name: the
+/// brick directories say which blocks' data each holds, and the victim is the brick holding
+/// the most.
 fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
     let mut v = g.volume(layout).expect("volume");
     let roots = roots(&mut v, 3);
@@ -263,17 +266,23 @@ fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
         assert_eq!(b.ask("load 32 48 1", "load"), vec![16, 0, 0, 0]);
         println!("replica 2, one brick killed: all 48 blocks served");
     } else {
-        // C's mount never read the blocks (B's client may serve them from its cache).
+        // C's mount never read the blocks (B's client may serve them from its cache). A block
+        // whose data was on the dead brick fails its read (ENOTCONN), an I/O failure of the
+        // root: three in a row open C's breaker, which then refuses every block of the root,
+        // on the live brick too, for its cool-down. So after a failure the next load waits
+        // out the cool-down, and each load's verdict is its own block's.
+        let cool_down = Duration::from_millis(config(&roots[2], engine).breaker.cool_down_ms);
         let mut failed = Vec::new();
         for i in 0..32 {
             let r = c.ask(&format!("load {i} {} 1", i + 1), "load");
             assert_eq!((r[1], r[2]), (0, 0), "block {i}: never foreign or torn");
             if r[0] != 1 {
                 failed.push(i);
+                std::thread::sleep(cool_down + MARGIN);
             }
         }
         println!(
-            "distributed, brick {victim} killed: {} of 32 blocks failed, {} had their data there",
+            "distributed, brick {victim} killed: {} of 32 blocks failed, {} had their data there (each load after a failure waited out the breaker's cool-down of {cool_down:?})",
             failed.len(),
             on_dead.len()
         );
