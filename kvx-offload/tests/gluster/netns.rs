@@ -2,7 +2,7 @@
 //! FUSE client (and the node) run in the namespace and reach the volume through the pair only.
 //! Dropping the link cuts them off; the namespace (and with it the pair) is deleted on drop.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 /// The host's end of the pair: the address the volume's bricks are named by, reachable from
 /// this namespace (a local address) and from the island (over the pair). Link-local, so the
@@ -17,22 +17,9 @@ pub fn prefix() -> String {
     format!("kvxg{}", std::process::id() % 100_000)
 }
 
-/// Run `ip` with `args`; the error names the command and its stderr.
+/// Run `ip` with `args`.
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "`ip {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    crate::volume::output(Command::new("ip").args(args)).map(drop)
 }
 
 /// The names in `ip netns list` that this process made (empty when all are gone).

@@ -63,7 +63,7 @@ pub fn available() -> Result<(), String> {
 }
 
 /// Run `cmd`, returning its stdout, or its stderr and stdout as the error.
-fn output(cmd: &mut Command) -> Result<String, String> {
+pub fn output(cmd: &mut Command) -> Result<String, String> {
     let out = cmd
         .stdin(Stdio::null())
         .output()

@@ -49,6 +49,15 @@ pub fn config(root: &Path, engine: IoEngine) -> PosixConfig {
     c
 }
 
+/// Block `k` in the owned buffer `buf`.
+fn owned(k: BlockKey, buf: PoolBuf) -> OpBlock {
+    OpBlock {
+        key: k,
+        engine: None,
+        buf: Buf::Owned(buf),
+    }
+}
+
 /// A node: its store in a driver, and a pool of staging buffers.
 pub struct Node {
     pub driver: Driver,
@@ -89,65 +98,48 @@ impl Node {
     pub fn store(&self, keys: &[BlockKey], generation: u8) {
         let blocks = keys
             .iter()
-            .map(|&k| {
-                let mut buf = self.pool.take().expect("buffer");
-                buf.set_len(BLOCK);
-                buf.as_mut_slice().copy_from_slice(&payload(k, generation));
-                OpBlock {
-                    key: k,
-                    engine: None,
-                    buf: Buf::Owned(buf),
-                }
-            })
+            .map(|&k| self.filled(k, generation).expect("a staging buffer"))
             .collect();
-        let deadline = Instant::now() + SOON;
+        let r = self.run(Direction::Store, blocks, Instant::now() + SOON);
+        assert!(r.is_ok(), "store failed: {:?}", r.blocks[0].result);
+    }
+
+    /// Block `k` in a staging buffer holding its payload of `generation` (none when the pool
+    /// is empty).
+    fn filled(&self, k: BlockKey, generation: u8) -> Option<OpBlock> {
+        let mut buf = self.pool.take()?;
+        buf.set_len(BLOCK);
+        buf.as_mut_slice().copy_from_slice(&payload(k, generation));
+        Some(owned(k, buf))
+    }
+
+    /// Run one task of `blocks` in direction `dir` with `deadline`, and wait for its report.
+    fn run(&self, dir: Direction, blocks: Vec<OpBlock>, deadline: Instant) -> TaskReport {
         let t = self
             .driver
             .submit(TaskSpec {
                 request: RequestId(1),
-                dir: Direction::Store,
+                dir,
                 route: vec![self.posix],
                 blocks,
                 deadline,
                 deferred: false,
             })
-            .expect("submit store");
-        let r = self
-            .driver
+            .expect("submit a task");
+        self.driver
             .wait_report(t, deadline + SOON)
-            .expect("store report");
-        assert!(r.is_ok(), "store failed: {:?}", r.blocks[0].result);
+            .expect("a task's report")
     }
 
     /// Store `k` (generation `generation`) with `deadline`: whether the store reported
     /// success, and when kvx decided it (the report's `finished_at`, not when this thread woke
     /// up to read it: the bound is kvx's).
     pub fn store_by(&self, k: BlockKey, generation: u8, deadline: Instant) -> (bool, Instant) {
-        let Some(mut buf) = self.pool.take() else {
+        let Some(block) = self.filled(k, generation) else {
             // Buffers of stores still stuck in a frozen mount are quarantined.
             return (false, Instant::now());
         };
-        buf.set_len(BLOCK);
-        buf.as_mut_slice().copy_from_slice(&payload(k, generation));
-        let t = self
-            .driver
-            .submit(TaskSpec {
-                request: RequestId(3),
-                dir: Direction::Store,
-                route: vec![self.posix],
-                blocks: vec![OpBlock {
-                    key: k,
-                    engine: None,
-                    buf: Buf::Owned(buf),
-                }],
-                deadline,
-                deferred: false,
-            })
-            .expect("submit store");
-        let r = self
-            .driver
-            .wait_report(t, deadline + SOON)
-            .expect("store report");
+        let r = self.run(Direction::Store, vec![block], deadline);
         (r.is_ok(), r.finished_at)
     }
 
@@ -161,25 +153,7 @@ impl Node {
                 Instant::now(),
             );
         };
-        let t = self
-            .driver
-            .submit(TaskSpec {
-                request: RequestId(2),
-                dir: Direction::Load,
-                route: vec![self.posix],
-                blocks: vec![OpBlock {
-                    key: k,
-                    engine: None,
-                    buf: Buf::Owned(buf),
-                }],
-                deadline,
-                deferred: false,
-            })
-            .expect("submit load");
-        let r = self
-            .driver
-            .wait_report(t, deadline + SOON)
-            .expect("load report");
+        let r = self.run(Direction::Load, vec![owned(k, buf)], deadline);
         let at = r.finished_at;
         let b = &r.blocks[0];
         let verdict = match (&b.result, &b.buf) {
