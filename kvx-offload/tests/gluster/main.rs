@@ -10,6 +10,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod netns;
 #[path = "../../../kvx-posix/tests/shared_mount/node.rs"]
 mod node;
 mod volume;
@@ -111,44 +112,6 @@ fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
     );
 }
 
-/// Store `k` (generation `generation`) with `deadline`, not waiting past it: whether the store
-/// reported success, and when kvx decided it (the report's finished_at).
-fn store_by(
-    node: &Node,
-    k: kvx_core::BlockKey,
-    generation: u8,
-    deadline: Instant,
-) -> (bool, Instant) {
-    use kvx_core::*;
-    let Some(mut buf) = node.pool.take() else {
-        // Buffers of stores still stuck in the volume are quarantined.
-        return (false, Instant::now());
-    };
-    buf.set_len(BLOCK);
-    buf.as_mut_slice().copy_from_slice(&payload(k, generation));
-    let t = node
-        .driver
-        .submit(TaskSpec {
-            request: RequestId(3),
-            dir: Direction::Store,
-            route: vec![node.posix],
-            blocks: vec![OpBlock {
-                key: k,
-                engine: None,
-                buf: Buf::Owned(buf),
-            }],
-            deadline,
-            deferred: false,
-        })
-        .expect("submit store");
-    let r = node
-        .driver
-        .wait_report(t, deadline + SOON)
-        .expect("store report");
-    // When kvx decided, not when this thread woke up to read it: the bound is kvx's.
-    (r.is_ok(), r.finished_at)
-}
-
 /// True when the breaker of `node`'s root is open.
 fn breaker_open(node: &Node) -> bool {
     matches!(
@@ -181,7 +144,7 @@ fn stopped_brick(g: &Gluster, engine: IoEngine) {
     let mut store_late = Duration::ZERO;
     for i in 8..16 {
         let deadline = Instant::now() + LOAD_DEADLINE;
-        let (ok, at) = store_by(&a, key(i), 2, deadline);
+        let (ok, at) = a.store_by(key(i), 2, deadline);
         store_late = store_late.max(at.saturating_duration_since(deadline));
         if ok {
             stored.push(i);
@@ -264,9 +227,12 @@ fn on_brick(v: &Volume<'_>, i: usize, node: &Node, k: kvx_core::BlockKey) -> boo
 
 /// c. A brick killed: on the replica-2 volume every block is still served, and new blocks
 /// are stored; on the distributed volume the blocks whose data was on the dead brick fail one
-/// by one (invalid: recompute) and the others are served byte-exact. (GlusterFS keeps a
-/// renamed file's data on the brick its temporary name hashed to, with a link file under the
-/// final name: the victim is the brick holding the most blocks' data.)
+/// by one (invalid: recompute) and the others are served byte-exact, each load given the
+/// breaker's cool-down after a failure (three failures in a row open the root's breaker, and
+/// an open breaker refuses every block of the root). GlusterFS keeps a renamed file's data
+/// on the brick its temporary name hashed to, with a link file under the final name: the
+/// brick directories say which blocks' data each holds, and the victim is the brick holding
+/// the most.
 fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
     let mut v = g.volume(layout).expect("volume");
     let roots = roots(&mut v, 3);
@@ -300,17 +266,23 @@ fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
         assert_eq!(b.ask("load 32 48 1", "load"), vec![16, 0, 0, 0]);
         println!("replica 2, one brick killed: all 48 blocks served");
     } else {
-        // C's mount never read the blocks (B's client may serve them from its cache).
+        // C's mount never read the blocks (B's client may serve them from its cache). A block
+        // whose data was on the dead brick fails its read (ENOTCONN), an I/O failure of the
+        // root: three in a row open C's breaker, which then refuses every block of the root,
+        // on the live brick too, for its cool-down. So after a failure the next load waits
+        // out the cool-down, and each load's verdict is its own block's.
+        let cool_down = Duration::from_millis(config(&roots[2], engine).breaker.cool_down_ms);
         let mut failed = Vec::new();
         for i in 0..32 {
             let r = c.ask(&format!("load {i} {} 1", i + 1), "load");
             assert_eq!((r[1], r[2]), (0, 0), "block {i}: never foreign or torn");
             if r[0] != 1 {
                 failed.push(i);
+                std::thread::sleep(cool_down + MARGIN);
             }
         }
         println!(
-            "distributed, brick {victim} killed: {} of 32 blocks failed, {} had their data there",
+            "distributed, brick {victim} killed: {} of 32 blocks failed, {} had their data there (each load after a failure waited out the breaker's cool-down of {cool_down:?})",
             failed.len(),
             on_dead.len()
         );
@@ -319,6 +291,103 @@ fn killed_brick(g: &Gluster, layout: Layout, engine: IoEngine) {
     }
     c.quit();
     b.quit();
+}
+
+/// d. One node cut from the bricks: C's FUSE client and C itself run in a network namespace
+/// that reaches the bricks through one veth pair, and the link is dropped. C's loads, probes
+/// and stores end by their deadline plus a tick and 50 ms (at kvx's verdict) and its breaker
+/// opens; meanwhile B loads and probes and A stores with nothing failed and no breaker open;
+/// after the link returns C serves again, and loads byte-exact what A stored during the cut.
+fn node_cut_off(g: &Gluster, engine: IoEngine) {
+    let island = netns::Island::create().expect("a network namespace");
+    // The bricks are named by the host's end of the pair: reached from here and the island.
+    let mut v = g
+        .volume_at(Layout::Replica2, netns::HOST_ADDR)
+        .expect("volume");
+    let mut roots = roots(&mut v, 2);
+    let island_mount = v.mount_under(&island.enter()).expect("mount in the island");
+    roots.push(island_mount.join("kv"));
+    let a = Node::open(&roots[0], engine);
+    let mut b = ChildNode::spawn(&roots[1], engine);
+    let mut c = ChildNode::spawn_under(&island.enter(), &roots[2], engine);
+    let keys: Vec<_> = (0..16).map(key).collect();
+    a.store(&keys, 1);
+    std::thread::sleep(Duration::from_millis(150));
+    for n in [&mut b, &mut c] {
+        assert_eq!(n.ask("load 0 8 1", "load"), vec![8, 0, 0, 0]);
+    }
+    island.cut().expect("drop the link");
+    // C loads keys 8..12, B keys 12..16, neither read before (their FUSE clients cache what
+    // they read: quick-read keeps small files), then both probe new keys.
+    c.send("frozen 100 104 8 12 1");
+    b.send("frozen 200 204 12 16 1");
+    let mut a_stored = 0;
+    for i in 16..24 {
+        let deadline = Instant::now() + LOAD_DEADLINE;
+        a_stored += usize::from(a.store_by(key(i), 1, deadline).0);
+    }
+    let rb = b.answer("frozen");
+    let rc = c.answer("frozen");
+    let cut_stores = c.ask(
+        &format!("stores 300 304 1 {}", LOAD_DEADLINE.as_millis()),
+        "stores",
+    );
+    let bound = PROBE_DEADLINE + MARGIN;
+    let (answer_us, first_absent, late_us, open) = (rc[0], rc[1], rc[2], rc[4]);
+    let store_late_us = cut_stores[1];
+    println!(
+        "node cut off: C loaded {} of 4 and stored {} of 4, its slowest lookup {answer_us} us (bound {bound:?}), loads at most {late_us} us late, stores at most {store_late_us} us late (bound {MARGIN:?}); B loaded {} of 4, slowest lookup {} us; A stored {a_stored} of 8",
+        rc[3], cut_stores[0], rb[3], rb[0]
+    );
+    assert!(
+        Duration::from_micros(answer_us) <= bound,
+        "C: a lookup took {answer_us} us (bound {bound:?})"
+    );
+    assert_eq!(
+        first_absent, 1,
+        "C: probes end as misses, then answer at once"
+    );
+    assert!(
+        Duration::from_micros(late_us) <= MARGIN,
+        "C: a load ended {late_us} us after its deadline (bound {MARGIN:?})"
+    );
+    assert!(
+        Duration::from_micros(store_late_us) <= MARGIN,
+        "C: a store ended {store_late_us} us after its deadline (bound {MARGIN:?})"
+    );
+    assert_eq!(rc[3], 0, "C loaded nothing it had not cached: {rc:?}");
+    assert_eq!(open, 1, "C's breaker opened");
+    // The others: every load and store served within its deadline, no breaker open.
+    assert_eq!(rb[3], 4, "B loaded every block during the cut: {rb:?}");
+    assert_eq!(rb[4], 0, "B's breaker stayed closed: {rb:?}");
+    assert_eq!(a_stored, 8, "A stored every block during the cut");
+    assert!(!breaker_open(&a), "A's breaker stayed closed");
+    island.restore().expect("bring the link back");
+    let restored = Instant::now();
+    let mut served = None;
+    while served.is_none() && restored.elapsed() < SOON {
+        if c.ask("load 16 24 1", "load") == vec![8, 0, 0, 0] {
+            served = Some(restored.elapsed());
+        } else {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let served = served.expect("C serves again after the link returns");
+    println!(
+        "node cut off: after the link returned C loaded A's 8 blocks of the cut in {served:?}"
+    );
+    // What C reported stored during the cut is there for B, byte-exact.
+    std::thread::sleep(Duration::from_millis(150));
+    let r = b.ask("load 300 304 1", "load");
+    assert_eq!(
+        r[0], cut_stores[0],
+        "C's stores reported ok are whole: {r:?}"
+    );
+    assert_eq!((r[1], r[2]), (0, 0), "no torn or foreign block: {r:?}");
+    c.quit();
+    b.quit();
+    drop(a);
+    verify_clean(&roots[1]);
 }
 
 /// Store keys 0..16 round after round until killed (the writer node of test e).
@@ -336,7 +405,8 @@ fn write_forever(spec: &str) {
 const WRITER_ENV: &str = "KVX_GLUSTER_WRITER";
 
 /// e. A node SIGKILLed mid-store: B, loading the same keys all along, never loads a torn or
-/// partial block; the dead node's temporary files go at the next collector pass.
+/// partial block, and no load is refused (a block replaced under a load is a miss); the dead
+/// node's temporary files go at the next collector pass.
 fn node_killed_mid_store(g: &Gluster, engine: IoEngine) {
     use std::io::BufRead;
     let mut v = g.volume(Layout::Replica2).expect("volume");
@@ -345,7 +415,7 @@ fn node_killed_mid_store(g: &Gluster, engine: IoEngine) {
     a.store(&(0..16).map(key).collect::<Vec<_>>(), 0);
     let mut b = ChildNode::spawn(&roots[1], engine);
     let mut leftovers = Vec::new();
-    let mut invalid_loads = 0;
+    let mut loads = 0;
     for attempt in 0..10 {
         b.send("churn 0 16 800");
         let mut w = std::process::Command::new(std::env::current_exe().expect("test binary"))
@@ -363,8 +433,10 @@ fn node_killed_mid_store(g: &Gluster, engine: IoEngine) {
         let r = b.answer("churn");
         let (exact, mixed, invalid) = (r[0], r[1], r[2]);
         assert_eq!(mixed, 0, "a load returned a mix of two writes: {r:?}");
-        // A load the store refused (invalid: recomputed) loaded nothing; none may be torn.
-        invalid_loads += invalid;
+        // A block replaced or removed under a load is a miss (not found), never an I/O
+        // failure: none of B's loads was refused, so its breaker never opened.
+        assert_eq!(invalid, 0, "loads refused under churn: {r:?}");
+        loads += exact + r[3];
         assert!(exact > 0, "{r:?}");
         let dead = format!("-{}-", w.id());
         leftovers = kvx_posix::testing::files_with_suffix(&roots[2], ".kvb.tmp")
@@ -394,7 +466,7 @@ fn node_killed_mid_store(g: &Gluster, engine: IoEngine) {
     );
     assert_eq!(b.ask("load 0 16 0", "load")[2], 0, "no torn block");
     println!(
-        "node killed mid-store: {} temporaries collected, no torn load ({invalid_loads} loads refused as invalid)",
+        "node killed mid-store: {} temporaries collected; {loads} loads under churn, none torn or refused",
         leftovers.len()
     );
     b.quit();
@@ -495,6 +567,7 @@ fn main() {
     add("killed_brick_distributed", |g| {
         killed_brick(g, Layout::Distributed, IoEngine::Uring)
     });
+    add("node_cut_off", |g| node_cut_off(g, IoEngine::Uring));
     add("node_killed_mid_store", |g| {
         node_killed_mid_store(g, IoEngine::Uring)
     });
@@ -503,7 +576,12 @@ fn main() {
     // The suite's last step: nothing it started is left.
     if let Some(g) = gluster {
         let g = Arc::try_unwrap(g).unwrap_or_else(|_| panic!("a test still holds the fixture"));
-        let left = g.stop();
+        let mut left = g.stop();
+        left.extend(
+            netns::left()
+                .into_iter()
+                .map(|n| format!("network namespace {n}")),
+        );
         if !left.is_empty() {
             eprintln!("GlusterFS suite left behind: {left:?}");
             std::process::exit(1);

@@ -63,7 +63,7 @@ pub fn available() -> Result<(), String> {
 }
 
 /// Run `cmd`, returning its stdout, or its stderr and stdout as the error.
-fn output(cmd: &mut Command) -> Result<String, String> {
+pub fn output(cmd: &mut Command) -> Result<String, String> {
     let out = cmd
         .stdin(Stdio::null())
         .output()
@@ -218,8 +218,14 @@ impl Gluster {
         Ok(g)
     }
 
-    /// Create and start a volume of two bricks with `layout`.
+    /// Create and start a volume of two bricks with `layout`, named by this machine's name.
     pub fn volume(&self, layout: Layout) -> Result<Volume<'_>, String> {
+        self.volume_at(layout, &self.host)
+    }
+
+    /// Create and start a volume of two bricks with `layout`, named by `host` (an address of
+    /// this machine: clients reach the bricks there).
+    pub fn volume_at(&self, layout: Layout, host: &str) -> Result<Volume<'_>, String> {
         let n = self.volumes.fetch_add(1, Ordering::Relaxed);
         let name = format!("kvx{}-{n}", std::process::id());
         let home = self.dir.path().join(&name);
@@ -231,17 +237,14 @@ impl Gluster {
         if layout == Layout::Replica2 {
             args.extend(["replica".into(), "2".into()]);
         }
-        args.extend(
-            bricks
-                .iter()
-                .map(|b| format!("{}:{}", self.host, b.display())),
-        );
+        args.extend(bricks.iter().map(|b| format!("{host}:{}", b.display())));
         // Bricks on the root file system need `force`.
         args.push("force".into());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         cli(&args)?;
         let mut v = Volume {
             gluster: self,
+            host: host.to_string(),
             name,
             home,
             bricks: bricks
@@ -330,6 +333,7 @@ pub struct Brick {
 /// A started volume; dropping it unmounts it everywhere, stops and deletes it.
 pub struct Volume<'g> {
     gluster: &'g Gluster,
+    host: String,
     name: String,
     home: PathBuf,
     /// Its two bricks.
@@ -365,12 +369,18 @@ impl Volume<'_> {
 
     /// Mount the volume once more (one mount per node); returns the mount point.
     pub fn mount(&mut self) -> Result<PathBuf, String> {
+        self.mount_under(&[])
+    }
+
+    /// Mount the volume once more under the command `prefix` (which must exec `mount`, as
+    /// `nsenter --net=...` does: the FUSE client then runs where the prefix put it).
+    pub fn mount_under(&mut self, prefix: &[String]) -> Result<PathBuf, String> {
         let at = self.home.join(format!("mount{}", self.mounts.len()));
         std::fs::create_dir_all(&at).map_err(|e| e.to_string())?;
         output(
-            Command::new("mount")
+            crate::node::command_under(prefix, "mount")
                 .args(["-t", "glusterfs"])
-                .arg(format!("{}:/{}", self.gluster.host, self.name))
+                .arg(format!("{}:/{}", self.host, self.name))
                 .arg(&at),
         )?;
         let at_s = at.to_string_lossy().into_owned();

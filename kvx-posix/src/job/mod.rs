@@ -140,12 +140,13 @@ pub(crate) struct BlockJob {
 // moved between threads only while no syscall of it is in flight.
 unsafe impl Send for BlockJob {}
 
-/// True when `res` is ESTALE: on a distributed file system (GlusterFS, NFS), the file was
-/// replaced or removed by another node since its name was looked up. For a load that is a
-/// miss (the block as this node knew it is gone), not a failing mount: it must not count
-/// against the root's breaker.
+/// True when `res` says the file was replaced or removed by another node since its name was
+/// looked up, as a distributed file system reports it: ESTALE (NFS, GlusterFS on lookup), or
+/// ENOENT from a stat or read of a file already open (GlusterFS, whose bricks no longer hold
+/// the open file's id once a rename replaced it). For a load that is a miss (the block as this
+/// node knew it is gone), not a failing mount: it must not count against the root's breaker.
 pub(crate) fn replaced(res: i64) -> bool {
-    res == -(libc::ESTALE as i64)
+    res == -(libc::ESTALE as i64) || res == -(libc::ENOENT as i64)
 }
 
 fn errno_name(res: i64) -> String {
@@ -198,7 +199,7 @@ impl JobCore {
     /// The fd an `open` of the block file returned, or the block's error (`NotFound` for a
     /// missing file).
     fn opened(&self, res: i64) -> Result<i32, BlockError> {
-        if res == -(libc::ENOENT as i64) || replaced(res) {
+        if replaced(res) {
             return Err(BlockError::NotFound);
         }
         if res < 0 {
@@ -511,4 +512,18 @@ fn aligned_sector() -> Result<AlignedBuf, BlockError> {
         .map_err(|e| BlockError::Io(format!("cannot allocate a header buffer: {e}")))?;
     b.as_mut_full().fill(0);
     Ok(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replaced;
+
+    #[test]
+    fn a_file_replaced_under_a_load_is_told_from_a_failing_mount() {
+        assert!(replaced(-(libc::ESTALE as i64)));
+        assert!(replaced(-(libc::ENOENT as i64)));
+        assert!(!replaced(-(libc::EIO as i64)));
+        assert!(!replaced(-(libc::ENOTCONN as i64)));
+        assert!(!replaced(0));
+    }
 }

@@ -24,8 +24,9 @@
 //! A block removed while another node reads it: the reader opened the file before the unlink
 //! and reads the old inode to the end (local file systems, and NFS within one client thanks to
 //! its silly rename), or opens after it and gets a miss. Across NFS clients a reader may get
-//! `ESTALE` instead, an I/O error that fails that block; it never gets a mix of two files,
-//! because every load verifies the header and the payload checksum.
+//! `ESTALE` instead (GlusterFS: `ESTALE`, or `ENOENT` from a read of the open file), which the
+//! load takes as a miss too; it never gets a mix of two files, because every load verifies
+//! the header and the payload checksum.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

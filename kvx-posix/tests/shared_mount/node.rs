@@ -49,6 +49,15 @@ pub fn config(root: &Path, engine: IoEngine) -> PosixConfig {
     c
 }
 
+/// Block `k` in the owned buffer `buf`.
+fn owned(k: BlockKey, buf: PoolBuf) -> OpBlock {
+    OpBlock {
+        key: k,
+        engine: None,
+        buf: Buf::Owned(buf),
+    }
+}
+
 /// A node: its store in a driver, and a pool of staging buffers.
 pub struct Node {
     pub driver: Driver,
@@ -89,37 +98,53 @@ impl Node {
     pub fn store(&self, keys: &[BlockKey], generation: u8) {
         let blocks = keys
             .iter()
-            .map(|&k| {
-                let mut buf = self.pool.take().expect("buffer");
-                buf.set_len(BLOCK);
-                buf.as_mut_slice().copy_from_slice(&payload(k, generation));
-                OpBlock {
-                    key: k,
-                    engine: None,
-                    buf: Buf::Owned(buf),
-                }
-            })
+            .map(|&k| self.filled(k, generation).expect("a staging buffer"))
             .collect();
-        let deadline = Instant::now() + SOON;
+        let r = self.run(Direction::Store, blocks, Instant::now() + SOON);
+        assert!(r.is_ok(), "store failed: {:?}", r.blocks[0].result);
+    }
+
+    /// Block `k` in a staging buffer holding its payload of `generation` (none when the pool
+    /// is empty).
+    fn filled(&self, k: BlockKey, generation: u8) -> Option<OpBlock> {
+        let mut buf = self.pool.take()?;
+        buf.set_len(BLOCK);
+        buf.as_mut_slice().copy_from_slice(&payload(k, generation));
+        Some(owned(k, buf))
+    }
+
+    /// Run one task of `blocks` in direction `dir` with `deadline`, and wait for its report.
+    fn run(&self, dir: Direction, blocks: Vec<OpBlock>, deadline: Instant) -> TaskReport {
         let t = self
             .driver
             .submit(TaskSpec {
                 request: RequestId(1),
-                dir: Direction::Store,
+                dir,
                 route: vec![self.posix],
                 blocks,
                 deadline,
                 deferred: false,
             })
-            .expect("submit store");
-        let r = self
-            .driver
+            .expect("submit a task");
+        self.driver
             .wait_report(t, deadline + SOON)
-            .expect("store report");
-        assert!(r.is_ok(), "store failed: {:?}", r.blocks[0].result);
+            .expect("a task's report")
     }
 
-    /// Load `k` with `deadline`; returns the verdict and when the report arrived.
+    /// Store `k` (generation `generation`) with `deadline`: whether the store reported
+    /// success, and when kvx decided it (the report's `finished_at`, not when this thread woke
+    /// up to read it: the bound is kvx's).
+    pub fn store_by(&self, k: BlockKey, generation: u8, deadline: Instant) -> (bool, Instant) {
+        let Some(block) = self.filled(k, generation) else {
+            // Buffers of stores still stuck in a frozen mount are quarantined.
+            return (false, Instant::now());
+        };
+        let r = self.run(Direction::Store, vec![block], deadline);
+        (r.is_ok(), r.finished_at)
+    }
+
+    /// Load `k` with `deadline`; returns the verdict and when kvx decided it (the report's
+    /// `finished_at`).
     pub fn load(&self, k: BlockKey, deadline: Instant) -> (Loaded, Instant) {
         let Some(buf) = self.pool.take() else {
             // Buffers of loads still stuck in a frozen mount are quarantined.
@@ -128,26 +153,8 @@ impl Node {
                 Instant::now(),
             );
         };
-        let t = self
-            .driver
-            .submit(TaskSpec {
-                request: RequestId(2),
-                dir: Direction::Load,
-                route: vec![self.posix],
-                blocks: vec![OpBlock {
-                    key: k,
-                    engine: None,
-                    buf: Buf::Owned(buf),
-                }],
-                deadline,
-                deferred: false,
-            })
-            .expect("submit load");
-        let r = self
-            .driver
-            .wait_report(t, deadline + SOON)
-            .expect("load report");
-        let at = Instant::now();
+        let r = self.run(Direction::Load, vec![owned(k, buf)], deadline);
+        let at = r.finished_at;
         let b = &r.blocks[0];
         let verdict = match (&b.result, &b.buf) {
             (Ok(()), Some(buf)) => {
@@ -184,6 +191,8 @@ impl Node {
 /// - `find A B` → `found P` (keys A..B whose probe said present);
 /// - `load A B G` → `load EXACT OTHER MIXED INVALID` (exact: generation G; other: another
 ///   generation; mixed: no generation at all);
+/// - `stores A B G MS` → `stores OK LATE_US` (store keys A..B in generation G, each with a
+///   deadline of MS: how many succeeded, and the latest verdict past its deadline);
 /// - `churn A B MS` → `churn EXACT MIXED INVALID NOTFOUND` (load A..B round after round for MS);
 /// - `collect QUOTA MS` → `collect PASSES REMOVED` (collector passes with a quota of QUOTA
 ///   bytes, one after another for MS; any failed pass panics the node);
@@ -221,6 +230,16 @@ pub fn serve(spec: &str) {
                 }
                 format!("load {exact} {other} {mixed} {invalid}")
             }
+            Some("stores") => {
+                let (mut ok, mut late) = (0, Duration::ZERO);
+                for i in n(1)..n(2) {
+                    let deadline = Instant::now() + Duration::from_millis(n(4));
+                    let (stored, at) = node.store_by(key(i), n(3) as u8, deadline);
+                    ok += u64::from(stored);
+                    late = late.max(at.saturating_duration_since(deadline));
+                }
+                format!("stores {ok} {}", late.as_micros())
+            }
             Some("churn") => churn(&node, n(1)..n(2), Duration::from_millis(n(3))),
             Some("collect") => {
                 let cfg = kvx_posix::CollectorConfig::new(n(1));
@@ -252,7 +271,10 @@ fn churn(node: &Node, keys: std::ops::Range<u64>, span: Duration) -> String {
                 Loaded::Exact(_) => exact += 1,
                 Loaded::Mixed => mixed += 1,
                 Loaded::Invalid(BlockError::NotFound) => not_found += 1,
-                Loaded::Invalid(_) => invalid += 1,
+                Loaded::Invalid(e) => {
+                    eprintln!("churn: load of block {i} refused: {e:?}");
+                    invalid += 1
+                }
             }
         }
     }
@@ -308,6 +330,19 @@ fn frozen(
     )
 }
 
+/// The command that runs `program` under `prefix` (a program that execs the rest of its
+/// command line, as `nsenter` does), or `program` itself when `prefix` is empty.
+pub fn command_under(prefix: &[String], program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match prefix.split_first() {
+        Some((first, args)) => {
+            let mut c = Command::new(first);
+            c.args(args).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
 /// A child node process, driven over its stdin and stdout.
 pub struct ChildNode {
     child: Child,
@@ -318,8 +353,14 @@ pub struct ChildNode {
 impl ChildNode {
     /// Start this test binary as a node on `root` and wait for its `ready`.
     pub fn spawn(root: &Path, engine: IoEngine) -> ChildNode {
+        ChildNode::spawn_under(&[], root, engine)
+    }
+
+    /// Start this test binary as a node on `root` under the command `prefix` (which must exec
+    /// it, as `nsenter --net=...` does) and wait for its `ready`.
+    pub fn spawn_under(prefix: &[String], root: &Path, engine: IoEngine) -> ChildNode {
         let exe: PathBuf = std::env::current_exe().expect("test binary");
-        let mut child = Command::new(exe)
+        let mut child = command_under(prefix, exe)
             .env(NODE_ENV, format!("{engine} {}", root.display()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
