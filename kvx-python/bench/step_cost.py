@@ -53,6 +53,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -65,6 +66,7 @@ HEAD = 16
 VOCAB = 1000
 GROUP = 8  # requests sharing a prefix
 BLOCK_BYTES = 2 * BLOCK * KV_HEADS * HEAD * 2 * LAYERS
+ALIGN = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
 
 SCHED_METHODS = (
     "get_num_new_matched_tokens",
@@ -147,6 +149,7 @@ class Timed:
 
     def __init__(self, obj: Any, names: tuple[str, ...]) -> None:
         self.step: dict[str, float] = defaultdict(float)
+        self.offered: dict[str, int] = {}  # request id -> tokens its last lookup offered
         for name in names:
             fn = getattr(obj, name, None)
             if fn is not None and callable(fn):
@@ -156,12 +159,17 @@ class Timed:
         acc = self.step
         clock = time.perf_counter
 
+        offered = self.offered if name == "get_num_new_matched_tokens" else None
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
                 acc[name] += clock() - t0
+            if offered is not None and out[0] is not None:
+                offered[args[0].request_id] = out[0]
+            return out
 
         return timed
 
@@ -190,7 +198,8 @@ class Bench:
                                    kv_connector_extra_config={
                                        "spec_name": "HostCPUOffloadingSpec",
                                        "spec_module_path": "host_offload",
-                                       "cpu_bytes_to_use": host_blocks * BLOCK_BYTES,
+                                       # vLLM rounds each offloaded block up to this alignment
+                                       "cpu_bytes_to_use": host_blocks * max(BLOCK_BYTES, ALIGN),
                                        "offload_prompt_only": False,
                                    })
         self.vllm_config = VllmConfig(
@@ -346,8 +355,8 @@ def run_size(kind: str, n: int, args: argparse.Namespace, tmp: Path) -> dict[str
             b.add(f"b{i}", p, max_tokens=1)
         reqs = [b.requests[f"b{i}"] for i in range(n)]
         hit = b.run_until(lambda: all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs), 100_000)
-        loaded = sum(r.num_external_computed_tokens for r in reqs) if hasattr(reqs[0], "num_external_computed_tokens") \
-            else None
+        offered = b.stimed.offered if b.stimed is not None else {}
+        loaded = sum(offered.get(f"b{i}", 0) for i in range(n))
         return {"miss": summarize(miss), "store": summarize(store), "hit": summarize(hit),
                 "hit_tokens_loaded": loaded, "hit_tokens_prompt": sum(len(p) for p in second)}
     finally:
