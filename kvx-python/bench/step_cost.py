@@ -251,6 +251,7 @@ class Bench:
         if self.stimed is not None:
             self.stimed.take()  # add_request's on_new_request is not a step's
         t0 = time.perf_counter()
+        wall0 = t0
         so = self.scheduler.schedule()
         t_sched = time.perf_counter() - t0
         sched_part = self.stimed.take() if self.stimed is not None else {}
@@ -283,6 +284,7 @@ class Bench:
             "tokens": so.total_num_scheduled_tokens,
             "running": len(self.scheduler.running),
             "step_s": t_sched + t_update,
+            "wall_s": time.perf_counter() - wall0,
             "sched": sched_part,
             "worker": worker_part,
             "meta_bytes": meta_bytes,
@@ -319,6 +321,7 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     worker_names = sorted({k for s in steps for k in s["worker"]})
     return {
         "steps": len(steps),
+        "wall_s": sum(s["wall_s"] for s in steps),
         "tokens_per_step": stats([s["tokens"] for s in steps]),
         "running": stats([s["running"] for s in steps]),
         "step_s": stats([s["step_s"] for s in steps]),
@@ -368,9 +371,9 @@ def fmt_us(x: float) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| N | phase | connector | steps | tok/step | sched+update µs med / p99 | sched-side connector µs "
-            "med / p99 | worker-side connector µs med / p99 | metadata B med / p99 |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| N | phase | connector | steps | phase s | tok/step | sched+update µs med / p99 | "
+            "sched-side connector µs med / p99 | worker-side connector µs med / p99 | metadata B med / p99 |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for n, per_kind in results.items():
         for phase in ("miss", "store", "hit"):
             for kind in CONNECTORS:
@@ -378,7 +381,8 @@ def table(results: dict[str, Any]) -> str:
                     continue
                 s = per_kind[kind][phase]
                 rows.append(
-                    f"| {n} | {phase} | {kind} | {s['steps']} | {s['tokens_per_step']['median']:.0f} | "
+                    f"| {n} | {phase} | {kind} | {s['steps']} | {s['wall_s']:.2f} | "
+                    f"{s['tokens_per_step']['median']:.0f} | "
                     f"{fmt_us(s['step_s']['median'])} / {fmt_us(s['step_s']['p99'])} | "
                     f"{fmt_us(s['sched_total_s']['median'])} / {fmt_us(s['sched_total_s']['p99'])} | "
                     f"{fmt_us(s['worker_total_s']['median'])} / {fmt_us(s['worker_total_s']['p99'])} | "
