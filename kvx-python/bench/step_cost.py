@@ -11,8 +11,9 @@ For each size N (running requests), each connector runs three phases:
 - ``miss``: N requests over shared prefixes (prompts ``--min-prompt``..``--max-prompt`` tokens,
   groups of 8 sharing their first half) prefill; the tier is empty, so every lookup misses
   (every computed block is stored as well: neither connector can be told not to).
-- ``store``: the same N requests decode ``--decode`` tokens each, every step computing one token
-  per request; every block they complete is stored.
+- ``store``: once every prompt is in, ``--decode`` steps of all N requests decoding (one token
+  each per step); every block they complete is stored. (Requests whose prefill ended earlier
+  decode meanwhile, in the ``miss`` steps, as under continuous batching.)
 - ``hit``: N new requests whose prompts share all but the last eighth of the first N's prefill;
   the host tier holds those blocks, which are loaded (async), then the rest is computed.
 
@@ -55,7 +56,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
@@ -340,17 +341,21 @@ def run_size(kind: str, n: int, args: argparse.Namespace, tmp: Path) -> dict[str
     first = prompts(n, args.min_prompt, args.max_prompt, salt=1)
     cut = [p[: len(p) - len(p) // 8] for p in first]
     second = [c + tokens(3_000_000 + i, len(p) - len(c)) for i, (p, c) in enumerate(zip(first, cut, strict=True))]
-    max_len = args.max_prompt + args.decode + 16
-    prompt_blocks = sum(len(p) // BLOCK + 1 for p in first) + n * (args.decode // BLOCK + 1)
-    num_blocks = prompt_blocks + 64
-    host_blocks = prompt_blocks + 1024
-    b = Bench(kind, tmp, n, num_blocks, host_blocks, max_len, args.batched_tokens)
+    # Requests that finish their prefill early decode until the last prompt is in (continuous
+    # batching): room for that, then ``--decode`` steps with all N decoding.
+    total = sum(len(p) for p in first)
+    extra = -(-total // max(args.batched_tokens - n, 1)) + args.decode + 64
+    max_len = args.max_prompt + extra
+    blocks = sum((len(p) + extra) // BLOCK + 1 for p in first)
+    b = Bench(kind, tmp, n, blocks + 64, blocks + 1024, max_len, args.batched_tokens)
     try:
         for i, p in enumerate(first):
-            b.add(f"a{i}", p, max_tokens=args.decode + 1)
+            b.add(f"a{i}", p, max_tokens=max_len - len(p))
         reqs = [b.requests[f"a{i}"] for i in range(n)]
         miss = b.run_until(lambda: all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs), 100_000)
-        store = b.run_until(lambda: not b.scheduler.has_requests(), 100_000)
+        store = [b.step() for _ in range(args.decode)]
+        b.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
+        b.run_until(lambda: not b.scheduler.has_requests(), 100_000)
         # Stores still in flight (and delayed frees) drain before the next phase.
         for _ in range(200):
             b.step()
@@ -406,7 +411,7 @@ def main() -> None:
     ap.add_argument("--connectors", default=",".join(CONNECTORS))
     ap.add_argument("--min-prompt", type=int, default=1024)
     ap.add_argument("--max-prompt", type=int, default=32768)
-    ap.add_argument("--decode", type=int, default=32, help="tokens each request decodes (store phase)")
+    ap.add_argument("--decode", type=int, default=48, help="steps of the store phase (all N decoding)")
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args()
