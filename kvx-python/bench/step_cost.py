@@ -377,8 +377,9 @@ def fmt_us(x: float) -> str:
 
 def table(results: dict[str, Any]) -> str:
     rows = ["| N | phase | connector | steps | phase s | tok/step | sched+update µs med / p99 | "
-            "sched-side connector µs med / p99 | worker-side connector µs med / p99 | metadata B med / p99 |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "sched-side connector µs med / p99 | sched-side µs per 1k tokens | "
+            "worker-side connector µs med / p99 | metadata B med / p99 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, per_kind in results.items():
         for phase in ("miss", "store", "hit"):
             for kind in CONNECTORS:
@@ -390,6 +391,7 @@ def table(results: dict[str, Any]) -> str:
                     f"{s['tokens_per_step']['median']:.0f} | "
                     f"{fmt_us(s['step_s']['median'])} / {fmt_us(s['step_s']['p99'])} | "
                     f"{fmt_us(s['sched_total_s']['median'])} / {fmt_us(s['sched_total_s']['p99'])} | "
+                    f"{s['sched_us_per_token'] * 1000:.0f} | "
                     f"{fmt_us(s['worker_total_s']['median'])} / {fmt_us(s['worker_total_s']['p99'])} | "
                     f"{s['meta_bytes']['median']:.0f} / {s['meta_bytes']['p99']:.0f} |")
     rows += ["", "Per method, µs per step (median / p99):", ""]
@@ -414,7 +416,11 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=48, help="steps of the store phase (all N decoding)")
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--from-json", metavar="FILE", help="print the table of an earlier run's --json output")
     args = ap.parse_args()
+    if args.from_json:
+        print(table(json.loads(Path(args.from_json).read_text())["results"]))
+        return
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         for n in (int(x) for x in args.sizes.split(",")):
