@@ -29,7 +29,7 @@ class HostOffloadingWorker(OffloadingWorker):
 
     @staticmethod
     def _ids(spec: LoadStoreSpec) -> torch.Tensor:
-        return torch.from_numpy(spec.block_ids.astype("int64"))  # type: ignore[attr-defined]
+        return torch.from_numpy(spec.block_ids.astype("int64"))
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         """Engine blocks -> host chunks."""
@@ -63,6 +63,8 @@ class HostCPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """The stand-in worker (vLLM's refuses a platform without CUDA)."""
-        if self._worker is None:
-            self._worker = HostOffloadingWorker(kv_caches, self.num_chunks, self.blocks_per_chunk)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+        worker = getattr(self, "_worker", None)
+        if worker is None:
+            worker = HostOffloadingWorker(kv_caches, self.num_chunks, self.blocks_per_chunk)
+            self._worker = worker
+        return worker

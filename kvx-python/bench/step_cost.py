@@ -292,7 +292,8 @@ class Bench:
         }
 
     def run_until(self, done: Callable[[], bool], limit: int) -> list[dict[str, Any]]:
-        out = []
+        """Steps until ``done()``; what each cost."""
+        out: list[dict[str, Any]] = []
         for _ in range(limit):
             if done():
                 return out
