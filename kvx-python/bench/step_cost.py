@@ -95,7 +95,7 @@ WORKER_METHODS = (
     "get_kv_connector_stats",
     "clear_connector_metadata",
 )
-CONNECTORS = ("none", "offloading", "kvx")
+CONNECTORS = ("none", "offloading", "kvx-before", "kvx")
 
 init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
@@ -190,8 +190,9 @@ class Bench:
         model = ModelConfig(model=str(model_dir(tmp, max_len)), skip_tokenizer_init=True, dtype="float16",
                             max_model_len=max_len)
         ktc = None
-        if kind == "kvx":
-            ktc = KVTransferConfig(kv_connector="KvxConnector", kv_connector_module_path="kvx.vllm",
+        if kind in ("kvx", "kvx-before"):
+            name, module = ("KvxConnector", "kvx.vllm") if kind == "kvx" else ("KvxConnectorBefore", "kvx_before")
+            ktc = KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                                    kv_role="kv_both", kv_load_failure_policy="recompute",
                                    kv_connector_extra_config={"host_blocks": host_blocks})
         elif kind == "offloading":
@@ -398,7 +399,7 @@ def table(results: dict[str, Any]) -> str:
     rows += ["", "Per method, µs per step (median / p99):", ""]
     for n, per_kind in results.items():
         for phase in ("miss", "store", "hit"):
-            for kind in ("offloading", "kvx"):
+            for kind in ("offloading", "kvx-before", "kvx"):
                 if kind not in per_kind:
                     continue
                 s = per_kind[kind][phase]
@@ -411,7 +412,8 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--sizes", default="64,256,1024", help="running requests, comma-separated")
-    ap.add_argument("--connectors", default=",".join(CONNECTORS))
+    ap.add_argument("--connectors", default=",".join(CONNECTORS),
+                    help="kvx-before: kvx with build_connector_meta as before the per-step cost fix")
     ap.add_argument("--min-prompt", type=int, default=1024)
     ap.add_argument("--max-prompt", type=int, default=32768)
     ap.add_argument("--decode", type=int, default=48, help="steps of the store phase (all N decoding)")
