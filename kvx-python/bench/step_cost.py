@@ -17,6 +17,11 @@ For each size N (running requests), each connector runs three phases:
 - ``hit``: N new requests whose prompts share all but the last eighth of the first N's prefill;
   the host tier holds those blocks, which are loaded (async), then the rest is computed.
 
+Connectors: ``none``; ``offloading``, vLLM's ``OffloadingConnector`` with its CPU offloading
+manager, whose worker is ``host_offload.HostOffloadingWorker`` (vLLM's refuses a machine without
+CUDA; the stand-in copies blocks synchronously with torch on the CPU); ``kvx``; ``kvx-before``,
+kvx with ``build_connector_meta`` as before the per-step cost fix (``kvx_before.py``).
+
 Per step: the time inside each connector method on the scheduler side (called from
 ``schedule()``/``update_from_output()``) and on the worker side (called by ``ActiveKVConnector``),
 the pickled size of the step's connector metadata, and the time of the whole ``schedule()`` +
