@@ -132,18 +132,22 @@ class SchedulerSide:
             if r is not None:
                 self.native.request_preempted(r.number)
                 self.stats.preemptions += 1
+        bs = self.block_size
         for req_id, n in so.num_scheduled_tokens.items():
             r = self.reqs.get(req_id)
             if r is None or n <= 0:
                 continue
             done = r.request.num_computed_tokens
+            first = done // bs
+            if (done + n) // bs <= first:
+                continue  # no block completed this step (most decode steps): no keys, no ids
             keys = self._keys(r)
-            first = done // self.block_size
-            upto = min((done + n) // self.block_size, len(keys) // 16)
+            upto = min((done + n) // bs, len(keys) // 16)
             if upto <= first:
                 continue
-            ids = self.cache_manager.get_block_ids(req_id)[0]
-            if self.native.save_blocks(r.number, keys[first * 16 : upto * 16], ids[first:upto]):
+            # Only this job's blocks: get_block_ids would copy the whole block table (O(context)).
+            blocks = self.cache_manager.get_blocks(req_id).blocks[0][first:upto]
+            if self.native.save_blocks(r.number, keys[first * 16 : upto * 16], [b.block_id for b in blocks]):
                 self.stats.store_jobs += 1
         abandoned, self._abandoned = self._abandoned, []
         step, loads, delayed = self.native.build_meta(abandoned)
