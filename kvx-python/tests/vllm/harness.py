@@ -10,6 +10,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from vllm.config import (
@@ -101,7 +102,47 @@ class Tracked:
     seen_scheduled: bool = False
 
 
-class Engine:
+class EngineLoop:
+    """Stepping an engine until it is idle, and the state that says so: shared by ``Engine``
+    and the hybrid-model engine (each has ``scheduler``, ``conn``, ``worker``, ``num_blocks``
+    and ``step``)."""
+
+    scheduler: Scheduler
+    conn: Any
+    worker: Any
+    num_blocks: int
+
+    def run(self, timeout: float = 30.0, until=None) -> None:
+        """Step until every request finished and kvx and vLLM are idle (or ``until()``)."""
+        end = time.monotonic() + timeout
+        while True:
+            self.step()
+            if until is not None and until():
+                return
+            if until is None and self.idle():
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"not idle after {timeout}s: {self.state()}")
+            if self.scheduler.get_num_unfinished_requests() == 0:
+                time.sleep(0.001)
+
+    # -- state ------------------------------------------------------------------------------
+    def state(self) -> dict:
+        s = self.scheduler
+        return {
+            "vllm_requests": len(s.requests),
+            "vllm_unfinished": s.get_num_unfinished_requests(),
+            "vllm_recving": len(s.finished_recving_kv_req_ids) + len(s.failed_recving_kv_req_ids),
+            "vllm_used_blocks": self.num_blocks - 1 - s.kv_cache_manager.block_pool.get_num_free_blocks(),
+            **{f"sched_{k}": v for k, v in self.conn.state_counts().items()},
+            **{f"worker_{k}": v for k, v in self.worker.state_counts().items()},
+        }
+
+    def idle(self) -> bool:
+        return all(v == 0 for v in self.state().values())
+
+
+class Engine(EngineLoop):
     """One engine: scheduler + worker connector + fake model over CPU KV tensors."""
 
     def __init__(
@@ -340,35 +381,6 @@ class Engine:
                     t = self.tracked[o.request_id]
                     t.finished_status = t.request.status
         self.steps += 1
-
-    def run(self, timeout: float = 30.0, until=None) -> None:
-        """Step until every request finished and kvx and vLLM are idle (or ``until()``)."""
-        end = time.monotonic() + timeout
-        while True:
-            self.step()
-            if until is not None and until():
-                return
-            if until is None and self.idle():
-                return
-            if time.monotonic() > end:
-                raise AssertionError(f"not idle after {timeout}s: {self.state()}")
-            if self.scheduler.get_num_unfinished_requests() == 0:
-                time.sleep(0.001)
-
-    # -- state ------------------------------------------------------------------------------
-    def state(self) -> dict:
-        s = self.scheduler
-        return {
-            "vllm_requests": len(s.requests),
-            "vllm_unfinished": s.get_num_unfinished_requests(),
-            "vllm_recving": len(s.finished_recving_kv_req_ids) + len(s.failed_recving_kv_req_ids),
-            "vllm_used_blocks": self.num_blocks - 1 - s.kv_cache_manager.block_pool.get_num_free_blocks(),
-            **{f"sched_{k}": v for k, v in self.conn.state_counts().items()},
-            **{f"worker_{k}": v for k, v in self.worker.state_counts().items()},
-        }
-
-    def idle(self) -> bool:
-        return all(v == 0 for v in self.state().values())
 
     def keys_of(self, req_id: str) -> bytes:
         """kvx block keys of a request's full blocks (16 bytes each)."""

@@ -37,7 +37,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from harness import _HASHER, BLOCK, VOCAB, chain
+from harness import _HASHER, BLOCK, VOCAB, EngineLoop, chain
 
 try:  # vLLM 0.33
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
@@ -116,7 +116,7 @@ class Tracked:
     seen_scheduled: bool = False
 
 
-class HybridEngine:
+class HybridEngine(EngineLoop):
     """Scheduler + worker connector + fake model over vLLM-allocated CPU KV caches, two groups."""
 
     def __init__(
@@ -313,32 +313,6 @@ class HybridEngine:
                     t = self.tracked[o.request_id]
                     t.finished_status = t.request.status
         self.steps += 1
-
-    def run(self, timeout: float = 30.0) -> None:
-        """Step until every request finished and kvx and vLLM are idle."""
-        end = time.monotonic() + timeout
-        while True:
-            self.step()
-            if self.idle():
-                return
-            if time.monotonic() > end:
-                raise AssertionError(f"not idle after {timeout}s: {self.state()}")
-            if self.scheduler.get_num_unfinished_requests() == 0:
-                time.sleep(0.001)
-
-    def state(self) -> dict:
-        s = self.scheduler
-        return {
-            "vllm_requests": len(s.requests),
-            "vllm_unfinished": s.get_num_unfinished_requests(),
-            "vllm_recving": len(s.finished_recving_kv_req_ids) + len(s.failed_recving_kv_req_ids),
-            "vllm_used_blocks": self.num_blocks - 1 - s.kv_cache_manager.block_pool.get_num_free_blocks(),
-            **{f"sched_{k}": v for k, v in self.conn.state_counts().items()},
-            **{f"worker_{k}": v for k, v in self.worker.state_counts().items()},
-        }
-
-    def idle(self) -> bool:
-        return all(v == 0 for v in self.state().values())
 
     def keys_of(self, req_id: str, group: int) -> bytes:
         """kvx block keys of one group of a request's full blocks (16 bytes each)."""

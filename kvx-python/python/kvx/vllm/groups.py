@@ -262,12 +262,8 @@ class HybridSchedulerSide(SchedulerSide):
                 if b:
                     engine.append(b)
         if self.native.update_state_after_alloc(r.number, engine):
-            self.loading.add(request.request_id)
+            self._load_started(request.request_id, r, num_external_tokens)
             self._load_blocks[request.request_id] = engine
-            self.stats.loads += 1
-            self.stats.hit_tokens += num_external_tokens
-            self.stats.host_hit_blocks += r.hit[0]
-            self.stats.file_hit_blocks += r.hit[1]
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         r = self.reqs.get(request.request_id)

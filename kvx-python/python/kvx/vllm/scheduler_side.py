@@ -109,11 +109,15 @@ class SchedulerSide:
         first = r.local_tokens // self.block_size
         n = num_external_tokens // self.block_size
         if self.native.update_state_after_alloc(r.number, ids[first : first + n]):
-            self.loading.add(request.request_id)
-            self.stats.loads += 1
-            self.stats.hit_tokens += num_external_tokens
-            self.stats.host_hit_blocks += r.hit[0]
-            self.stats.file_hit_blocks += r.hit[1]
+            self._load_started(request.request_id, r, num_external_tokens)
+
+    def _load_started(self, req_id: str, r: _Req, num_external_tokens: int) -> None:
+        """A load was planned for ``req_id``: it is loading, and counted."""
+        self.loading.add(req_id)
+        self.stats.loads += 1
+        self.stats.hit_tokens += num_external_tokens
+        self.stats.host_hit_blocks += r.hit[0]
+        self.stats.file_hit_blocks += r.hit[1]
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         r = self.reqs.get(request.request_id)
