@@ -281,19 +281,17 @@ class HybridSchedulerSide(SchedulerSide):
         fence = sorted(self._sw_sources.intersection(_new_blocks(so)))
         self._sw_sources.difference_update(fence)
         self.fenced_blocks += len(fence)
-        for req_id in so.preempted_req_ids or ():
-            r = self.reqs.get(req_id)
-            if r is not None:
-                self.native.request_preempted(r.number)
-                self.stats.preemptions += 1
+        self._preempted(so)
         bs = self.block_size
         for req_id, n in so.num_scheduled_tokens.items():
             r = self.reqs.get(req_id)
             if r is None or n <= 0:
                 continue
             done = r.request.num_computed_tokens
-            keys = self.group_keys(r.request)
             first = done // bs
+            if (done + n) // bs <= first:
+                continue  # no block completed this step: no keys, no block table
+            keys = self.group_keys(r.request)
             upto = min((done + n) // bs, len(keys[0]) // KEY)
             if upto <= first:
                 continue

@@ -130,12 +130,16 @@ class SchedulerSide:
         out[CacheHitSource.HOST] = num_external_tokens - out.get(CacheHitSource.DISK, 0)
         return {k: v for k, v in out.items() if v > 0}
 
-    def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
+    def _preempted(self, so: Any) -> None:
+        """Tell kvx about the requests vLLM preempted in this step's scheduler output."""
         for req_id in so.preempted_req_ids or ():
             r = self.reqs.get(req_id)
             if r is not None:
                 self.native.request_preempted(r.number)
                 self.stats.preemptions += 1
+
+    def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
+        self._preempted(so)
         bs = self.block_size
         for req_id, n in so.num_scheduled_tokens.items():
             r = self.reqs.get(req_id)
