@@ -84,8 +84,8 @@ impl TensorView {
 
     /// Refuse a tensor whose elements may share bytes (a broadcast stride of 0, dimensions
     /// that interleave): taken by increasing stride, each dimension's stride must reach past
-    /// every element the smaller ones span.
-    fn check_no_overlap(&self, dims: &[Dim]) -> Result<(), TensorLayoutError> {
+    /// every element the smaller ones span. Returns the last element's offset.
+    fn check_no_overlap(&self, dims: &[Dim]) -> Result<usize, TensorLayoutError> {
         let mut sorted: Vec<Dim> = dims.iter().copied().filter(|d| d.size > 1).collect();
         sorted.sort_by_key(|d| d.stride);
         let mut span = 0usize;
@@ -101,7 +101,7 @@ impl TensorView {
                 .and_then(|s| s.checked_add(span))
                 .ok_or_else(|| self.error("tensor size overflows"))?;
         }
-        Ok(())
+        Ok(span)
     }
 
     /// The regions of this tensor. The dimension of size `num_blocks` indexes blocks (the
@@ -119,7 +119,12 @@ impl TensorView {
                 self.shape
             )));
         };
-        self.check_no_overlap(&dims)?;
+        // The last element's offset: every address computed below lies within this range.
+        let span = self.check_no_overlap(&dims)?;
+        span.checked_add(1)
+            .and_then(|n| n.checked_mul(self.elem_size))
+            .and_then(|n| n.checked_add(self.ptr))
+            .ok_or_else(|| self.error("the tensor's address range overflows"))?;
         let mut by_stride: Vec<Dim> = dims
             .iter()
             .copied()
@@ -339,6 +344,9 @@ mod tests {
             (&[7, 2, 16], &[32, 16, 1], "num_blocks=8"),
             (&[8, 2], &[2], "differ in length"),
         ];
+        let huge = view(&[8, 9, 16], &[16, 1 << 60, 1]);
+        let e = KvLayout::from_tensors(&[huge], 8).unwrap_err();
+        assert!(e.reason.contains("overflows"), "{e}");
         for (shape, strides, want) in cases {
             let e = KvLayout::from_tensors(&[view(shape, strides)], 8).unwrap_err();
             assert_eq!(e.name, "layer0");

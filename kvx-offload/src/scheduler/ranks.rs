@@ -56,8 +56,10 @@ impl Partial {
         }
     }
 
-    /// The merged result, and the keys some ranks (not all) hold beyond it: ok or promoted on
-    /// some rank, yet not in the merged `ok` or `promoted`.
+    /// The merged result, and the keys some ranks (not all) hold beyond it: stored (ok on a
+    /// store part) or promoted on some rank, yet not in the merged `ok` or `promoted`. A load
+    /// that was ok on some ranks changed no tier there (its block was in the host tier before
+    /// and stays): only its promotions can be held beyond the merged result.
     fn merge(self, job: JobId, part: JobPart, world: u32) -> (JobResult, Vec<BlockKey>) {
         let failed_keys: FxHashSet<BlockKey> = self.failed.iter().map(|f| f.0).collect();
         let everywhere = |v: &[(BlockKey, u32)]| -> Vec<BlockKey> {
@@ -71,9 +73,11 @@ impl Partial {
         let ok_set: FxHashSet<BlockKey> = ok.iter().copied().collect();
         let promoted_set: FxHashSet<BlockKey> = promoted.iter().copied().collect();
         let mut stray: Vec<BlockKey> = Vec::new();
-        for (k, _) in &self.ok {
-            if !ok_set.contains(k) {
-                stray.push(*k);
+        if part != JobPart::Load {
+            for (k, _) in &self.ok {
+                if !ok_set.contains(k) {
+                    stray.push(*k);
+                }
             }
         }
         for (k, _) in &self.promoted {
@@ -364,6 +368,44 @@ mod tests {
         assert_eq!(meta.evict_host, vec![b]);
         assert!(s.manager().is_quiet());
         assert_eq!((s.request_count(), s.job_count()), (1, 0));
+    }
+
+    #[test]
+    fn a_host_load_one_rank_failed_fails_the_block_and_keeps_it_in_every_host_tier() {
+        let mut s = sched(2, false);
+        let a = k(1);
+        let job = store(&mut s, 1, &[a]);
+        s.build_meta();
+        let stored = result(job, RequestId(1), JobPart::StoreHost, &[a], &[], &[]);
+        s.update_from_rank(0, &stored);
+        s.update_from_rank(1, &stored);
+        assert_eq!(
+            s.get_num_new_matched_tokens(RequestId(2), &[a], 0),
+            Some(16)
+        );
+        let job = s
+            .update_state_after_alloc(RequestId(2), &[EngineBlockId(5)])
+            .unwrap()
+            .unwrap();
+        s.build_meta();
+        s.update_from_rank(0, &result(job, RequestId(2), JobPart::Load, &[a], &[], &[]));
+        let late = BlockError::TimedOut;
+        let applied = s.update_from_rank(
+            1,
+            &result(
+                job,
+                RequestId(2),
+                JobPart::Load,
+                &[],
+                &[(a, late.clone())],
+                &[],
+            ),
+        );
+        assert_eq!(applied[0].failed, vec![(a, late)]);
+        // The copy out of rank 1's host tier timed out; the block is still in both host tiers
+        // and in the index: nothing is evicted, the next request hits it again.
+        assert!(s.build_meta().evict_host.is_empty());
+        assert_eq!(s.manager().lookup(&[a]), Lookup::Hit(vec![Tier::Host]));
     }
 
     #[test]
