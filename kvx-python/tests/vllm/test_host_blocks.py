@@ -3,7 +3,12 @@ construction (it would store nothing in any tier); one of exactly that size work
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
+
+from kvx.vllm.compat import check_host_blocks
 
 from harness import BLOCK, Engine, prompt
 
@@ -35,3 +40,21 @@ def test_host_tier_of_exactly_one_store_job_stores_and_serves_it(tmp_path):
         assert e.verified_blocks == 8
     finally:
         e.close()
+
+
+def test_a_hybrid_store_job_holds_every_groups_blocks() -> None:
+    # 128 tokens a step, 16-token blocks: 8 blocks of each full-attention group; a 32-token
+    # sliding window keeps at most ceil(32 / 16) + 1 = 3 blocks of its group.
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=128),
+        model_config=SimpleNamespace(max_model_len=4096),
+    )
+    groups: list[tuple[int | None, int]] = [(None, 0), (32, 0), (32, 0)]
+    check_host_blocks(json.dumps({"host_blocks": 14}), 16, vllm_config, groups)
+    with pytest.raises(ValueError) as e:
+        check_host_blocks(json.dumps({"host_blocks": 13}), 16, vllm_config, groups)
+    assert "host_blocks = 13" in str(e.value) and "at least 14" in str(e.value), str(e.value)
+    # One group: the job is one request's blocks of one step.
+    check_host_blocks(json.dumps({"host_blocks": 8}), 16, vllm_config)
+    with pytest.raises(ValueError):
+        check_host_blocks(json.dumps({"host_blocks": 7}), 16, vllm_config)

@@ -87,16 +87,28 @@ def max_store_job_blocks(block_size: int, vllm_config: Any) -> int:
     return math.ceil(tokens / block_size)
 
 
-def check_host_blocks(config: str, block_size: int, vllm_config: Any) -> None:
+def check_host_blocks(
+    config: str, block_size: int, vllm_config: Any, windows: list[tuple[int | None, int]] | None = None
+) -> None:
     """Refuse a host tier smaller than one store job: such a job finds no room, and a store
-    goes to the file tier through the host tier, so it would store nothing in any tier."""
+    goes to the file tier through the host tier, so it would store nothing in any tier.
+    ``windows``: for a hybrid model, each KV cache group's (sliding window in tokens or None for
+    full attention, extra tokens vLLM retains); one store job then holds every group's blocks,
+    a sliding-window group's at most its window's."""
     host_blocks = json.loads(_native.parse_config(config, block_size))["host_blocks"]
-    need = max_store_job_blocks(block_size, vllm_config)
+    per_group = max_store_job_blocks(block_size, vllm_config)
+    need = 0
+    for window, extra in windows or [(None, 0)]:
+        if window is None:
+            need += per_group
+        else:
+            need += min(per_group, math.ceil((window + extra) / block_size) + 1)
     if host_blocks < need:
         sc = vllm_config.scheduler_config
         raise ValueError(
             f"kv_connector_extra_config: host_blocks = {host_blocks} is smaller than one store "
-            f"job: a request computes up to {need} blocks in one step (max_num_batched_tokens "
+            f"job of up to {need} blocks: a request computes up to {per_group} blocks of each KV "
+            f"cache group in one step (max_num_batched_tokens "
             f"{sc.max_num_batched_tokens}, max_model_len {vllm_config.model_config.max_model_len}, "
             f"block_size {block_size}), and a job the host tier "
             f"cannot hold is stored in no tier; set host_blocks to at least {need}"

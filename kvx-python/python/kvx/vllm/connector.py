@@ -73,7 +73,8 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         # Several groups (a hybrid model): kvx.vllm.groups; one group: as before.
         hybrid = describe_groups(kv_cache_config, namespace) if len(groups) > 1 else None
         block_size = groups[0].kv_cache_spec.block_size
-        compat.check_host_blocks(self.config, block_size, vllm_config)
+        windows = [(g.window, g.extra_retained) for g in hybrid] if hybrid is not None else None
+        compat.check_host_blocks(self.config, block_size, vllm_config, windows)
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -149,8 +150,8 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
-        assert isinstance(meta, KvxConnectorMetadata)
-        self._worker_side().start(meta)
+            assert isinstance(meta, KvxConnectorMetadata)
+            self._worker_side().start(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side().get_finished()
