@@ -283,16 +283,11 @@ class HybridSchedulerSide(SchedulerSide):
         self.fenced_blocks += len(fence)
         self._preempted(so)
         bs = self.block_size
-        for req_id, n in so.num_scheduled_tokens.items():
-            r = self.reqs.get(req_id)
-            if r is None or n <= 0:
-                continue
+        for req_id, r, first, end in self._completing(so):
             done = r.request.num_computed_tokens
-            first = done // bs
-            if (done + n) // bs <= first:
-                continue  # no block completed this step: no keys, no block table
+            n = so.num_scheduled_tokens[req_id]
             keys = self.group_keys(r.request)
-            upto = min((done + n) // bs, len(keys[0]) // KEY)
+            upto = min(end, len(keys[0]) // KEY)
             if upto <= first:
                 continue
             ids = self.cache_manager.get_block_ids(req_id)

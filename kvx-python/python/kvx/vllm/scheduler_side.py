@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,19 +139,24 @@ class SchedulerSide:
                 self.native.request_preempted(r.number)
                 self.stats.preemptions += 1
 
-    def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
-        self._preempted(so)
+    def _completing(self, so: Any) -> Iterator[tuple[str, _Req, int, int]]:
+        """The requests that complete at least one block in this step's scheduler output, with
+        the index of their first new block and the block count once the step ran (most decode
+        steps complete none: those are skipped before any key or block table is read)."""
         bs = self.block_size
         for req_id, n in so.num_scheduled_tokens.items():
             r = self.reqs.get(req_id)
             if r is None or n <= 0:
                 continue
             done = r.request.num_computed_tokens
-            first = done // bs
-            if (done + n) // bs <= first:
-                continue  # no block completed this step (most decode steps): no keys, no ids
+            if (done + n) // bs > done // bs:
+                yield req_id, r, done // bs, (done + n) // bs
+
+    def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
+        self._preempted(so)
+        for req_id, r, first, end in self._completing(so):
             keys = self._keys(r)
-            upto = min((done + n) // bs, len(keys) // 16)
+            upto = min(end, len(keys) // 16)
             if upto <= first:
                 continue
             # Only this job's blocks: get_block_ids would copy the whole block table (O(context)).
