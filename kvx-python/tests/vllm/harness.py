@@ -100,6 +100,12 @@ class Tracked:
     blocks: set[int] = field(default_factory=set)  # every engine block it ever held while running
     finished_status: RequestStatus | None = None
     seen_scheduled: bool = False
+    verified: int = 0  # blocks ``_check`` found exact (loaded or cached, never computed here)
+    finished_at: float | None = None  # monotonic time of its finishing output
+    params: dict | None = None  # the kv_transfer_params its finishing output returned
+    sent_at: float | None = None  # monotonic time the worker reported it in finished_sending
+    recv_at: list[float] = field(default_factory=list)  # each finished_recving report's time
+    invalid: set[int] = field(default_factory=set)  # engine blocks of its loads reported invalid
 
 
 class EngineLoop:
@@ -158,6 +164,7 @@ class Engine(EngineLoop):
         prefix_caching: bool = False,
         cross_layer: bool = False,
         layouts: list[str] | None = None,
+        kv_role: str = "kv_both",
     ):
         """``layouts``: allocate the KV cache with vLLM's own functions, in the layout vLLM
         resolves when the attention backends support these (most preferred first, as a worker
@@ -179,7 +186,7 @@ class Engine(EngineLoop):
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvxConnector",
                 kv_connector_module_path="kvx.vllm",
-                kv_role="kv_both",
+                kv_role=kv_role,
                 kv_load_failure_policy=policy,
                 kv_connector_extra_config=extra,
             ),
@@ -237,11 +244,16 @@ class Engine(EngineLoop):
         self.resumed_as_new = 0  # preempted requests that came back among the new ones (V2 runner)
 
     # -- requests ---------------------------------------------------------------------------
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Tracked:
+    def add(
+        self, req_id: str, prompt: list[int], max_tokens: int = 2, kv_transfer_params: Any = None
+    ) -> Tracked:
+        """Queue a request; ``kv_transfer_params`` reaches the connector as a proxy sends it
+        (P/D: ``{"do_remote_decode": True}`` on P, P's returned params on D)."""
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         req = Request(
             req_id,
             prompt,
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
             None,
             block_hasher=_HASHER,
         )
@@ -295,6 +307,7 @@ class Engine(EngineLoop):
                         "does not hold its tokens' bytes"
                     )
             self.verified_blocks += 1
+            t.verified += 1
 
     def _forward(self, so) -> ModelRunnerOutput:
         req_ids, sampled = [], []
@@ -370,16 +383,25 @@ class Engine(EngineLoop):
             for r in kvo.finished_recving or ():
                 self.recv_reported.add(r)
                 t = self.tracked.get(r)
+                if t is not None:
+                    t.recv_at.append(now)
+                    if t.load_blocks:
+                        t.invalid |= set(kvo.invalid_block_ids or ()) & set(t.load_blocks[-1])
                 if t is not None and t.entered_wait is not None:
                     t.waits.append(now - t.entered_wait)
                     t.entered_wait = None
             self.send_reported.extend(kvo.finished_sending or ())
+            for r in kvo.finished_sending or ():
+                if r in self.tracked:
+                    self.tracked[r].sent_at = now
         outputs = self.scheduler.update_from_output(so, out)
         for eco in outputs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     t = self.tracked[o.request_id]
                     t.finished_status = t.request.status
+                    t.finished_at = now
+                    t.params = o.kv_transfer_params
         self.steps += 1
 
     def keys_of(self, req_id: str) -> bytes:
