@@ -134,8 +134,6 @@ pub struct RemoteSource {
     pub producers: Vec<SocketAddr>,
     /// Keys of the exported blocks, in prompt order.
     pub keys: Vec<BlockKey>,
-    /// Bytes of each block on a producer rank.
-    pub block_bytes: u64,
     /// The lease TTL, in milliseconds.
     pub ttl_ms: u64,
     /// How often to renew the lease, in milliseconds.
@@ -177,9 +175,6 @@ impl RemoteSource {
                 ),
             );
         }
-        if self.block_bytes == 0 {
-            return bad("block_bytes", "must be positive".into());
-        }
         if self.heartbeat_ms == 0 || self.heartbeat_ms >= self.ttl_ms {
             return bad(
                 "heartbeat_ms",
@@ -192,8 +187,10 @@ impl RemoteSource {
         Ok(())
     }
 
-    /// The descriptor worker `rank` reads with (each rank reads its own producer rank).
-    pub fn descriptor(&self, rank: u32) -> Result<RemoteDescriptor, OffloadError> {
+    /// The descriptor worker `rank` reads with (each rank reads its own producer rank), for
+    /// blocks of `block_bytes` (the consumer's own: a source of the same namespace has blocks
+    /// of the same size).
+    pub fn descriptor(&self, rank: u32, block_bytes: u64) -> Result<RemoteDescriptor, OffloadError> {
         let addr = *self.producers.get(rank as usize).ok_or_else(|| {
             OffloadError::config(
                 "kv_transfer_params.kvx.producers",
@@ -207,7 +204,7 @@ impl RemoteSource {
             request: RequestId(self.export),
             addr,
             transport: TransportKind::Tcp,
-            block_bytes: self.block_bytes,
+            block_bytes,
             blocks: self.keys.clone(),
             heartbeat_interval_ms: self.heartbeat_ms,
             ttl_ms: self.ttl_ms,
@@ -215,10 +212,11 @@ impl RemoteSource {
         })
     }
 
-    /// Every producer rank's descriptor (what a consumer's lease keeper renews).
+    /// Every producer rank's descriptor (what a consumer's lease keeper renews; heartbeats
+    /// and done name no block, so the block size there is a placeholder of 1).
     pub fn descriptors(&self) -> Vec<RemoteDescriptor> {
         (0..self.producers.len() as u32)
-            .filter_map(|r| self.descriptor(r).ok())
+            .filter_map(|r| self.descriptor(r, 1).ok())
             .collect()
     }
 }
@@ -237,7 +235,6 @@ mod tests {
                 "127.0.0.1:7401".parse().unwrap(),
             ],
             keys: vec![BlockKey::chain(None, b"a"), BlockKey(u128::MAX)],
-            block_bytes: 4096,
             ttl_ms: 1000,
             heartbeat_ms: 100,
         }
@@ -248,8 +245,8 @@ mod tests {
         let s = source();
         let back = RemoteSource::from_json(&s.to_json()).unwrap();
         assert_eq!(back, s);
-        assert_eq!(back.descriptor(1).unwrap().addr.port(), 7401);
-        assert!(back.descriptor(2).is_err());
+        assert_eq!(back.descriptor(1, 4096).unwrap().addr.port(), 7401);
+        assert!(back.descriptor(2, 4096).is_err());
         assert_eq!(back.descriptors().len(), 2);
     }
 

@@ -86,7 +86,6 @@ fn producer(ttl_ms: u64) -> (Engine, RemoteSource) {
         export: 77,
         producers: vec![p.kvx.runtime.remote_addr().unwrap()],
         keys: ks,
-        block_bytes: BLOCK as u64,
         ttl_ms,
         heartbeat_ms: ttl_ms / 4,
     };

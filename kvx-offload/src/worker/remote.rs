@@ -140,7 +140,7 @@ impl WorkerSide {
         let registered = match self.remote.as_mut() {
             None => Err("this worker has no remote tier (no `remote` in its config)".to_string()),
             Some(remote) => source
-                .descriptor(remote.rank)
+                .descriptor(remote.rank, self.cfg.block_bytes as u64)
                 .map_err(|e| e.to_string())
                 .and_then(|d| remote.importer.register(d).map_err(|e| e.to_string()))
                 .map(|()| {
