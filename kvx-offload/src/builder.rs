@@ -12,7 +12,7 @@ use crate::config::OffloadConfig;
 use crate::error::OffloadError;
 use crate::file_hook::{FileTierHook, FileTierProbe};
 use crate::scheduler::SchedulerSide;
-use crate::worker::{TierRoutes, WorkerConfig, WorkerSide};
+use crate::worker::{RemotePart, TierRoutes, WorkerConfig, WorkerSide};
 
 /// The engine's KV memory, and the backend that copies blocks in and out of it.
 pub struct EngineMemory {
@@ -99,6 +99,8 @@ pub struct Offload {
 /// The running parts behind the two sides: the driver thread (which owns the backends) and
 /// the file tier's handle.
 pub struct OffloadRuntime {
+    /// The remote tier's server (a producer's), stopped before the driver and the memory.
+    server: Option<kvx_rdma::TcpServer>,
     driver: Option<Driver>,
     files: Option<kvx_posix::PosixHandle>,
     /// The shared mount's collector on this node, stopped when the runtime drops.
@@ -155,8 +157,19 @@ impl OffloadBuilder {
         let mut b = DriverBuilder::new(driver_cfg);
         #[cfg(feature = "cuda")]
         let mut pinned = None;
+        let rank = shard.map_or(0, |s| s.rank());
+        // The producer serves engine memory from host RAM only (its server reads it directly).
+        let mut exporter = None;
         let (engine, block_bytes, pool) = match memory.kind {
             MemoryKind::Host(layout) => {
+                if cfg.remote.as_ref().is_some_and(|r| r.listen.is_some()) {
+                    // SAFETY: the caller of `EngineMemory::host` promised the regions stay
+                    // valid until the runtime shuts down, which drops the server first; the
+                    // engine frees an exported block only once its release is reported.
+                    let e = unsafe { kvx_rdma::Exporter::new(layout.clone()) }
+                        .map_err(|e| setup("remote exporter")(e.to_string()))?;
+                    exporter = Some(e);
+                }
                 if !layout.is_host() {
                     return Err(OffloadError::config(
                         "engine memory",
@@ -207,8 +220,47 @@ impl OffloadBuilder {
                 (b.backend(backend), block_bytes, pool)
             }
         };
+        if cfg.remote.as_ref().is_some_and(|r| r.listen.is_some()) && exporter.is_none() {
+            return Err(OffloadError::config(
+                "remote.listen",
+                "a producer serves engine memory in host RAM only (this engine's is not)",
+            ));
+        }
         let files = open_file_tier(&cfg, block_bytes, &mut b)?;
+        let importer = match &cfg.remote {
+            Some(r) => {
+                let imp = kvx_rdma::Importer::new(kvx_rdma::ImporterConfig {
+                    reader: rank,
+                    token: r.token.clone(),
+                    // The scheduler side's lease keeper renews the leases.
+                    heartbeats: false,
+                    threads: 1,
+                    ..kvx_rdma::ImporterConfig::default()
+                })
+                .map_err(|e| setup("remote importer")(e.to_string()))?;
+                let handle = imp.handle();
+                Some((handle, b.backend(Box::new(imp))))
+            }
+            None => None,
+        };
         let driver = b.spawn().map_err(|e| setup("driver")(e.to_string()))?;
+        let server = match (
+            &exporter,
+            cfg.remote.as_ref().and_then(|r| r.listen_addr(rank)),
+        ) {
+            (Some(e), Some(listen)) => Some(
+                kvx_rdma::TcpServer::start(
+                    e.clone(),
+                    kvx_rdma::ServerConfig {
+                        listen,
+                        token: cfg.remote.as_ref().and_then(|r| r.token.clone()),
+                        ..kvx_rdma::ServerConfig::default()
+                    },
+                )
+                .map_err(|e| setup("remote server")(e.to_string()))?,
+            ),
+            _ => None,
+        };
         let mut scheduler = SchedulerSide::new(cfg.scheduler())?;
         let adopted = scheduler.adopt_file_blocks(files.keys());
         if let Some(p) = &files.probe {
@@ -222,7 +274,7 @@ impl OffloadBuilder {
         {
             scheduler.set_write_back();
         }
-        let worker = WorkerSide::new(
+        let mut worker = WorkerSide::new(
             driver.handle(),
             TierRoutes {
                 engine,
@@ -238,10 +290,25 @@ impl OffloadBuilder {
                 preempt_wait: Duration::from_millis(cfg.preempt_wait_ms),
             },
         )?;
+        if let (Some(r), Some((handle, backend))) = (&cfg.remote, importer) {
+            worker.set_remote(RemotePart::new(
+                exporter,
+                handle,
+                backend,
+                rank,
+                kvx_policy::LeaseConfig {
+                    ttl_ms: r.lease_ttl_ms,
+                    heartbeat_interval_ms: r.heartbeat_ms,
+                    expected_readers: 1,
+                },
+                Duration::from_millis(r.load_ms),
+            ));
+        }
         Ok(Offload {
             scheduler,
             worker,
             runtime: OffloadRuntime {
+                server,
                 driver: Some(driver),
                 files: files.handle,
                 _collector: files.collector,
@@ -457,6 +524,12 @@ impl OffloadRuntime {
     /// engine memory any more (ops still in a backend are drained or abandoned with their
     /// buffers); later calls on the two sides return an error.
     pub fn shutdown(mut self) {
+        self.server.take();
         self.driver.take();
+    }
+
+    /// Where the remote tier's server listens (a producer's), if any.
+    pub fn remote_addr(&self) -> Option<std::net::SocketAddr> {
+        self.server.as_ref().map(|s| s.local_addr())
     }
 }

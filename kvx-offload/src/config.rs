@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
+use crate::remote::RemoteTierConfig;
 use crate::scheduler::SchedulerConfig;
 
 /// kvx set up for an engine. Every field may be left out of a file and takes the default
@@ -29,6 +30,10 @@ use crate::scheduler::SchedulerConfig;
 /// blocks = 1000000
 /// io_engine = "uring"          # uring (default on Linux) or psync
 /// direct = true                # O_DIRECT where the filesystem allows it; default true
+///
+/// [remote]                     # no [remote] section: no remote tier (see RemoteTierConfig)
+/// listen = "10.0.0.5:7400"     # a producer's server (prefill); leave out on a consumer
+/// lease_ttl_ms = 480000
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -56,6 +61,9 @@ pub struct OffloadConfig {
     pub preempt_wait_ms: u64,
     /// The file tier (default: none).
     pub file: Option<FileTierConfig>,
+    /// The remote tier: export finished requests to remote readers, and load from remote
+    /// producers (default: none).
+    pub remote: Option<RemoteTierConfig>,
 }
 
 impl Default for OffloadConfig {
@@ -72,6 +80,7 @@ impl Default for OffloadConfig {
             request_idle_ms: s.request_idle.as_millis() as u64,
             preempt_wait_ms: crate::worker::DEFAULT_PREEMPT_WAIT.as_millis() as u64,
             file: None,
+            remote: None,
         }
     }
 }
@@ -193,6 +202,9 @@ impl OffloadConfig {
             return Err(OffloadError::config("request_idle_ms", "must be positive"));
         }
         self.validate_file()?;
+        if let Some(r) = &self.remote {
+            r.validate()?;
+        }
         self.scheduler().validate()?;
         if self.preempt_wait_ms > 1000 {
             return Err(OffloadError::config(

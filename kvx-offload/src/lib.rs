@@ -85,6 +85,7 @@ mod eviction;
 mod file_hook;
 mod manager;
 mod meta;
+mod remote;
 mod scheduler;
 mod tier;
 mod worker;
@@ -99,9 +100,10 @@ pub use file_hook::{FileTierHook, FileTierProbe};
 pub use kvx_posix::{IoEngine, Listing, ProbeAnswer, Shard, SharedMount};
 pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
 pub use meta::{
-    JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, StepMeta, StoreJob, WorkerOutput,
-    WriteBackJob,
+    ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, RemoteLoadJob, StepMeta,
+    StoreJob, WorkerOutput, WriteBackJob,
 };
+pub use remote::{MAX_REMOTE_BLOCKS, RemoteSource, RemoteTierConfig};
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;
 pub use worker::{

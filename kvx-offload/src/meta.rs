@@ -3,6 +3,7 @@
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
 use kvx_policy::LoadDecision;
 
+use crate::remote::RemoteSource;
 use crate::tier::Tier;
 
 /// A transfer job, numbered by the scheduler half.
@@ -56,6 +57,31 @@ pub struct WriteBackJob {
     pub keys: Vec<BlockKey>,
 }
 
+/// Export a finished request's engine blocks to remote readers (producer): the blocks stay the
+/// engine's until the lease ends, and the request is reported in `finished_sending` then.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportJob {
+    /// The engine's request (in `finished` and `delayed_free` of the same step).
+    pub request: RequestId,
+    /// The export id readers name it by.
+    pub export: u64,
+    /// Keys and engine blocks, in the order readers name them.
+    pub blocks: Vec<(BlockKey, EngineBlockId)>,
+}
+
+/// Load blocks of a remote producer's exported request into engine blocks (consumer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteLoadJob {
+    /// Job id (its result comes back as a [`JobPart::Load`]).
+    pub job: JobId,
+    /// The engine's request.
+    pub request: RequestId,
+    /// Where the blocks are.
+    pub source: std::sync::Arc<RemoteSource>,
+    /// Index of each block in the source's keys, and the engine block it fills.
+    pub blocks: Vec<(u32, EngineBlockId)>,
+}
+
 /// The request a write-back's task and [`JobResult`] name: a write-back serves no request
 /// (the scheduler half matches every result by its job).
 pub const NO_REQUEST: RequestId = RequestId(u64::MAX);
@@ -84,6 +110,10 @@ pub struct StepMeta {
     pub remove_file: Vec<BlockKey>,
     /// After a reset: the only host-tier keys to keep.
     pub retain_host: Option<Vec<BlockKey>>,
+    /// Finished requests whose blocks are exported to remote readers.
+    pub exports: Vec<ExportJob>,
+    /// Loads from remote producers.
+    pub remote_loads: Vec<RemoteLoadJob>,
     /// No request is left to start another step: submit the queued stores in this step.
     pub submit_stores_now: bool,
 }

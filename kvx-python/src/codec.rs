@@ -3,7 +3,10 @@
 //! as worker metadata). Little-endian, LEB128 lengths and ids, 16-byte keys.
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, Tier};
+use kvx_offload::{
+    ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, RemoteLoadJob, RemoteSource, StepMeta,
+    StoreJob, Tier,
+};
 
 /// Encoding version: the first byte of every message.
 const VERSION: u8 = 1;
@@ -202,6 +205,27 @@ pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
         }
     }
     w.u8(u8::from(m.submit_stores_now));
+    w.var(m.exports.len() as u64);
+    for x in &m.exports {
+        w.var(x.request.0);
+        w.var(x.export);
+        w.var(x.blocks.len() as u64);
+        for (k, e) in &x.blocks {
+            w.key(*k);
+            w.var(u64::from(e.0));
+        }
+    }
+    w.var(m.remote_loads.len() as u64);
+    for l in &m.remote_loads {
+        w.var(l.job.0);
+        w.var(l.request.0);
+        w.text(&l.source.to_json());
+        w.var(l.blocks.len() as u64);
+        for (i, e) in &l.blocks {
+            w.var(u64::from(*i));
+            w.var(u64::from(e.0));
+        }
+    }
     w.0
 }
 
@@ -263,6 +287,39 @@ pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
         1 => true,
         c => return Err(DecodeError(format!("bad submit-now flag {c}"))),
     };
+    for _ in 0..r.count(3)? {
+        let request = RequestId(r.var()?);
+        let export = r.var()?;
+        let n = r.count(17)?;
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let k = r.key()?;
+            blocks.push((k, EngineBlockId(r.u32()?)));
+        }
+        m.exports.push(ExportJob {
+            request,
+            export,
+            blocks,
+        });
+    }
+    for _ in 0..r.count(4)? {
+        let job = JobId(r.var()?);
+        let request = RequestId(r.var()?);
+        let source = RemoteSource::from_json(&r.text()?)
+            .map_err(|e| DecodeError(format!("remote load source: {e}")))?;
+        let n = r.count(2)?;
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let index = r.u32()?;
+            blocks.push((index, EngineBlockId(r.u32()?)));
+        }
+        m.remote_loads.push(RemoteLoadJob {
+            job,
+            request,
+            source: std::sync::Arc::new(source),
+            blocks,
+        });
+    }
     r.done()?;
     Ok(m)
 }

@@ -22,6 +22,7 @@
 
 mod codec;
 mod config;
+mod keeper;
 mod memory;
 mod scheduler;
 #[cfg(feature = "testing")]
@@ -47,6 +48,11 @@ create_exception!(
     KvxError,
     "A preemption fence did not hold within the store deadline: a copy may still write those blocks."
 );
+
+/// A kvx failure as a Python `KvxError`.
+fn kvx_err(e: impl ToString) -> PyErr {
+    KvxError::new_err(e.to_string())
+}
 
 /// Split concatenated 16-byte keys.
 fn keys_from_bytes(b: &[u8]) -> PyResult<Vec<BlockKey>> {
@@ -79,6 +85,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
     m.add_class::<scheduler::SchedulerSide>()?;
     m.add_class::<worker::WorkerSide>()?;
+    m.add_class::<keeper::LeaseKeeper>()?;
+    m.add_function(wrap_pyfunction!(keeper::remote_source, m)?)?;
     #[cfg(feature = "testing")]
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;

@@ -1,9 +1,9 @@
 //! `SchedulerSide`: kvx-offload's scheduler side for Python (vLLM's scheduler process).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId, lock};
-use kvx_offload::{Lookup, Tier};
+use kvx_offload::{Lookup, RemoteSource, RemoteTierConfig, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -17,6 +17,10 @@ use crate::{KvxError, keys_from_bytes};
 pub struct SchedulerSide {
     inner: Mutex<kvx_offload::SchedulerSide>,
     block_tokens: u64,
+    /// The remote tier's settings (what a producer's sources name).
+    remote: Option<RemoteTierConfig>,
+    /// Workers behind this side (a producer names one server per rank).
+    world: u32,
 }
 
 #[pymethods]
@@ -33,6 +37,8 @@ impl SchedulerSide {
         Ok(SchedulerSide {
             inner: Mutex::new(side),
             block_tokens: u64::from(block_tokens),
+            remote: cfg.remote,
+            world: tp_size * pp_size,
         })
     }
 
@@ -98,6 +104,78 @@ impl SchedulerSide {
         lock(&self.inner).request_finished(RequestId(req))
     }
 
+    /// The engine is done with a request whose `blocks` (keyed `keys`, 16 bytes each) a remote
+    /// reader will load: export them under `export` this step (the freeing waits until the
+    /// request is reported in `finished_sending`). Returns the source the reader needs, as
+    /// JSON, naming `namespace`. A `ValueError` if this engine is not a producer (no
+    /// `remote.listen`) or keys and blocks do not pair up; then nothing changed.
+    fn export_finished(
+        &self,
+        req: u64,
+        export: u64,
+        namespace: String,
+        keys: &[u8],
+        blocks: Vec<u32>,
+    ) -> PyResult<String> {
+        let keys = keys_from_bytes(keys)?;
+        if keys.is_empty() || keys.len() != blocks.len() {
+            return Err(PyValueError::new_err(format!(
+                "export_finished: {} keys but {} blocks",
+                keys.len(),
+                blocks.len()
+            )));
+        }
+        let Some(remote) = &self.remote else {
+            return Err(PyValueError::new_err(
+                "this engine exports nothing: kv_connector_extra_config has no `remote`",
+            ));
+        };
+        let Some(producers) = remote.producers(self.world) else {
+            return Err(PyValueError::new_err(
+                "this engine exports nothing: set remote.listen (kv_connector_extra_config)",
+            ));
+        };
+        let source = RemoteSource {
+            namespace,
+            export,
+            producers,
+            keys: keys.clone(),
+            ttl_ms: remote.lease_ttl_ms,
+            heartbeat_ms: remote.heartbeat_ms,
+        };
+        source
+            .validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let pairs: Vec<(BlockKey, EngineBlockId)> = keys
+            .into_iter()
+            .zip(blocks.into_iter().map(EngineBlockId))
+            .collect();
+        lock(&self.inner).export_finished(RequestId(req), export, &pairs);
+        Ok(source.to_json())
+    }
+
+    /// Queue a load of a remote source's blocks `first..first + len(blocks)` into `blocks`
+    /// this step. A `ValueError` (nothing queued) for a source that does not parse or names
+    /// fewer blocks.
+    fn remote_load(&self, req: u64, source: &str, first: u32, blocks: Vec<u32>) -> PyResult<()> {
+        let source =
+            RemoteSource::from_json(source).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let n = source.keys.len() as u64;
+        if blocks.is_empty() || u64::from(first) + blocks.len() as u64 > n {
+            return Err(PyValueError::new_err(format!(
+                "remote_load: blocks {first}..+{} of a source of {n}",
+                blocks.len()
+            )));
+        }
+        let pairs: Vec<(u32, EngineBlockId)> = blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| (first + i as u32, EngineBlockId(b)))
+            .collect();
+        lock(&self.inner).remote_load(RequestId(req), Arc::new(source), &pairs);
+        Ok(())
+    }
+
     /// This step's instructions, encoded, with the requests that load and the requests whose
     /// freeing is delayed. Requests in `undelay` are taken out of the delayed set first (the
     /// engine itself delays their freeing until their load is reported).
@@ -108,7 +186,12 @@ impl SchedulerSide {
     ) -> (Bound<'py, PyBytes>, Vec<u64>, Vec<u64>) {
         let mut m = lock(&self.inner).build_meta();
         m.delayed_free.retain(|r| !undelay.contains(&r.0));
-        let loads = m.loads.iter().map(|l| l.request.0).collect();
+        let loads = m
+            .loads
+            .iter()
+            .map(|l| l.request.0)
+            .chain(m.remote_loads.iter().map(|l| l.request.0))
+            .collect();
         let delayed = m.delayed_free.iter().map(|r| r.0).collect();
         (PyBytes::new(py, &codec::encode_meta(&m)), loads, delayed)
     }

@@ -15,7 +15,7 @@ use pyo3::types::PyBytes;
 
 use crate::config::connector_config;
 use crate::memory::{self, TensorDesc};
-use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes};
+use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes, kvx_err};
 
 /// The running parts. Field order is drop order: the worker side, then the runtime (its driver
 /// joins the backends' threads).
@@ -59,10 +59,6 @@ impl WorkerSide {
             None => Err(KvxError::new_err("the kvx worker side is closed")),
         }
     }
-}
-
-fn kvx_err(e: impl ToString) -> PyErr {
-    KvxError::new_err(e.to_string())
 }
 
 type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);

@@ -19,13 +19,12 @@ use kvx_core::{
 };
 use tokio::runtime::{Handle, Runtime};
 use tokio::sync::watch;
-use tracing::{debug, warn};
 
 use crate::descriptor::{RemoteDescriptor, TransportKind};
 use crate::error::RdmaError;
+use crate::keeper::{Renewal, renew};
 use crate::tcp::{TcpClientConfig, TcpTransport};
 use crate::transport::{CancelSource, CancelToken, ReadSlot, Transport};
-use crate::wire::ErrorCode;
 
 /// Settings of an [`Importer`].
 #[derive(Debug, Clone)]
@@ -218,9 +217,20 @@ impl ImporterHandle {
         );
         drop(reg);
         if self.state.cfg.heartbeats {
-            self.state
-                .rt
-                .spawn(heartbeats(transport, desc, stop_rx, lost));
+            // A refusal ends the renewals at once (no grace: the producer exported it already).
+            let on_renewal = move |r: Renewal| {
+                if let Renewal::Refused(why) = r {
+                    *lock(&lost) = Some(why);
+                }
+            };
+            self.state.rt.spawn(renew(
+                transport,
+                desc,
+                stop_rx,
+                Duration::ZERO,
+                Duration::ZERO,
+                on_renewal,
+            ));
         }
         Ok(())
     }
@@ -266,33 +276,6 @@ impl ImporterHandle {
             what: "done",
             addr: reg.desc.addr,
         })?
-    }
-}
-
-async fn heartbeats(
-    transport: Arc<dyn Transport>,
-    desc: Arc<RemoteDescriptor>,
-    mut stop: watch::Receiver<bool>,
-    lost: Arc<Mutex<Option<String>>>,
-) {
-    let every = desc.heartbeat_interval();
-    loop {
-        tokio::select! {
-            r = transport.heartbeat(&desc) => match r {
-                Ok(()) => {}
-                Err(RdmaError::Remote { code: ErrorCode::LeaseEnded | ErrorCode::UnknownRequest, message, .. }) => {
-                    warn!(request = %desc.request, %message, "kvx-rdma: lease lost");
-                    *lock(&lost) = Some(message);
-                    return;
-                }
-                Err(e) => debug!(request = %desc.request, error = %e, "kvx-rdma: heartbeat failed; retrying"),
-            },
-            _ = stop.wait_for(|v| *v) => return,
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = stop.wait_for(|v| *v) => return,
-        }
     }
 }
 

@@ -73,6 +73,7 @@ mod error;
 mod exporter;
 mod exports;
 mod importer;
+mod keeper;
 mod memory;
 mod tcp;
 mod transport;
@@ -85,6 +86,7 @@ pub use error::RdmaError;
 pub use exporter::Exporter;
 pub use exports::{ExportStats, Released};
 pub use importer::{Importer, ImporterConfig, ImporterHandle};
+pub use keeper::{KeeperConfig, KeptLease, LeaseKeeper};
 pub use tcp::{ServerConfig, TcpClientConfig, TcpServer, TcpTransport};
 pub use transport::{BoxFuture, CancelToken, ReadSlot, Transport};
 #[cfg(feature = "verbs")]

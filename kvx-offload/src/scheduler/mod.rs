@@ -92,6 +92,8 @@ enum JobInfo {
         file_pending: bool,
         host_pending: bool,
     },
+    /// A load from a remote producer (nothing in the tier index to update).
+    Remote,
 }
 
 /// A lookup that found blocks, waiting for the engine to allocate for them.
@@ -462,6 +464,10 @@ impl SchedulerSide {
                     *file_pending = false;
                     job_done = !*host_pending;
                 }
+                (JobInfo::Remote, JobPart::Load) => {
+                    engine_part_done = true;
+                    job_done = true;
+                }
                 _ => {}
             }
             if job_done {
@@ -527,6 +533,7 @@ impl SchedulerSide {
 }
 
 mod ranks;
+mod remote;
 mod shared;
 #[cfg(test)]
 mod tests;

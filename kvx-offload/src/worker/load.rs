@@ -19,22 +19,42 @@ use kvx_core::metrics;
 /// still write listed in `WorkerOutput::blocks_in_use`.
 pub(super) const LOAD_FENCE_GRACE: Duration = Duration::from_millis(5);
 
+/// Where a block of a load comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Source {
+    /// A host-tier buffer.
+    Host,
+    /// A file, read into a staging buffer first.
+    File,
+    /// A remote producer, read into a staging buffer first.
+    Remote,
+}
+
+impl Source {
+    fn name(self) -> &'static str {
+        match self {
+            Source::Host => "host",
+            Source::File => "file",
+            Source::Remote => "remote",
+        }
+    }
+}
+
 /// One block of a load in flight, in the job's order.
-struct LoadedBlock {
-    key: BlockKey,
-    engine: EngineBlockId,
-    /// Read from the file tier (else from the host tier).
-    from_file: bool,
+pub(super) struct LoadedBlock {
+    pub(super) key: BlockKey,
+    pub(super) engine: EngineBlockId,
+    pub(super) from: Source,
     /// Keep it in the host tier once read from its file.
-    promote: bool,
+    pub(super) promote: bool,
     /// Its verdict, once its task ended (or it failed before one ran).
-    result: Option<Result<(), BlockError>>,
+    pub(super) result: Option<Result<(), BlockError>>,
 }
 
 /// A load in flight.
 pub(super) struct LoadState {
     pub(super) request: RequestId,
-    blocks: Vec<LoadedBlock>,
+    pub(super) blocks: Vec<LoadedBlock>,
     promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
     tasks_left: u32,
     /// A task of it was cut short while an op of it was out: an engine copy may still run.
@@ -47,30 +67,42 @@ pub(super) struct LoadState {
     started: Instant,
 }
 
-impl WorkerSide {
-    /// Start a load: one task per source tier (host buffers are shared with the host tier;
-    /// file blocks are read into staging buffers, then copied).
-    pub(super) fn start_load(&mut self, job: LoadJob) -> Result<(), OffloadError> {
-        let mut st = LoadState {
-            request: job.request,
-            blocks: job
-                .blocks
-                .iter()
-                .map(|b| LoadedBlock {
-                    key: b.key,
-                    engine: b.engine,
-                    from_file: b.tier == Tier::File,
-                    promote: b.promote,
-                    result: None,
-                })
-                .collect(),
+impl LoadState {
+    /// A load of `blocks` for `request`, no task submitted yet.
+    pub(super) fn new(request: RequestId, blocks: Vec<LoadedBlock>) -> LoadState {
+        LoadState {
+            request,
+            blocks,
             promoted: Vec::new(),
             tasks_left: 0,
             dirty: false,
             fence: None,
             abandoned: false,
             started: Instant::now(),
-        };
+        }
+    }
+}
+
+impl WorkerSide {
+    /// Start a load: one task per source tier (host buffers are shared with the host tier;
+    /// file blocks are read into staging buffers, then copied).
+    pub(super) fn start_load(&mut self, job: LoadJob) -> Result<(), OffloadError> {
+        let blocks = job
+            .blocks
+            .iter()
+            .map(|b| LoadedBlock {
+                key: b.key,
+                engine: b.engine,
+                from: if b.tier == Tier::File {
+                    Source::File
+                } else {
+                    Source::Host
+                },
+                promote: b.promote,
+                result: None,
+            })
+            .collect();
+        let mut st = LoadState::new(job.request, blocks);
         let (mut host_part, mut file_part) = (Vec::new(), Vec::new());
         for (b, loaded) in job.blocks.iter().zip(&mut st.blocks) {
             let buf = match b.tier {
@@ -97,31 +129,45 @@ impl WorkerSide {
             });
         }
         let deadline = self.deadline(Direction::Load);
-        for (blocks, route) in [
-            (host_part, vec![self.routes.engine]),
-            (
-                file_part,
-                self.routes
-                    .file
-                    .map_or_else(Vec::new, |f| vec![f, self.routes.engine]),
-            ),
-        ] {
-            if blocks.is_empty() {
-                continue;
-            }
-            let task = self.driver.submit(TaskSpec {
-                request: job.request,
-                dir: Direction::Load,
-                route,
-                blocks,
-                deadline,
-                deferred: false,
-            })?;
-            self.tasks.insert(task, (job.job, Role::Load));
-            st.tasks_left += 1;
-        }
+        let file_route = self
+            .routes
+            .file
+            .map_or_else(Vec::new, |f| vec![f, self.routes.engine]);
+        self.submit_load_part(
+            job.job,
+            &mut st,
+            host_part,
+            vec![self.routes.engine],
+            deadline,
+        )?;
+        self.submit_load_part(job.job, &mut st, file_part, file_route, deadline)?;
         self.loads.insert(job.job, st);
         self.try_finish_load(job.job);
+        Ok(())
+    }
+
+    /// Submit one task of a load (nothing when `blocks` is empty).
+    pub(super) fn submit_load_part(
+        &mut self,
+        job: JobId,
+        st: &mut LoadState,
+        blocks: Vec<OpBlock>,
+        route: Vec<kvx_core::BackendId>,
+        deadline: Instant,
+    ) -> Result<(), OffloadError> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let task = self.driver.submit(TaskSpec {
+            request: st.request,
+            dir: Direction::Load,
+            route,
+            blocks,
+            deadline,
+            deferred: false,
+        })?;
+        self.tasks.insert(task, (job, Role::Load));
+        st.tasks_left += 1;
         Ok(())
     }
 
@@ -145,7 +191,7 @@ impl WorkerSide {
             let Some(loaded) = rest.find(|l| Some(l.engine) == b.engine) else {
                 break;
             };
-            if loaded.from_file
+            if loaded.from == Source::File
                 && loaded.promote
                 && b.result.is_ok()
                 && let Some(buf) = b.buf
@@ -188,6 +234,7 @@ impl WorkerSide {
         let Some(st) = self.loads.remove(&job) else {
             return;
         };
+        self.remote_load_ended(job);
         let outcomes: Vec<BlockOutcome> = st
             .blocks
             .iter()
@@ -248,16 +295,23 @@ impl WorkerSide {
     fn record_load_metrics(&self, st: &LoadState) {
         let took = Some(st.started.elapsed());
         let bytes = self.cfg.block_bytes as u64;
-        for (tier, from_file) in [("host", false), ("file", true)] {
+        for from in [Source::Host, Source::File, Source::Remote] {
             let (mut ok, mut failed) = (0u64, 0u64);
-            for b in st.blocks.iter().filter(|b| b.from_file == from_file) {
+            for b in st.blocks.iter().filter(|b| b.from == from) {
                 match b.result {
                     Some(Ok(())) => ok += 1,
                     _ => failed += 1,
                 }
             }
             if ok + failed > 0 {
-                metrics::record_tier_job(tier, Direction::Load, ok, failed, ok * bytes, took);
+                metrics::record_tier_job(
+                    from.name(),
+                    Direction::Load,
+                    ok,
+                    failed,
+                    ok * bytes,
+                    took,
+                );
             }
         }
     }

@@ -4,6 +4,7 @@
 mod host_tier;
 mod load;
 mod preempt;
+mod remote;
 mod store;
 mod write_through;
 
@@ -25,6 +26,7 @@ use load::LoadState;
 use store::StoreState;
 
 pub use preempt::PreemptionFence;
+pub(crate) use remote::RemotePart;
 
 /// Settings of the worker half.
 #[derive(Debug, Clone)]
@@ -146,6 +148,8 @@ pub struct WorkerSide {
     finishing: FxHashSet<RequestId>,
     /// Engine blocks reported in `blocks_in_use`, with the fence that frees them.
     held: Vec<(FenceHandle, Vec<EngineBlockId>)>,
+    /// The remote tier (exports and remote loads), if configured.
+    remote: Option<RemotePart>,
     out: WorkerOutput,
 }
 
@@ -183,8 +187,14 @@ impl WorkerSide {
             stores: FxHashMap::default(),
             finishing: FxHashSet::default(),
             held: Vec::new(),
+            remote: None,
             out: WorkerOutput::default(),
         })
+    }
+
+    /// Give this worker its remote tier (the builder does, from `remote` in the config).
+    pub(crate) fn set_remote(&mut self, remote: RemotePart) {
+        self.remote = Some(remote);
     }
 
     /// The engine gave up on these requests' loads (preempted or finished): their results go to
@@ -226,6 +236,9 @@ impl WorkerSide {
         for job in meta.loads {
             self.start_load(job)?;
         }
+        for job in meta.remote_loads {
+            self.start_remote_load(job)?;
+        }
         for job in meta.stores {
             self.queue_store(job)?;
         }
@@ -245,6 +258,11 @@ impl WorkerSide {
             if delayed.contains(&req) {
                 self.finishing.insert(req);
             }
+        }
+        // Exported requests are in `finished` and `delayed_free` too: reported once both their
+        // stores and their lease ended.
+        for job in meta.exports {
+            self.export(job);
         }
         if meta.submit_stores_now {
             self.driver.start_step()?;
@@ -270,7 +288,12 @@ impl WorkerSide {
             self.on_report(r);
         }
         for req in f.released {
-            if self.finishing.remove(&req) {
+            if self.finishing.remove(&req) && !self.is_exported(req) {
+                self.out.finished_sending.push(req);
+            }
+        }
+        for req in self.released_exports() {
+            if !self.finishing.contains(&req) {
                 self.out.finished_sending.push(req);
             }
         }
@@ -312,10 +335,13 @@ impl WorkerSide {
     /// which to keep.
     pub fn reset(&mut self) -> Result<WorkerReset, OffloadError> {
         let fence = self.driver.reset()?;
+        self.reset_remote();
         self.tasks.clear();
         self.loads.clear();
         self.stores.clear();
+        // An exported request stays: it is reported once its aborted lease lets go of it.
         let mut delayed_free: Vec<RequestId> = self.finishing.drain().collect();
+        delayed_free.retain(|r| !self.is_exported(*r));
         delayed_free.sort();
         self.out = WorkerOutput::default();
         Ok(WorkerReset {
@@ -341,6 +367,7 @@ impl WorkerSide {
             + self.stores.len()
             + self.finishing.len()
             + self.held.len()
+            + self.remote_in_flight()
     }
 
     /// The buffer pool (host tier + staging).

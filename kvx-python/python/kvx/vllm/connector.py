@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvx.vllm import compat, parallel
+from kvx.vllm.disagg import Disaggregation
 from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
@@ -50,6 +51,32 @@ def _namespace(vllm_config: Any, kv_cache_config: Any) -> bytes:
         f"layout={compat.resolved_layout(vllm_config, kv_cache_config)}",
     )
     return "|".join(parts).encode()
+
+
+def _remote_roles(kv_transfer_config: Any, config: str) -> tuple[bool, bool]:
+    """(exports, loads from a producer) for vLLM's ``kv_role`` and kvx's ``remote`` section:
+    ``kv_producer`` exports, ``kv_consumer`` loads, ``kv_both`` does what ``remote`` sets up
+    (exports with ``remote.listen``, loads with any ``remote``). A producer or consumer role
+    without ``remote`` is refused."""
+    role = getattr(kv_transfer_config, "kv_role", "kv_both") or "kv_both"
+    remote = json.loads(config).get("remote")
+    if role in ("kv_producer", "kv_consumer") and remote is None:
+        raise ValueError(f"KvxConnector: kv_role {role} needs a `remote` section in kv_connector_extra_config")
+    listen = isinstance(remote, dict) and remote.get("listen") is not None
+    if role == "kv_producer" and not listen:
+        raise ValueError("KvxConnector: kv_role kv_producer needs remote.listen (where its workers serve blocks)")
+    produce = listen and role in ("kv_producer", "kv_both")
+    consume = remote is not None and role in ("kv_consumer", "kv_both")
+    return produce, consume
+
+
+def _disaggregation(kv_transfer_config: Any, config: str, side: SchedulerSide, block_size: int,
+                    namespace: bytes, world: int) -> Disaggregation | None:
+    """The scheduler side's P/D part, if the role has one."""
+    produce, consume = _remote_roles(kv_transfer_config, config)
+    if not (produce or consume):
+        return None
+    return Disaggregation(side.native, config, block_size, namespace, produce, consume, world)
 
 
 class KvxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -78,6 +105,9 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        roles = _remote_roles(self._kv_transfer_config, self.config)
+        if hybrid is not None and any(roles):
+            raise ValueError("KvxConnector: prefill/decode disaggregation of hybrid models is not supported yet")
         if role == KVConnectorRole.SCHEDULER:
             if hybrid is not None:
                 self._sched = HybridSchedulerSide(
@@ -87,6 +117,9 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 self._sched = SchedulerSide(
                     self.config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size
+                )
+                self._sched.disagg = _disaggregation(
+                    self._kv_transfer_config, self.config, self._sched, block_size, namespace, tp_size * pp_size
                 )
         else:
             shard = parallel.worker_place(vllm_config).shard()

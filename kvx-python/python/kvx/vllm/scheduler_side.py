@@ -9,6 +9,7 @@ from typing import Any
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
+from kvx.vllm.disagg import Disaggregation
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
 
@@ -39,6 +40,7 @@ class SchedulerStats:
     store_jobs: int = 0
     preemptions: int = 0
     failed_loads: int = 0
+    remote_hit_tokens: int = 0
 
 
 class SchedulerSide:
@@ -66,6 +68,8 @@ class SchedulerSide:
         self.finished: dict[str, int] = {}
         self._abandoned: list[int] = []
         self.stats = SchedulerStats()
+        # Prefill/decode disaggregation (kvx.vllm.disagg), when the connector's role has it.
+        self.disagg: Disaggregation | None = None
 
     # -- keys ------------------------------------------------------------------------------
     def _req(self, request: Any) -> _Req:
@@ -92,6 +96,8 @@ class SchedulerSide:
         r = self._req(request)
         self.stats.lookups += 1
         keys = self._keys(r)
+        if self.disagg is not None and self.disagg.wants(request):
+            return self.disagg.match(request, r.number, keys, num_computed_tokens)
         if r.cap is not None:
             keys = keys[: r.cap * 16]
         found = self.native.get_num_new_matched_tokens(r.number, keys, num_computed_tokens)
@@ -103,6 +109,14 @@ class SchedulerSide:
         return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.disagg is not None:
+            queued = self.disagg.alloc(request, blocks, num_external_tokens)
+            if queued is not None:
+                if queued:
+                    self.loading.add(request.request_id)
+                    self.stats.loads += 1
+                    self.stats.remote_hit_tokens += num_external_tokens
+                return
         if num_external_tokens == 0:
             return
         r = self._req(request)
@@ -124,6 +138,8 @@ class SchedulerSide:
         r = self.reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             return {}
+        if self.disagg is not None and request.request_id in self.disagg.remote:
+            return {CacheHitSource.P2P: num_external_tokens}
         file = r.hit[1]
         out = {}
         if file:
@@ -180,6 +196,8 @@ class SchedulerSide:
                     self._cap(number, failed)
         for req_id in out.finished_recving or ():
             self.loading.discard(req_id)
+            if self.disagg is not None:
+                self.disagg.loaded(req_id)
             self._release(req_id)
         for req_id in out.finished_sending or ():
             self._release(req_id)
@@ -199,8 +217,16 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         r = self.reqs.pop(req_id, None)
+        if self.disagg is not None:
+            self.disagg.finished(req_id)
         if r is None:
             return False, None
+        if self.disagg is not None and req_id not in self.loading:
+            params = self.disagg.export(request, r.number, self._keys(r), block_ids)
+            if params is not None:
+                # Freed once the export's lease ended (and its stores, if any, are done).
+                self.finished[req_id] = r.number
+                return True, params
         delay = self.native.request_finished(r.number)
         if req_id in self.loading:
             # vLLM itself keeps the blocks until the load is reported in finished_recving.
@@ -229,4 +255,5 @@ class SchedulerSide:
             "kvx_requests": self.native.request_count(),
             "kvx_jobs": self.native.job_count(),
             "kvx_index_busy": 0 if self.native.is_quiet() else 1,
+            **(self.disagg.state_counts() if self.disagg is not None else {}),
         }
