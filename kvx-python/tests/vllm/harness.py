@@ -53,24 +53,27 @@ def write_model_dir(root: Path) -> Path:
     """A local model directory holding only a 2-layer Llama config.json (no weights)."""
     d = root / "tiny-llama"
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": KV_HEADS * HEAD,
-                "intermediate_size": 128,
-                "num_attention_heads": KV_HEADS,
-                "num_key_value_heads": KV_HEADS,
-                "head_dim": HEAD,
-                "num_hidden_layers": LAYERS,
-                "vocab_size": VOCAB,
-                "max_position_embeddings": 4096,
-                "torch_dtype": "float16",
-                "rms_norm_eps": 1e-5,
-            }
-        )
+    text = json.dumps(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": KV_HEADS * HEAD,
+            "intermediate_size": 128,
+            "num_attention_heads": KV_HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "head_dim": HEAD,
+            "num_hidden_layers": LAYERS,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 4096,
+            "torch_dtype": "float16",
+            "rms_norm_eps": 1e-5,
+        }
     )
+    f = d / "config.json"
+    # Engines in several processes share one model directory (P/D: the model's path is part of
+    # kvx's key namespace): rewriting it while another engine reads it would race.
+    if not f.exists() or f.read_text() != text:
+        f.write_text(text)
     return d
 
 

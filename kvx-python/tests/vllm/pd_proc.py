@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from harness import write_model_dir
+
 ENGINE = Path(__file__).with_name("pd_engine.py")
 START_TIMEOUT = 120.0  # importing vLLM and torch on a busy 2-core machine
 
@@ -48,9 +50,8 @@ class EngineProc:
         """Spawn it (``prefix``: e.g. ``ip netns exec NS``); ``ready()`` waits for it to start."""
         self.name = name
         self.log = tmp / f"{name}.log"
-        work = tmp / name
-        work.mkdir(parents=True, exist_ok=True)
-        cfg = {"tmp": str(work), **cfg}
+        # One model directory for every engine of a test (its path is part of kvx's namespace).
+        cfg = {"tmp": str(write_model_dir(tmp).parent), **cfg}
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, str(ENGINE), json.dumps(cfg)],
