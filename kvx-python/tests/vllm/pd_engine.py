@@ -7,14 +7,16 @@ connector's extra config), and optional ``kv_role``, ``policy``, ``num_blocks``,
 ``prefix_caching``, ``max_num_seqs``, ``max_batched_tokens``.
 
 Commands (one JSON object a line): ``{"cmd": "add", "id", "prompt", "max_tokens", "params"}``,
-``{"cmd": "abort", "id"}``, ``{"cmd": "pace", "ms"}`` (sleep that long after each step: a slow
+``{"cmd": "abort", "id"}``, ``{"cmd": "verify", "id"}`` (check every full block a running
+request computed so far holds its tokens' bytes), ``{"cmd": "pace", "ms"}`` (sleep that long after each step: a slow
 model), ``{"cmd": "state"}``, ``{"cmd": "stop"}`` (also on end of input).
 
 Events (``ev``; every time is ``time.monotonic()``, one clock for every process of the machine):
-``ready`` (pid), ``waiting`` (entered WAITING_FOR_REMOTE_KVS: t, blocks), ``recving`` (in
+``ready`` (pid), ``matched`` (the connector's get_num_new_matched_tokens answer changed:
+t, tokens, load_async), ``waiting`` (entered WAITING_FOR_REMOTE_KVS: t, blocks), ``recving`` (in
 finished_recving: t, invalid blocks, blocks of the load), ``finished`` (t, status, params,
-verified blocks), ``aborted`` (t), ``sent`` (in finished_sending: t), ``state`` (state, idle,
-verified), ``error`` (a traceback; the process then exits 1).
+verified blocks), ``aborted`` (t), ``verify`` (t, blocks checked), ``sent`` (in
+finished_sending: t), ``state`` (state, idle, verified), ``error`` (a traceback; the process then exits 1).
 """
 
 from __future__ import annotations
@@ -63,6 +65,23 @@ class Reporter:
         self.finished: set[str] = set()
         self.sent: set[str] = set()
 
+    def spy_matches(self) -> None:
+        """Report what the connector's ``get_num_new_matched_tokens`` answers for each request
+        (``matched`` events, each time the answer changes): when D offers a remote load."""
+        conn = self.e.conn
+        inner = conn.get_num_new_matched_tokens
+        last: dict[str, object] = {}
+
+        def spy(request, num_computed_tokens):
+            out = inner(request, num_computed_tokens)
+            rid = request.request_id
+            if last.get(rid) != out:
+                last[rid] = out
+                emit("matched", id=rid, t=time.monotonic(), tokens=out[0], load_async=out[1])
+            return out
+
+        conn.get_num_new_matched_tokens = spy
+
     def flush(self) -> None:
         for rid, t in self.e.tracked.items():
             self._request(rid, t)
@@ -101,6 +120,7 @@ def main() -> int:
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_stdin_reader, args=(q,), daemon=True).start()
     rep = Reporter(e)
+    rep.spy_matches()
     pace = 0.0
     emit("ready", pid=os.getpid())
     try:
@@ -115,6 +135,11 @@ def main() -> int:
                 elif cmd == "abort":
                     e.scheduler.finish_requests(c["id"], RequestStatus.FINISHED_ABORTED)
                     emit("aborted", id=c["id"], t=time.monotonic())
+                elif cmd == "verify":
+                    t = e.tracked[c["id"]]
+                    before = t.verified
+                    e._check(t, t.request.num_computed_tokens)
+                    emit("verify", id=c["id"], t=time.monotonic(), blocks=t.verified - before)
                 elif cmd == "pace":
                     pace = c["ms"] / 1000
                 elif cmd == "state":

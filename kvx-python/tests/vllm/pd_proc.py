@@ -145,9 +145,11 @@ class EngineProc:
 
     # -- signals and ending -----------------------------------------------------------------
     def signal(self, sig: int) -> float:
-        """Send ``sig``; returns the monotonic time it was sent."""
+        """Send ``sig``; returns the monotonic time just before it was sent (the process may
+        act on it before ``os.kill`` returns)."""
+        t = time.monotonic()
         os.kill(self.proc.pid, sig)
-        return time.monotonic()
+        return t
 
     def kill(self) -> float:
         """SIGKILL, and reap it."""

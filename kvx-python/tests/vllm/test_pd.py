@@ -57,14 +57,15 @@ def netns():
 
 
 def pair(spawn, *, ttl_ms=30_000, heartbeat_ms=50, load_ms=500, policy="recompute", p_blocks=128,
-         d_blocks=128, listen=None, p_prefix=(), d_prefix=()):
+         d_blocks=128, d_batched=128, listen=None, p_prefix=(), d_prefix=()):
     """P (kv_producer, listening) and D (kv_consumer), started together."""
     listen = listen or f"127.0.0.1:{free_port()}"
     remote_p = {"listen": listen, "lease_ttl_ms": ttl_ms, "heartbeat_ms": heartbeat_ms}
     P = spawn("P", {"kv_role": "kv_producer", "num_blocks": p_blocks, "prefix_caching": True,
                     "extra": {"host_blocks": HOST_BLOCKS, "remote": remote_p}}, p_prefix)
     D = spawn("D", {"kv_role": "kv_consumer", "num_blocks": d_blocks, "prefix_caching": True,
-                    "policy": policy, "extra": {"host_blocks": HOST_BLOCKS, "remote": {"load_ms": load_ms}}},
+                    "max_batched_tokens": d_batched, "policy": policy,
+                    "extra": {"host_blocks": HOST_BLOCKS, "remote": {"load_ms": load_ms}}},
               d_prefix)
     return P.ready(), D.ready()
 
@@ -175,26 +176,52 @@ def test_c_d_queues_longer_than_ttl_and_heartbeats_keep_the_lease(spawn):
     settle(P, D)
 
 
+# Mid-transfer for sure: D queues the request with its lease confirmed (it offered the remote
+# tokens) but no free blocks (a local "hog" request holds them; D steps slowly); the test breaks
+# P (stop, kill, partition), then aborts the hog: D's load starts at its next step, against a P
+# that cannot answer.
+HOLD = {"d_blocks": 32, "d_batched": 512}  # 31 usable blocks; the hog's prefill in one step
+HOG = prompt(99, 24 * BLOCK + 1)  # 25 blocks, the 25th with room for 15 tokens: 6 stay free
+
+
+def hold(D: EngineProc, rid: str, toks: list[int], params: dict) -> None:
+    """Queue ``rid`` on D behind the hog until D offered its remote tokens (more than 6 new
+    blocks: it cannot be allocated)."""
+    D.send("pace", ms=20)
+    D.add("hog", HOG, max_tokens=200)
+    D.state()
+    D.state()  # a step ran: the hog holds its blocks
+    D.add(rid, toks, max_tokens=3, params=params)
+    D.wait("matched", rid, pred=lambda e: (e["tokens"] or 0) > 0 and e["load_async"])
+    assert not D.find("waiting", rid), "the load started beside the hog"
+
+
+def release(D: EngineProc) -> None:
+    """End the hog: D's queued request gets its blocks and starts its load."""
+    D.send("abort", id="hog")
+    D.send("pace", ms=0)
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_d_p_killed_mid_transfer_fails_exactly_the_missing_blocks(spawn, policy):
     load = 0.6
-    P, D = pair(spawn, ttl_ms=30_000, load_ms=int(load * 1000), policy=policy)
+    P, D = pair(spawn, ttl_ms=30_000, load_ms=int(load * 1000), policy=policy, **HOLD)
     # d0 transfers whole; D's prefix cache then holds its blocks.
     d0 = prompt(41, 5 * BLOCK + 5)
     D.add("d0", d0, max_tokens=2, params=prefill(P, "d0", d0)["params"])
     assert D.wait("finished", "d0")["verified"] == 5
-    # d1: 3 blocks D has (a local hit), 4 only P has.
-    d1 = d0[: 3 * BLOCK] + prompt(42, 4 * BLOCK + 7)
+    # d1: 3 blocks D has (a local hit), 7 only P has.
+    d1 = d0[: 3 * BLOCK] + prompt(42, 7 * BLOCK + 7)
     fin = prefill(P, "d1", d1)
-    # Mid-transfer for sure: P stopped, D's read of d1 in flight against it, then P killed.
+    hold(D, "d1", d1, fin["params"])
     P.stop()
-    D.add("d1", d1, max_tokens=3, params=fin["params"])
+    release(D)
     wait = D.wait("waiting", "d1")
     time.sleep(0.1)
     killed = P.kill()
     recv = D.wait("recving", "d1")
     assert killed < recv["t"] <= wait["t"] + load + MARGIN, (recv["t"] - killed, recv["t"] - wait["t"])
-    assert recv["invalid"] == sorted(recv["blocks"][3:7]), recv  # exactly what only P had
+    assert recv["invalid"] == sorted(recv["blocks"][3:10]), recv  # exactly what only P had
     ev = D.wait("finished", "d1")
     if policy == "recompute":
         assert (ev["status"], ev["verified"]) == (DONE, 3), ev
@@ -205,11 +232,12 @@ def test_d_p_killed_mid_transfer_fails_exactly_the_missing_blocks(spawn, policy)
 
 def test_e_p_stopped_mid_transfer_then_continued_releases_at_once_after_its_ttl(spawn):
     ttl, load = 0.4, 0.3
-    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=int(load * 1000))
-    toks = prompt(51, 5 * BLOCK + 9)
+    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=int(load * 1000), **HOLD)
+    toks = prompt(51, 8 * BLOCK + 9)
     fin = prefill(P, "e", toks)
+    hold(D, "e", toks, fin["params"])
     stopped = P.stop()
-    D.add("e", toks, max_tokens=3, params=fin["params"])
+    release(D)
     wait = D.wait("waiting", "e")
     recv = D.wait("recving", "e")
     # D gave up at its deadline, not before (P only stopped) and not much after.
@@ -219,109 +247,140 @@ def test_e_p_stopped_mid_transfer_then_continued_releases_at_once_after_its_ttl(
     assert (ev["status"], ev["verified"]) == (DONE, 0), ev
     # P continues after its lease's TTL passed while it was stopped: it frees at once, and not
     # while it was stopped (a read of it may have been in flight).
-    time.sleep(max(0.0, fin["t"] + ttl + 0.1 - time.monotonic()))
+    time.sleep(max(0.0, stopped + ttl + 0.1 - time.monotonic()))
     cont = P.cont()
-    assert cont - stopped > ttl
     sent = P.wait("sent", "e", timeout=5)
     assert cont <= sent["t"] <= cont + MARGIN, sent["t"] - cont
     settle(P, D)
 
 
 def test_f_partition_fails_the_load_by_its_deadline_and_p_frees_at_ttl(netns, spawn):
-    ttl, load = 1.0, 0.3
-    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=int(load * 1000),
+    ttl, load, heartbeat = 1.0, 0.3, 0.05
+    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=int(load * 1000), heartbeat_ms=int(heartbeat * 1000),
                 listen=f"{pd_netns.ADDR_P}:{free_port()}",
-                p_prefix=netns.exec(netns.p), d_prefix=netns.exec(netns.d))
-    # f0 over the link: it works, and D is connected to P.
+                p_prefix=netns.exec(netns.p), d_prefix=netns.exec(netns.d), **HOLD)
+    # f0 over the link: it works.
     f0 = prompt(61, 4 * BLOCK + 2)
     D.add("f0", f0, max_tokens=2, params=prefill(P, "f0", f0)["params"])
     assert D.wait("finished", "f0")["verified"] == 4
-    f1 = prompt(62, 5 * BLOCK + 11)
-    fin = prefill(P, "f1", f1)
+    f1 = prompt(62, 8 * BLOCK + 11)
+    hold(D, "f1", f1, prefill(P, "f1", f1)["params"])
+    cut_from = time.monotonic()
     netns.cut()
-    D.add("f1", f1, max_tokens=3, params=fin["params"])
+    cut = time.monotonic()
+    release(D)
     wait = D.wait("waiting", "f1")
     recv = D.wait("recving", "f1")
     assert wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
     assert recv["invalid"] == sorted(recv["blocks"][: full(f1)]), recv
     ev = D.wait("finished", "f1")
     assert (ev["status"], ev["verified"]) == (DONE, 0), ev
-    # No heartbeat crosses the cut: P frees at the TTL.
+    # No renewal crosses the cut: P frees at the TTL after the last one (at most a heartbeat
+    # before the cut).
     sent = P.wait("sent", "f1", timeout=ttl + 5)
-    assert fin["t"] + ttl - TICK <= sent["t"] <= fin["t"] + ttl + MARGIN, sent["t"] - fin["t"]
+    assert cut_from - heartbeat + ttl - TICK <= sent["t"] <= cut + ttl + MARGIN, sent["t"] - cut
     settle(P, D)
 
 
-def _bad_params(good: dict) -> dict[str, object]:
-    """kv_transfer_params a proxy or a peer could send D: garbage, truncated, foreign."""
+def _corrupt(name: str, good: dict, other: dict) -> dict:
+    """P's params ``good`` as a broken proxy or a foreign peer could pass them to D: ``name``
+    says how (``other``: P's params of another prompt)."""
     kvx = good["kvx"]
-    keys = list(kvx) if isinstance(kvx, dict) else ["a"]
     text = json.dumps(kvx)
-    truncated = copy.deepcopy(kvx)
-    if isinstance(truncated, dict) and truncated:
-        truncated.pop(sorted(truncated)[-1])
+    keys = list(kvx) if isinstance(kvx, dict) else ["a"]
+    bad = copy.deepcopy(good)
+    if name == "garbage":
+        bad["kvx"] = "\x00garbage\xff"
+    elif name == "not_a_dict":
+        bad["kvx"] = [1, 2, 3]
+    elif name == "wrong_types":
+        bad["kvx"] = {key: [None, -1, "x"] for key in keys}
+    elif name == "truncated":
+        bad["kvx"] = {key: kvx[key] for key in keys[: len(keys) // 2]}
+    elif name == "json_cut":
+        bad["kvx"] = text[: len(text) // 2]
+    elif name == "foreign":  # NIXL's params, no kvx
+        bad = {"do_remote_prefill": True, "remote_engine_id": "nixl-0", "remote_block_ids": [1, 2, 3],
+               "remote_host": "127.0.0.1", "remote_port": 1}
+    elif name == "unknown_export":  # an export P never had
+        bad["kvx"]["export"] = (kvx["export"] + 1) % 2**63
+    elif name == "dead_producer":
+        bad["kvx"]["producers"] = [f"127.0.0.1:{free_port()}"]
+    elif name == "other_prompt":  # blocks P has, but not this prompt's
+        bad = copy.deepcopy(other)
     else:
-        truncated = text[: len(text) // 2]
-    return {
-        "garbage_kvx": {"do_remote_prefill": True, "kvx": "\x00garbage\xff"},
-        "wrong_types": {"do_remote_prefill": True, "kvx": {key: [None, -1, "x"] for key in keys}},
-        "truncated": {"do_remote_prefill": True, "kvx": truncated},
-        "json_cut": {"do_remote_prefill": True, "kvx": text[: len(text) // 2]},
-        "foreign": {"do_remote_prefill": True, "remote_engine_id": "nixl-0", "remote_block_ids": [1, 2, 3],
-                    "remote_host": "127.0.0.1", "remote_port": 1},
-        "not_a_dict": {"do_remote_prefill": True, "kvx": [1, 2, 3]},
-    }
+        raise ValueError(name)
+    return bad
+
+
+BAD = ["garbage", "not_a_dict", "wrong_types", "truncated", "json_cut", "foreign", "unknown_export",
+       "dead_producer", "other_prompt"]
 
 
 def test_g_bad_params_are_a_per_request_error_and_recompute(spawn):
-    P, D = pair(spawn, ttl_ms=30_000)
-    toks = prompt(71, 4 * BLOCK + 4)
-    good = prefill(P, "g", toks)["params"]
-    bad = _bad_params(good)
-    # A descriptor naming blocks P never had: P's real params, for a prompt P never saw.
-    bad["blocks_p_never_had"] = good
-    for name, params in bad.items():
-        other = prompt(72, 4 * BLOCK + 4) if name == "blocks_p_never_had" else toks
-        D.add(name, other, max_tokens=2, params=params)
+    ttl = 1.5
+    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=300)
+    # Each case its own prompt (no local hit on D from another case), prefilled on P.
+    prompts = {name: prompt(700 + k, 4 * BLOCK + 4) for k, name in enumerate([*BAD, "good"])}
+    good = {name: prefill(P, name, toks)["params"] for name, toks in prompts.items()}
+    for name in BAD:
+        D.add(name, prompts[name], max_tokens=2, params=_corrupt(name, good[name], good["good"]))
+    for name in BAD:
         ev = D.wait("finished", name)
+        # Computed on D: nothing loaded, nothing crashed, the request completes.
         assert (ev["status"], ev["verified"]) == (DONE, 0), (name, ev)
-    # Nothing crashed, nothing leaked: the good params still load byte-exact.
-    D.add("g", toks, max_tokens=2, params=good)
-    ev = D.wait("finished", "g")
-    assert (ev["status"], ev["verified"]) == (DONE, full(toks)), ev
-    assert D.find("recving", "g")[-1]["invalid"] == []
-    settle(P, D)
+    # The consumer still works: the good params load byte-exact.
+    D.add("good", prompts["good"], max_tokens=2, params=good["good"])
+    ev = D.wait("finished", "good")
+    assert (ev["status"], ev["verified"]) == (DONE, 4), ev
+    assert D.find("recving", "good")[-1]["invalid"] == []
+    # P frees what D never read at the TTL.
+    settle(P, D, timeout=ttl + 5)
 
 
 def test_h_abort_while_remote_load_runs_fences_blocks_then_reload_or_recompute(spawn):
-    """vLLM never preempts a request in WAITING_FOR_REMOTE_KVS (it is not running); what can end
-    it while its load runs is an abort (``finish_requests``), which vLLM answers by delaying the
-    free of its blocks until the worker reports the load finished: the fence. P is stopped so
-    the load is surely in flight; D's blocks must stay allocated until D's worker reports the
-    load, which ends at its deadline. Then the proxy retries the same params: the lease is still
-    valid, so the retry loads byte-exact (or, if D's abort released P, recomputes)."""
-    load = 0.4
-    P, D = pair(spawn, ttl_ms=30_000, load_ms=int(load * 1000))
-    toks = prompt(81, 6 * BLOCK + 1)
+    """vLLM never preempts a request in WAITING_FOR_REMOTE_KVS (it is not running); what ends
+    it while its load runs is an abort (``finish_requests``), and vLLM frees its blocks when the
+    worker reports the load finished: from then on nothing may write them (the fence). P is
+    stopped so the read is surely in flight; D aborts the request; a victim request takes the
+    freed blocks and computes its own bytes into them; P continues and answers the stale read;
+    every block the victim computed must still hold its bytes. Then the proxy retries the same
+    params: the retry loads byte-exact if P still holds the lease, or computes the prompt on D if
+    D's abort released it."""
+    ttl, load = 2.0, 0.4
+    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=int(load * 1000), **HOLD)
+    toks = prompt(81, 8 * BLOCK + 1)
     fin = prefill(P, "h", toks)
+    hold(D, "h", toks, fin["params"])
     P.stop()
-    D.add("h", toks, max_tokens=3, params=fin["params"])
+    release(D)
     wait = D.wait("waiting", "h")
     D.send("abort", id="h")
     aborted = D.wait("aborted", "h")
-    st = D.state()["state"]
-    assert st["vllm_used_blocks"] >= full(toks), st  # the fence: a read may still write them
     recv = D.wait("recving", "h")
     assert aborted["t"] < recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
     settle(D)
-    P.cont()
+    # The victim: 28 of D's 31 blocks, at least 5 of them h's; D steps slowly so it still runs.
+    D.send("pace", ms=20)
+    victim = prompt(82, 27 * BLOCK + 1)
+    D.add("victim", victim, max_tokens=200)
+    D.state()
+    D.state()  # its prefill ran
+    cont = P.cont()
+    time.sleep(0.2)  # P answers the read it holds (if D still listens)
+    assert D.state()["state"]["vllm_used_blocks"] >= 28
+    D.send("verify", id="victim")
+    assert D.wait("verify", "victim")["blocks"] == 27
+    D.send("abort", id="victim")
+    D.send("pace", ms=0)
     D.add("h2", toks, max_tokens=3, params=fin["params"])
     ev = D.wait("finished", "h2")
-    recv2 = D.wait("recving", "h2")
-    if recv2["invalid"]:
-        assert recv2["invalid"] == sorted(recv2["blocks"][: full(toks)]) and ev["verified"] == 0, (recv2, ev)
-    else:
-        assert ev["verified"] == full(toks), ev
     assert ev["status"] == DONE, ev
-    P.wait("sent", "h", timeout=5)
+    recv2 = D.find("recving", "h2")
+    if ev["verified"]:
+        assert ev["verified"] == full(toks) and recv2[-1]["invalid"] == [], (ev, recv2)
+    else:
+        assert all(r["invalid"] == sorted(r["blocks"][: full(toks)]) for r in recv2), recv2
+    sent = P.wait("sent", "h", timeout=ttl + 5)
+    assert cont <= sent["t"] <= cont + ttl + MARGIN, sent["t"] - cont
     settle(P, D)
