@@ -121,4 +121,43 @@ mod tests {
         ));
         assert!(RemoteDescriptor::from_json("{").is_err());
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 512,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Whatever a peer hands over as a descriptor, parsing answers (never a panic), and a
+        /// descriptor it accepts validates.
+        #[test]
+        fn any_text_parses_or_errs(text in ".{0,300}") {
+            if let Ok(d) = RemoteDescriptor::from_json(&text) {
+                proptest::prop_assert!(d.validate().is_ok());
+            }
+        }
+
+        /// A valid descriptor's JSON, cut short or with one byte changed, parses or errs.
+        #[test]
+        fn mutated_descriptors_parse_or_err(cut in 0usize..400, at in 0usize..400, byte in proptest::prelude::any::<u8>()) {
+            let d = RemoteDescriptor {
+                request: RequestId(7),
+                addr: "127.0.0.1:4000".parse().unwrap(),
+                transport: TransportKind::Tcp,
+                block_bytes: 4096,
+                blocks: vec![BlockKey(u128::MAX), BlockKey::chain(None, b"x")],
+                heartbeat_interval_ms: 100,
+                ttl_ms: 600,
+                expected_readers: 2,
+            };
+            let mut b = d.to_json().into_bytes();
+            let i = at % b.len();
+            b[i] = byte;
+            b.truncate(cut.min(b.len()));
+            if let Ok(d) = RemoteDescriptor::from_json(&String::from_utf8_lossy(&b)) {
+                proptest::prop_assert!(d.validate().is_ok());
+                proptest::prop_assert!(!d.blocks.is_empty());
+            }
+        }
+    }
 }
