@@ -99,9 +99,8 @@ impl RemoteDescriptor {
 mod tests {
     use super::*;
 
-    #[test]
-    fn json_round_trip_and_validation() {
-        let d = RemoteDescriptor {
+    fn descriptor() -> RemoteDescriptor {
+        RemoteDescriptor {
             request: RequestId(7),
             addr: "127.0.0.1:4000".parse().unwrap(),
             transport: TransportKind::Tcp,
@@ -110,7 +109,12 @@ mod tests {
             heartbeat_interval_ms: 100,
             ttl_ms: 600,
             expected_readers: 2,
-        };
+        }
+    }
+
+    #[test]
+    fn json_round_trip_and_validation() {
+        let d = descriptor();
         let back = RemoteDescriptor::from_json(&d.to_json()).unwrap();
         assert_eq!(back, d);
         let mut bad = d.clone();
@@ -140,17 +144,7 @@ mod tests {
         /// A valid descriptor's JSON, cut short or with one byte changed, parses or errs.
         #[test]
         fn mutated_descriptors_parse_or_err(cut in 0usize..400, at in 0usize..400, byte in proptest::prelude::any::<u8>()) {
-            let d = RemoteDescriptor {
-                request: RequestId(7),
-                addr: "127.0.0.1:4000".parse().unwrap(),
-                transport: TransportKind::Tcp,
-                block_bytes: 4096,
-                blocks: vec![BlockKey(u128::MAX), BlockKey::chain(None, b"x")],
-                heartbeat_interval_ms: 100,
-                ttl_ms: 600,
-                expected_readers: 2,
-            };
-            let mut b = d.to_json().into_bytes();
+            let mut b = descriptor().to_json().into_bytes();
             let i = at % b.len();
             b[i] = byte;
             b.truncate(cut.min(b.len()));
