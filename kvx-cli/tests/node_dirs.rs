@@ -82,11 +82,17 @@ fn replay_nodes_share_one_directory_each_through_its_own_path() {
     assert!(j["cross_node_hits"].as_u64() > Some(0), "{j}");
     assert!(j["ideal_shared_lru_hit_rate"].as_f64() > Some(0.0), "{j}");
     assert_eq!(j["failed_requests"], 0, "{j}");
-    let blocks = walkdir(shared.path());
-    assert!(
-        blocks > 0,
-        "the nodes stored blocks in the shared directory"
-    );
+    // The blocks the nodes stored are in the shared directory, whole: `kvx verify` through the
+    // last node's path checks every one.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .arg("verify")
+        .arg(&dirs[2])
+        .arg("--json")
+        .output()
+        .expect("run kvx verify");
+    let verify = json(&out);
+    assert!(verify["blocks_checked"].as_u64() > Some(0), "{verify}");
+    assert_eq!(verify["problems"], 0, "{verify}");
     let left: Vec<_> = std::fs::read_dir(shared.path())
         .expect("read_dir")
         .filter_map(|e| e.ok())
@@ -97,23 +103,6 @@ fn replay_nodes_share_one_directory_each_through_its_own_path() {
         })
         .collect();
     assert!(left.is_empty(), "the check's marker is removed: {left:?}");
-}
-
-/// Block files (`.kvb`) below `dir`.
-fn walkdir(dir: &Path) -> usize {
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "kvb") {
-                n += 1;
-            }
-        }
-    }
-    n
 }
 
 #[test]

@@ -10,6 +10,10 @@
 //! total capacity (every node's host tier plus the one file tier), and with one of the capacity
 //! written-through tiers have for distinct blocks: every host tier then holds copies of
 //! file-tier blocks, and the distinct capacity is the larger of the two.
+//!
+//! With `--node-dir DIR` once per node, node I reaches the shared directory through the I-th
+//! path (its own mount of one volume, as engine nodes on a distributed file system do); the
+//! paths are checked to show one directory before any node starts ([`super::node_dirs`]).
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
