@@ -5,10 +5,12 @@
 //! not show one directory, and options that measure one directory are refused with one clear
 //! line and exit 2.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use serde_json::Value;
+use common::last_json;
 
 fn kvx(args: &[&str], dirs: &[PathBuf]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvx"));
@@ -17,18 +19,6 @@ fn kvx(args: &[&str], dirs: &[PathBuf]) -> Output {
         cmd.arg("--node-dir").arg(d);
     }
     cmd.output().expect("run kvx")
-}
-
-/// The last stdout line as JSON, after checking the run succeeded.
-fn json(out: &Output) -> Value {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "exit {:?}: {stderr}",
-        out.status.code()
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().expect("a JSON line")).expect("JSON")
 }
 
 /// `n` paths to the one directory `shared` (itself, then symlinks in `links`).
@@ -69,7 +59,7 @@ fn replay_nodes_share_one_directory_each_through_its_own_path() {
     let shared = tempfile::tempdir().expect("tempdir");
     let links = tempfile::tempdir().expect("tempdir");
     let dirs = paths_to(shared.path(), links.path(), 3);
-    let j = json(&kvx(&REPLAY, &dirs));
+    let j = last_json(&kvx(&REPLAY, &dirs));
     assert_eq!(j["nodes"], 3);
     let named: Vec<&str> = j["node_dirs"]
         .as_array()
@@ -90,7 +80,7 @@ fn replay_nodes_share_one_directory_each_through_its_own_path() {
         .arg("--json")
         .output()
         .expect("run kvx verify");
-    let verify = json(&out);
+    let verify = last_json(&out);
     assert!(verify["blocks_checked"].as_u64() > Some(0), "{verify}");
     assert_eq!(verify["problems"], 0, "{verify}");
     let left: Vec<_> = std::fs::read_dir(shared.path())
@@ -147,7 +137,7 @@ fn bench_posix_nodes_store_through_their_own_paths_and_load_each_others_blocks()
     let shared = tempfile::tempdir().expect("tempdir");
     let links = tempfile::tempdir().expect("tempdir");
     let dirs = paths_to(shared.path(), links.path(), 3);
-    let j = json(&kvx(&BENCH, &dirs));
+    let j = last_json(&kvx(&BENCH, &dirs));
     assert_eq!(j["nodes"], 3);
     assert_eq!(j["cross_node_loads"], true);
     let per_node = j["per_node"].as_array().expect("per_node");
