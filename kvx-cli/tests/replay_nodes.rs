@@ -4,6 +4,8 @@
 //! every hit, on one node; written back, a block reaches the directory only as it leaves a
 //! host tier, written through at once; bad node options give one clear line.
 
+mod common;
+
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -17,16 +19,7 @@ fn kvx(args: &[&str]) -> Output {
 }
 
 fn run_json(args: &[&str]) -> Value {
-    let out = kvx(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "exit {:?}: {stderr}",
-        out.status.code()
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().expect("a JSON line");
-    serde_json::from_str(last).expect("JSON")
+    common::last_json(&kvx(args))
 }
 
 fn n(v: &Value, k: &str) -> f64 {

@@ -190,7 +190,11 @@ impl RemoteSource {
     /// The descriptor worker `rank` reads with (each rank reads its own producer rank), for
     /// blocks of `block_bytes` (the consumer's own: a source of the same namespace has blocks
     /// of the same size).
-    pub fn descriptor(&self, rank: u32, block_bytes: u64) -> Result<RemoteDescriptor, OffloadError> {
+    pub fn descriptor(
+        &self,
+        rank: u32,
+        block_bytes: u64,
+    ) -> Result<RemoteDescriptor, OffloadError> {
         let addr = *self.producers.get(rank as usize).ok_or_else(|| {
             OffloadError::config(
                 "kv_transfer_params.kvx.producers",

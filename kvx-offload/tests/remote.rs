@@ -117,6 +117,27 @@ fn until(
     }
 }
 
+/// Load all four blocks of `source` into `c`'s engine blocks 0..4 as `req`; how long until the
+/// load was reported, and the blocks reported invalid.
+fn load_all(
+    c: &mut Engine,
+    req: RequestId,
+    source: RemoteSource,
+) -> (Duration, Vec<EngineBlockId>) {
+    let wanted: Vec<(u32, EngineBlockId)> = (0..4).map(|i| (i, EngineBlockId(i))).collect();
+    c.kvx.scheduler.remote_load(req, Arc::new(source), &wanted);
+    let meta = c.kvx.scheduler.build_meta();
+    let t0 = Instant::now();
+    assert!(c.kvx.worker.start_step(meta).unwrap().fence().is_none());
+    let mut invalid = Vec::new();
+    let at = until(c, Duration::from_secs(5), |o| {
+        invalid.extend_from_slice(&o.invalid_blocks);
+        !o.finished_recving.is_empty()
+    });
+    invalid.sort();
+    (at - t0, invalid)
+}
+
 #[test]
 fn a_consumer_loads_a_producers_blocks_and_done_frees_them() {
     let (mut p, source) = producer(30_000);
@@ -195,20 +216,8 @@ fn a_lease_no_reader_renews_frees_the_blocks_at_its_ttl_and_a_later_read_fails()
     assert!(took <= Duration::from_millis(ttl + 50) + TICK, "{took:?}");
     // A consumer that reads after the TTL gets every block failed, at once, not at its deadline.
     let mut c = consumer(5_000);
-    let wanted: Vec<(u32, EngineBlockId)> = (0..4).map(|i| (i, EngineBlockId(i))).collect();
-    c.kvx
-        .scheduler
-        .remote_load(RequestId(2), Arc::new(source), &wanted);
-    let meta = c.kvx.scheduler.build_meta();
-    let t1 = Instant::now();
-    assert!(c.kvx.worker.start_step(meta).unwrap().fence().is_none());
-    let mut invalid = Vec::new();
-    let at = until(&mut c, Duration::from_secs(5), |o| {
-        invalid.extend_from_slice(&o.invalid_blocks);
-        !o.finished_recving.is_empty()
-    });
-    assert!(at - t1 < Duration::from_millis(50) + TICK, "{:?}", at - t1);
-    invalid.sort();
+    let (took, invalid) = load_all(&mut c, RequestId(2), source);
+    assert!(took < Duration::from_millis(50) + TICK, "{took:?}");
     assert_eq!(invalid, (0..4).map(EngineBlockId).collect::<Vec<_>>());
     p.close();
     c.close();
@@ -221,22 +230,10 @@ fn a_producer_gone_mid_load_fails_the_unread_blocks_by_the_deadline() {
     p.close();
     let load_ms = 200;
     let mut c = consumer(load_ms);
-    let wanted: Vec<(u32, EngineBlockId)> = (0..4).map(|i| (i, EngineBlockId(i))).collect();
-    c.kvx
-        .scheduler
-        .remote_load(RequestId(3), Arc::new(source), &wanted);
-    let meta = c.kvx.scheduler.build_meta();
-    let t0 = Instant::now();
-    assert!(c.kvx.worker.start_step(meta).unwrap().fence().is_none());
-    let mut invalid = Vec::new();
-    let at = until(&mut c, Duration::from_secs(5), |o| {
-        invalid.extend_from_slice(&o.invalid_blocks);
-        !o.finished_recving.is_empty()
-    });
+    let (took, invalid) = load_all(&mut c, RequestId(3), source);
     assert!(
-        at - t0 <= Duration::from_millis(load_ms + 50) + TICK,
-        "{:?}",
-        at - t0
+        took <= Duration::from_millis(load_ms + 50) + TICK,
+        "{took:?}"
     );
     assert_eq!(invalid.len(), 4);
     assert_eq!(c.kvx.worker.in_flight(), 0);

@@ -4,8 +4,8 @@
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
 use kvx_offload::{
-    ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, RemoteLoadJob, RemoteSource, StepMeta,
-    StoreJob, Tier,
+    ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, RemoteLoadJob, RemoteSource,
+    StepMeta, StoreJob, Tier,
 };
 
 /// Encoding version: the first byte of every message.

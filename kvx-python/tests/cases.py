@@ -18,4 +18,8 @@ BAD_EXTRA = [
     ({"block_tokens": 32}, ["block_tokens", "vLLM's KV block size"]),
     ({"load_failure": "fail"}, ["load_failure", "kv_load_failure_policy"]),
     ({"file": {"roots": ["/tmp"], "blocks": 8, "shared": {}}}, ["file.shared", "no shared mount"]),
+    ({"remote": {"heartbeat_ms": 600000}}, ["remote.heartbeat_ms", "below remote.lease_ttl_ms"]),
+    ({"remote": {"listen": "127.0.0.1:0"}}, ["remote.listen", "fixed port"]),
+    ({"remote": {"listen": "kvx-p:7400"}}, ["remote.listen", "kvx-p:7400"]),
+    ({"remote": {"lease_ttl": 5}}, ["unknown field", "lease_ttl"]),
 ]

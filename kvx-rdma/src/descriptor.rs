@@ -99,9 +99,8 @@ impl RemoteDescriptor {
 mod tests {
     use super::*;
 
-    #[test]
-    fn json_round_trip_and_validation() {
-        let d = RemoteDescriptor {
+    fn descriptor() -> RemoteDescriptor {
+        RemoteDescriptor {
             request: RequestId(7),
             addr: "127.0.0.1:4000".parse().unwrap(),
             transport: TransportKind::Tcp,
@@ -110,7 +109,12 @@ mod tests {
             heartbeat_interval_ms: 100,
             ttl_ms: 600,
             expected_readers: 2,
-        };
+        }
+    }
+
+    #[test]
+    fn json_round_trip_and_validation() {
+        let d = descriptor();
         let back = RemoteDescriptor::from_json(&d.to_json()).unwrap();
         assert_eq!(back, d);
         let mut bad = d.clone();
@@ -120,5 +124,34 @@ mod tests {
             Err(RdmaError::BadDescriptor { .. })
         ));
         assert!(RemoteDescriptor::from_json("{").is_err());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 512,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Whatever a peer hands over as a descriptor, parsing answers (never a panic), and a
+        /// descriptor it accepts validates.
+        #[test]
+        fn any_text_parses_or_errs(text in ".{0,300}") {
+            if let Ok(d) = RemoteDescriptor::from_json(&text) {
+                proptest::prop_assert!(d.validate().is_ok());
+            }
+        }
+
+        /// A valid descriptor's JSON, cut short or with one byte changed, parses or errs.
+        #[test]
+        fn mutated_descriptors_parse_or_err(cut in 0usize..400, at in 0usize..400, byte in proptest::prelude::any::<u8>()) {
+            let mut b = descriptor().to_json().into_bytes();
+            let i = at % b.len();
+            b[i] = byte;
+            b.truncate(cut.min(b.len()));
+            if let Ok(d) = RemoteDescriptor::from_json(&String::from_utf8_lossy(&b)) {
+                proptest::prop_assert!(d.validate().is_ok());
+                proptest::prop_assert!(!d.blocks.is_empty());
+            }
+        }
     }
 }

@@ -6,6 +6,7 @@ mod cuda;
 mod pin;
 mod posix;
 mod remote;
+mod remote_pd;
 
 use clap::Subcommand;
 

@@ -16,12 +16,23 @@ use kvx_core::Direction;
 use kvx_posix::bench::{BenchRig, Phase, bench_keys};
 use kvx_posix::{IoEngine, PosixConfig};
 
+mod nodes;
+
 /// Options of `kvx bench posix`.
 #[derive(Args)]
 pub struct PosixArgs {
     /// Directory to benchmark in (a `kvx-bench-<pid>` folder is made and removed inside it).
-    #[arg(long)]
-    dir: PathBuf,
+    #[arg(
+        long,
+        required_unless_present = "node_dir",
+        conflicts_with = "node_dir"
+    )]
+    dir: Option<PathBuf>,
+    /// One node's directory of a shared volume (its own mount), given once per node (instead of
+    /// --dir): every node stores its blocks through its own directory at once, then loads the
+    /// blocks the next node stored (cross-node loads); throughput is summed over the nodes.
+    #[arg(long, value_name = "DIR")]
+    node_dir: Vec<PathBuf>,
     /// Block size, e.g. 256KiB, 1MiB, 4MiB.
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     block_size: usize,
@@ -77,6 +88,11 @@ pub struct PosixArgs {
     /// out.
     #[arg(long, default_value_t = 30_000)]
     deadline_ms: u64,
+}
+
+/// The benchmark's own folder in `dir`.
+fn work_dir(dir: &Path) -> PathBuf {
+    dir.join(format!("kvx-bench-{}", std::process::id()))
 }
 
 /// How long the benchmark waits for its directory to be removed before leaving it in place.
@@ -198,14 +214,9 @@ fn backlog(args: &PosixArgs) -> usize {
     args.backlog.unwrap_or(args.queue_depth)
 }
 
-fn one_round(
-    args: &PosixArgs,
-    engine: IoEngine,
-    work: &Path,
-    round: usize,
-) -> Result<(Round, bool), String> {
-    let root = work.join("kv");
-    let mut cfg = PosixConfig::new(&root);
+/// The block store's settings for a rig on `root`.
+fn store_config(args: &PosixArgs, engine: IoEngine, root: &Path) -> PosixConfig {
+    let mut cfg = PosixConfig::new(root);
     cfg.io_engine = engine;
     cfg.queue_depth = args.queue_depth;
     cfg.rings = args.rings;
@@ -214,6 +225,17 @@ fn one_round(
     cfg.spare_files = spare_files(args);
     cfg.spare_block_bytes = args.block_size;
     cfg.spare_refill = false;
+    cfg
+}
+
+fn one_round(
+    args: &PosixArgs,
+    engine: IoEngine,
+    work: &Path,
+    round: usize,
+) -> Result<(Round, bool), String> {
+    let root = work.join("kv");
+    let cfg = store_config(args, engine, &root);
     let mut rig = BenchRig::new(cfg, args.block_size, backlog(args)).map_err(|e| e.to_string())?;
     let direct = rig.handle().capabilities().direct;
     let keys = bench_keys(round as u64, args.blocks);
@@ -316,7 +338,15 @@ pub fn run(args: PosixArgs) -> i32 {
         eprintln!("kvx bench posix: --deadline-ms must be at least 1");
         return 2;
     }
-    let work = args.dir.join(format!("kvx-bench-{}", std::process::id()));
+    let dir = match (&args.dir, args.node_dir.as_slice()) {
+        (Some(d), _) | (None, [d]) => d.clone(),
+        (None, []) => {
+            eprintln!("kvx bench posix: give --dir, or --node-dir once per node");
+            return 2;
+        }
+        (None, dirs) => return nodes::run(&args, engine, dirs),
+    };
+    let work = work_dir(&dir);
     if let Err(e) = std::fs::create_dir_all(&work) {
         eprintln!("kvx bench posix: cannot create {}: {e}", work.display());
         return 2;

@@ -104,6 +104,11 @@ pub struct ReplayArgs {
     /// block is also on the mount).
     #[arg(long, value_enum, default_value_t = SharedWrites::Back)]
     pub shared_writes: SharedWrites,
+    /// The shared file tier's directory as node I sees it, given once per node in node order
+    /// (instead of --dir): each node's own mount of one shared volume (GlusterFS, NFS, ...).
+    /// They are checked to show one directory before the nodes start.
+    #[arg(long, value_name = "DIR", conflicts_with = "dir")]
+    pub node_dir: Vec<PathBuf>,
     /// Internal: run as node I of --nodes (set by the parent process).
     #[arg(long, hide = true)]
     pub node_index: Option<usize>,
@@ -191,6 +196,8 @@ pub struct Settings {
     pub stalls: Vec<StallSpec>,
     /// File tier directory given by the user.
     pub dir: Option<PathBuf>,
+    /// The file tier's directory as each node sees it (`--node-dir`; empty: `dir` for all).
+    pub node_dirs: Vec<PathBuf>,
     /// Keep the fresh file tier directory.
     pub keep: bool,
     /// Draw a progress bar (when stderr is a terminal).
@@ -321,6 +328,10 @@ impl ReplayArgs {
                 "--node-index must be below --nodes".into(),
             ));
         }
+        if !self.node_dir.is_empty() {
+            super::node_dirs::for_nodes(&self.node_dir, self.nodes)
+                .map_err(ReplayError::BadOption)?;
+        }
         if !stalls.is_empty() && file_blocks == 0 {
             return Err(ReplayError::BadOption(
                 "--fault stall-disk needs a file tier (--file-gib > 0)".into(),
@@ -342,7 +353,12 @@ impl ReplayArgs {
             },
             io_engine: self.io_engine,
             stalls,
-            dir: self.shared_dir.clone().or_else(|| self.dir.clone()),
+            dir: self
+                .shared_dir
+                .clone()
+                .or_else(|| self.dir.clone())
+                .or_else(|| self.node_dir.first().filter(|_| self.nodes == 1).cloned()),
+            node_dirs: self.node_dir.clone(),
             keep: self.keep,
             progress: self.node_index.is_none(),
             nodes: self.nodes,

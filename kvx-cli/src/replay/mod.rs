@@ -10,6 +10,7 @@ mod error;
 mod fault;
 mod ideal;
 mod model;
+pub(crate) mod node_dirs;
 mod nodes;
 mod payload;
 mod report;

@@ -10,6 +10,10 @@
 //! total capacity (every node's host tier plus the one file tier), and with one of the capacity
 //! written-through tiers have for distinct blocks: every host tier then holds copies of
 //! file-tier blocks, and the distinct capacity is the larger of the two.
+//!
+//! With `--node-dir DIR` once per node, node I reaches the shared directory through the I-th
+//! path (its own mount of one volume, as engine nodes on a distributed file system do); the
+//! paths are checked to show one directory before any node starts ([`super::node_dirs`]).
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -81,13 +85,18 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
     let ideal = ideal_lru_hits(capacity, keys.iter().map(Vec::as_slice));
     let inclusive = (s.nodes * s.host_blocks).max(s.file_blocks);
     let ideal_inclusive = ideal_lru_hits(inclusive, keys.iter().map(Vec::as_slice));
-    let (dir, fresh) = match &s.dir {
-        Some(d) => {
+    if !s.node_dirs.is_empty() {
+        super::node_dirs::check_shared(&s.node_dirs, super::node_dirs::VISIBLE_WITHIN)
+            .map_err(ReplayError::BadOption)?;
+    }
+    let (dir, fresh) = match (&s.dir, s.node_dirs.first()) {
+        (_, Some(d)) => (d.clone(), None),
+        (Some(d), None) => {
             std::fs::create_dir_all(d)
                 .map_err(|e| ReplayError::Setup(format!("cannot create {}: {e}", d.display())))?;
             (d.clone(), None)
         }
-        None => {
+        (None, None) => {
             let t = tempfile::Builder::new()
                 .prefix("kvx-replay-shared-")
                 .tempdir()
@@ -109,7 +118,7 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
             .arg("--node-index")
             .arg(i.to_string())
             .arg("--shared-dir")
-            .arg(&dir)
+            .arg(s.node_dirs.get(i).unwrap_or(&dir))
             .arg("--start-unix-ms")
             .arg(start_ms.to_string())
             .stdin(Stdio::null())
@@ -128,10 +137,10 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
             }
         }
     }
+    let shared = shared_dirs(s, &dir);
     eprintln!(
-        "kvx replay: {} nodes share {} ({} requests spread {})",
+        "kvx replay: {} nodes share {shared} ({} requests spread {})",
         s.nodes,
-        dir.display(),
         requests.len(),
         s.spread.as_str()
     );
@@ -173,12 +182,25 @@ pub fn run(args: &ReplayArgs, s: &Settings, requests: &[TraceRequest]) -> Result
         inclusive_hits: ideal_inclusive,
         inclusive_capacity: inclusive,
     };
-    let combined = combine(s, &reports, &ideals, &dir);
+    let combined = combine(s, &reports, &ideals, &shared);
     print!("{}", summary(&combined));
     if args.json {
         println!("{combined}");
     }
     Ok(())
+}
+
+/// The shared file tier as the report names it: `dir`, or every node's directory in node order.
+fn shared_dirs(s: &Settings, dir: &Path) -> String {
+    if s.node_dirs.is_empty() {
+        return dir.display().to_string();
+    }
+    let all: Vec<String> = s
+        .node_dirs
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    format!("one directory per node: {}", all.join(", "))
 }
 
 fn num(v: &Value, k: &str) -> u64 {
@@ -200,7 +222,7 @@ struct Ideals {
 }
 
 /// The nodes' reports, summed, with the ideal shared LRU beside them.
-fn combine(s: &Settings, reports: &[Value], ideal: &Ideals, dir: &Path) -> Value {
+fn combine(s: &Settings, reports: &[Value], ideal: &Ideals, shared: &str) -> Value {
     let mut m = serde_json::Map::new();
     for k in SUMMED {
         m.insert(
@@ -230,7 +252,16 @@ fn combine(s: &Settings, reports: &[Value], ideal: &Ideals, dir: &Path) -> Value
     m.insert("nodes".into(), json!(s.nodes));
     m.insert("spread".into(), json!(s.spread.as_str()));
     m.insert("shared_writes".into(), json!(s.shared_writes.as_str()));
-    m.insert("shared_dir".into(), json!(dir.display().to_string()));
+    m.insert("shared_dir".into(), json!(shared));
+    m.insert(
+        "node_dirs".into(),
+        json!(
+            s.node_dirs
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+        ),
+    );
     m.insert("hit_rate".into(), json!(hit_rate));
     m.insert("host_hit_rate".into(), json!(rate(host, blocks)));
     m.insert("file_hit_rate".into(), json!(rate(file, blocks)));

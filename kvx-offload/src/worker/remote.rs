@@ -15,6 +15,9 @@ use super::load::{LoadState, LoadedBlock, Source};
 use crate::error::OffloadError;
 use crate::meta::{ExportJob, JobId, RemoteLoadJob};
 
+/// Blocks per task of a remote load.
+const REMOTE_TASK_BLOCKS: usize = 16;
+
 /// The remote tier on one worker: what the builder set up, and what is in flight.
 pub(crate) struct RemotePart {
     /// The producer's exporter (its server lives in the runtime); `None` on a consumer only.
@@ -178,7 +181,14 @@ impl WorkerSide {
         if let Some(remote) = &self.remote {
             let route = vec![remote.importer_backend, self.routes.engine];
             let deadline = Instant::now() + remote.load_timeout;
-            self.submit_load_part(job.job, &mut st, part, route, deadline)?;
+            // Several tasks, so that reading some blocks overlaps copying others into engine
+            // memory (one task would read all before copying any), each on a connection of
+            // its own.
+            let mut rest = part.into_iter().peekable();
+            while rest.peek().is_some() {
+                let chunk: Vec<OpBlock> = rest.by_ref().take(REMOTE_TASK_BLOCKS).collect();
+                self.submit_load_part(job.job, &mut st, chunk, route.clone(), deadline)?;
+            }
         }
         self.loads.insert(job.job, st);
         self.try_finish_load(job.job);
