@@ -15,7 +15,7 @@ Events (``ev``; every time is ``time.monotonic()``, one clock for every process 
 ``ready`` (pid), ``matched`` (the connector's get_num_new_matched_tokens answer changed:
 t, tokens, load_async), ``waiting`` (entered WAITING_FOR_REMOTE_KVS: t, blocks), ``recving`` (in
 finished_recving: t, invalid blocks, blocks of the load), ``finished`` (t, status, params,
-verified blocks), ``aborted`` (t), ``verify`` (t, blocks checked), ``sent`` (in
+verified blocks, preemptions), ``aborted`` (t), ``verify`` (t, blocks checked), ``sent`` (in
 finished_sending: t), ``state`` (state, idle, verified), ``error`` (a traceback; the process then exits 1).
 """
 
@@ -99,7 +99,8 @@ class Reporter:
         if t.finished_at is not None and rid not in self.finished:
             self.finished.add(rid)
             status = t.finished_status.name if t.finished_status is not None else None
-            emit("finished", id=rid, t=t.finished_at, status=status, params=t.params, verified=t.verified)
+            emit("finished", id=rid, t=t.finished_at, status=status, params=t.params, verified=t.verified,
+                 preemptions=t.request.num_preemptions)
         if t.sent_at is not None and rid not in self.sent:
             self.sent.add(rid)
             emit("sent", id=rid, t=t.sent_at)

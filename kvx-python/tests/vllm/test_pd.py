@@ -80,6 +80,11 @@ def prefill(P: EngineProc, rid: str, toks: list[int]) -> dict:
     return ev
 
 
+def note(test: str, **numbers: float) -> None:
+    """Print measured times (ms) for the record: shown with ``pytest -s``."""
+    print(f"PD {test}: " + ", ".join(f"{k}={v * 1000:.1f}ms" for k, v in numbers.items()))
+
+
 def full(toks: list[int]) -> int:
     """Full blocks of a prompt: what P computed and D can load."""
     return len(toks) // BLOCK
@@ -119,6 +124,7 @@ def test_a_transfer_16_requests_byte_exact_and_p_frees_when_d_is_done(spawn):
             toks = prompt(100 + i, (2 + i % 5) * BLOCK + i % 7 + 1)
         reqs[f"r{i}"] = toks
     params = {rid: prefill(P, rid, toks)["params"] for rid, toks in reqs.items()}
+    lag = []
     for rid, toks in reqs.items():
         D.add(rid, toks, max_tokens=3, params=params[rid])
     for rid, toks in reqs.items():
@@ -130,6 +136,8 @@ def test_a_transfer_16_requests_byte_exact_and_p_frees_when_d_is_done(spawn):
         # P frees once D is done: within one step plus the tick (the TTL is 30 s away).
         sent = P.wait("sent", rid, timeout=5)
         assert sent["t"] <= recv[0]["t"] + MARGIN, (rid, sent["t"] - recv[0]["t"])
+        lag.append(sent["t"] - recv[0]["t"])
+    note("a", max_p_free_after_d_recv=max(lag), min_p_free_after_d_recv=min(lag))
     settle(P, D)
 
 
@@ -140,6 +148,7 @@ def test_b_lost_request_freed_at_ttl_and_late_read_fails_cleanly(spawn):
     fin = prefill(P, "lost", toks)
     sent = P.wait("sent", "lost", timeout=ttl + 5)
     assert fin["t"] + ttl - TICK <= sent["t"] <= fin["t"] + ttl + MARGIN, sent["t"] - fin["t"]
+    note("b", p_free_after_ttl=sent["t"] - fin["t"] - ttl)
     # P reuses every block the lease held: a read that still succeeded would bring wrong bytes.
     other = prompt(22, 8 * BLOCK + 3)
     P.add("other", other, max_tokens=1)
@@ -173,6 +182,7 @@ def test_c_d_queues_longer_than_ttl_and_heartbeats_keep_the_lease(spawn):
     assert (ev["status"], ev["verified"]) == (DONE, full(toks)), ev
     sent = P.wait("sent", "c", timeout=5)
     assert wait["t"] < sent["t"] <= recv["t"] + MARGIN, (sent["t"] - wait["t"], sent["t"] - recv["t"])
+    note("c", queued_past_ttl=wait["t"] - fin["t"] - ttl, p_free_after_d_recv=sent["t"] - recv["t"])
     settle(P, D)
 
 
@@ -221,6 +231,7 @@ def test_d_p_killed_mid_transfer_fails_exactly_the_missing_blocks(spawn, policy)
     killed = P.kill()
     recv = D.wait("recving", "d1")
     assert killed < recv["t"] <= wait["t"] + load + MARGIN, (recv["t"] - killed, recv["t"] - wait["t"])
+    note(f"d[{policy}]", load_end_after_kill=recv["t"] - killed, load_end_after_start=recv["t"] - wait["t"])
     assert recv["invalid"] == sorted(recv["blocks"][3:10]), recv  # exactly what only P had
     ev = D.wait("finished", "d1")
     if policy == "recompute":
@@ -243,6 +254,7 @@ def test_e_p_stopped_mid_transfer_then_continued_releases_at_once_after_its_ttl(
     # D gave up at its deadline, not before (P only stopped) and not much after.
     assert wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
     assert recv["invalid"] == sorted(recv["blocks"][: full(toks)]), recv
+    note("e", load_end_after_deadline=recv["t"] - wait["t"] - load)
     ev = D.wait("finished", "e")
     assert (ev["status"], ev["verified"]) == (DONE, 0), ev
     # P continues after its lease's TTL passed while it was stopped: it frees at once, and not
@@ -251,6 +263,7 @@ def test_e_p_stopped_mid_transfer_then_continued_releases_at_once_after_its_ttl(
     cont = P.cont()
     sent = P.wait("sent", "e", timeout=5)
     assert cont <= sent["t"] <= cont + MARGIN, sent["t"] - cont
+    note("e", p_free_after_cont=sent["t"] - cont)
     settle(P, D)
 
 
@@ -279,6 +292,7 @@ def test_f_partition_fails_the_load_by_its_deadline_and_p_frees_at_ttl(netns, sp
     # before the cut).
     sent = P.wait("sent", "f1", timeout=ttl + 5)
     assert cut_from - heartbeat + ttl - TICK <= sent["t"] <= cut + ttl + MARGIN, sent["t"] - cut
+    note("f", load_end_after_deadline=recv["t"] - wait["t"] - load, p_free_after_cut_plus_ttl=sent["t"] - cut - ttl)
     settle(P, D)
 
 
@@ -359,6 +373,7 @@ def test_h_abort_while_remote_load_runs_fences_blocks_then_reload_or_recompute(s
     aborted = D.wait("aborted", "h")
     recv = D.wait("recving", "h")
     assert aborted["t"] < recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
+    note("h", load_reported_after_abort=recv["t"] - aborted["t"])
     settle(D)
     # The victim: 28 of D's 31 blocks, at least 5 of them h's; D steps slowly so it still runs.
     D.send("pace", ms=20)
@@ -383,4 +398,25 @@ def test_h_abort_while_remote_load_runs_fences_blocks_then_reload_or_recompute(s
         assert all(r["invalid"] == sorted(r["blocks"][: full(toks)]) for r in recv2), recv2
     sent = P.wait("sent", "h", timeout=ttl + 5)
     assert cont <= sent["t"] <= cont + ttl + MARGIN, sent["t"] - cont
+    settle(P, D)
+
+
+def test_h_preempted_after_its_remote_load_resumes_byte_exact(spawn):
+    """The other preemption vLLM allows: a request that loaded its prompt from P and is running
+    is preempted on D (out of blocks) and comes back with 0 computed tokens; the connector is
+    asked again and must not read from P twice (P was told done): D's own tiers or recompute,
+    every block it did not compute checked when it resumes."""
+    P, D = pair(spawn, ttl_ms=30_000, d_blocks=32, d_batched=512)
+    reqs = {f"p{i}": prompt(90 + i, 12 * BLOCK + 1) for i in range(2)}  # 13 blocks, 19 at the end
+    params = {rid: prefill(P, rid, toks)["params"] for rid, toks in reqs.items()}
+    for rid, toks in reqs.items():
+        D.add(rid, toks, max_tokens=100, params=params[rid])
+    evs = {rid: D.wait("finished", rid) for rid in reqs}
+    assert all(ev["status"] == DONE for ev in evs.values()), evs
+    assert sum(ev["preemptions"] for ev in evs.values()) >= 1, evs
+    for rid in reqs:
+        recv = D.find("recving", rid)
+        assert recv[0]["invalid"] == [] and evs[rid]["verified"] >= full(reqs[rid]), (rid, recv, evs[rid])
+        sent = P.wait("sent", rid, timeout=5)
+        assert sent["t"] <= recv[0]["t"] + MARGIN, (rid, sent["t"] - recv[0]["t"])
     settle(P, D)
