@@ -212,6 +212,18 @@ def release(D: EngineProc) -> None:
     D.send("pace", ms=0)
 
 
+def gave_up(D: EngineProc, rid: str, toks: list[int], load: float) -> None:
+    """D's load of ``rid`` from a P that cannot answer ended at its deadline (not before, not
+    much after) with every block invalid, and the request was computed on D."""
+    wait = D.wait("waiting", rid)
+    recv = D.wait("recving", rid)
+    assert wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
+    assert recv["invalid"] == sorted(recv["blocks"][: full(toks)]), recv
+    note(rid, load_end_after_deadline=recv["t"] - wait["t"] - load)
+    ev = D.wait("finished", rid)
+    assert (ev["status"], ev["verified"]) == (DONE, 0), ev
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_d_p_killed_mid_transfer_fails_exactly_the_missing_blocks(spawn, policy):
     load = 0.6
@@ -249,14 +261,7 @@ def test_e_p_stopped_mid_transfer_then_continued_releases_at_once_after_its_ttl(
     hold(D, "e", toks, fin["params"])
     stopped = P.stop()
     release(D)
-    wait = D.wait("waiting", "e")
-    recv = D.wait("recving", "e")
-    # D gave up at its deadline, not before (P only stopped) and not much after.
-    assert wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
-    assert recv["invalid"] == sorted(recv["blocks"][: full(toks)]), recv
-    note("e", load_end_after_deadline=recv["t"] - wait["t"] - load)
-    ev = D.wait("finished", "e")
-    assert (ev["status"], ev["verified"]) == (DONE, 0), ev
+    gave_up(D, "e", toks, load)
     # P continues after its lease's TTL passed while it was stopped: it frees at once, and not
     # while it was stopped (a read of it may have been in flight).
     time.sleep(max(0.0, stopped + ttl + 0.1 - time.monotonic()))
@@ -282,17 +287,12 @@ def test_f_partition_fails_the_load_by_its_deadline_and_p_frees_at_ttl(netns, sp
     netns.cut()
     cut = time.monotonic()
     release(D)
-    wait = D.wait("waiting", "f1")
-    recv = D.wait("recving", "f1")
-    assert wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
-    assert recv["invalid"] == sorted(recv["blocks"][: full(f1)]), recv
-    ev = D.wait("finished", "f1")
-    assert (ev["status"], ev["verified"]) == (DONE, 0), ev
+    gave_up(D, "f1", f1, load)
     # No renewal crosses the cut: P frees at the TTL after the last one (at most a heartbeat
     # before the cut).
     sent = P.wait("sent", "f1", timeout=ttl + 5)
     assert cut_from - heartbeat + ttl - TICK <= sent["t"] <= cut + ttl + MARGIN, sent["t"] - cut
-    note("f", load_end_after_deadline=recv["t"] - wait["t"] - load, p_free_after_cut_plus_ttl=sent["t"] - cut - ttl)
+    note("f", p_free_after_cut_plus_ttl=sent["t"] - cut - ttl)
     settle(P, D)
 
 
