@@ -160,6 +160,7 @@ def test_b_lost_request_freed_at_ttl_and_late_read_fails_cleanly(spawn):
     # that went out anyway fails every block it asked for.
     for recv in D.find("recving", "lost"):
         assert recv["invalid"] == sorted(recv["blocks"][: full(toks)]), recv
+    print(f"PD b: late request: {len(D.find('recving', 'lost'))} load(s) from P, computed on D")
     settle(P, D)
 
 
@@ -396,6 +397,7 @@ def test_h_abort_while_remote_load_runs_fences_blocks_then_reload_or_recompute(s
         assert ev["verified"] == full(toks) and recv2[-1]["invalid"] == [], (ev, recv2)
     else:
         assert all(r["invalid"] == sorted(r["blocks"][: full(toks)]) for r in recv2), recv2
+    print(f"PD h: the retry {'reloaded from P' if ev['verified'] else 'computed on D'}")
     sent = P.wait("sent", "h", timeout=ttl + 5)
     assert cont <= sent["t"] <= cont + ttl + MARGIN, sent["t"] - cont
     settle(P, D)
