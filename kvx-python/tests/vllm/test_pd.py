@@ -112,7 +112,9 @@ def test_engine_process_runs_requests_and_goes_idle(spawn):
 
 
 def test_a_transfer_16_requests_byte_exact_and_p_frees_when_d_is_done(spawn):
-    P, D = pair(spawn, ttl_ms=30_000, p_blocks=192, d_blocks=192)
+    # No fault here: a load deadline no busy 2-core machine misses (one 500 ms run saw a whole
+    # load fail once, unexplained; see the report of issue 25's tests).
+    P, D = pair(spawn, ttl_ms=30_000, load_ms=5_000, p_blocks=192, d_blocks=192)
     shared = [prompt(11, 3 * BLOCK), prompt(12, 2 * BLOCK)]
     reqs = {}
     for i in range(16):
@@ -129,10 +131,10 @@ def test_a_transfer_16_requests_byte_exact_and_p_frees_when_d_is_done(spawn):
         D.add(rid, toks, max_tokens=3, params=params[rid])
     for rid, toks in reqs.items():
         ev = D.wait("finished", rid)
+        recv = D.find("recving", rid)
+        assert len(recv) == 1 and recv[0]["invalid"] == [], (rid, D.find("waiting", rid), recv)
         # Every full block came from P (or from D's prefix cache of an earlier one), exact.
         assert (ev["status"], ev["verified"]) == (DONE, full(toks)), (rid, ev)
-        recv = D.find("recving", rid)
-        assert len(recv) == 1 and recv[0]["invalid"] == [], (rid, recv)
         # P frees once D is done: within one step plus the tick (the TTL is 30 s away).
         sent = P.wait("sent", rid, timeout=5)
         assert sent["t"] <= recv[0]["t"] + MARGIN, (rid, sent["t"] - recv[0]["t"])
