@@ -94,13 +94,25 @@ class Reporter:
         n = len(t.recv_at)
         if n > self.recving.get(rid, 0):
             self.recving[rid] = n
-            emit("recving", id=rid, t=t.recv_at[-1], invalid=sorted(t.invalid),
-                 blocks=t.load_blocks[-1] if t.load_blocks else [])
+            emit(
+                "recving",
+                id=rid,
+                t=t.recv_at[-1],
+                invalid=sorted(t.invalid),
+                blocks=t.load_blocks[-1] if t.load_blocks else [],
+            )
         if t.finished_at is not None and rid not in self.finished:
             self.finished.add(rid)
             status = t.finished_status.name if t.finished_status is not None else None
-            emit("finished", id=rid, t=t.finished_at, status=status, params=t.params, verified=t.verified,
-                 preemptions=t.request.num_preemptions)
+            emit(
+                "finished",
+                id=rid,
+                t=t.finished_at,
+                status=status,
+                params=t.params,
+                verified=t.verified,
+                preemptions=t.request.num_preemptions,
+            )
         if t.sent_at is not None and rid not in self.sent:
             self.sent.add(rid)
             emit("sent", id=rid, t=t.sent_at)

@@ -107,8 +107,14 @@ class EngineProc:
         with self._cv:
             return [e for e in self.events if e["ev"] == ev and (rid is None or e.get("id") == rid)]
 
-    def wait(self, ev: str, rid: str | None = None, timeout: float = 30.0,
-             pred: Callable[[dict], bool] | None = None, after: int = 0) -> dict:
+    def wait(
+        self,
+        ev: str,
+        rid: str | None = None,
+        timeout: float = 30.0,
+        pred: Callable[[dict], bool] | None = None,
+        after: int = 0,
+    ) -> dict:
         """The first event of kind ``ev`` (of ``rid``, matching ``pred``) at index ``after`` or
         later; raises with the process's log when it does not come in ``timeout`` seconds or
         the process reports an error."""

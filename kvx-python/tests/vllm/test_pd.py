@@ -56,17 +56,45 @@ def netns():
     ns.close()
 
 
-def pair(spawn, *, ttl_ms=30_000, heartbeat_ms=50, load_ms=500, policy="recompute", p_blocks=128,
-         d_blocks=128, d_batched=128, listen=None, p_prefix=(), d_prefix=()):
+def pair(
+    spawn,
+    *,
+    ttl_ms=30_000,
+    heartbeat_ms=50,
+    load_ms=500,
+    policy="recompute",
+    p_blocks=128,
+    d_blocks=128,
+    d_batched=128,
+    listen=None,
+    p_prefix=(),
+    d_prefix=(),
+):
     """P (kv_producer, listening) and D (kv_consumer), started together."""
     listen = listen or f"127.0.0.1:{free_port()}"
     remote_p = {"listen": listen, "lease_ttl_ms": ttl_ms, "heartbeat_ms": heartbeat_ms}
-    P = spawn("P", {"kv_role": "kv_producer", "num_blocks": p_blocks, "prefix_caching": True,
-                    "extra": {"host_blocks": HOST_BLOCKS, "remote": remote_p}}, p_prefix)
-    D = spawn("D", {"kv_role": "kv_consumer", "num_blocks": d_blocks, "prefix_caching": True,
-                    "max_batched_tokens": d_batched, "policy": policy,
-                    "extra": {"host_blocks": HOST_BLOCKS, "remote": {"load_ms": load_ms}}},
-              d_prefix)
+    P = spawn(
+        "P",
+        {
+            "kv_role": "kv_producer",
+            "num_blocks": p_blocks,
+            "prefix_caching": True,
+            "extra": {"host_blocks": HOST_BLOCKS, "remote": remote_p},
+        },
+        p_prefix,
+    )
+    D = spawn(
+        "D",
+        {
+            "kv_role": "kv_consumer",
+            "num_blocks": d_blocks,
+            "prefix_caching": True,
+            "max_batched_tokens": d_batched,
+            "policy": policy,
+            "extra": {"host_blocks": HOST_BLOCKS, "remote": {"load_ms": load_ms}},
+        },
+        d_prefix,
+    )
     return P.ready(), D.ready()
 
 
@@ -277,9 +305,16 @@ def test_e_p_stopped_mid_transfer_then_continued_releases_at_once_after_its_ttl(
 
 def test_f_partition_fails_the_load_by_its_deadline_and_p_frees_at_ttl(netns, spawn):
     ttl, load, heartbeat = 1.0, 0.3, 0.05
-    P, D = pair(spawn, ttl_ms=int(ttl * 1000), load_ms=int(load * 1000), heartbeat_ms=int(heartbeat * 1000),
-                listen=f"{pd_netns.ADDR_P}:{free_port()}",
-                p_prefix=netns.exec(netns.p), d_prefix=netns.exec(netns.d), **HOLD)
+    P, D = pair(
+        spawn,
+        ttl_ms=int(ttl * 1000),
+        load_ms=int(load * 1000),
+        heartbeat_ms=int(heartbeat * 1000),
+        listen=f"{pd_netns.ADDR_P}:{free_port()}",
+        p_prefix=netns.exec(netns.p),
+        d_prefix=netns.exec(netns.d),
+        **HOLD,
+    )
     # f0 over the link: it works.
     f0 = prompt(61, 4 * BLOCK + 2)
     D.add("f0", f0, max_tokens=2, params=prefill(P, "f0", f0)["params"])
@@ -317,8 +352,13 @@ def _corrupt(name: str, good: dict, other: dict) -> dict:
     elif name == "json_cut":
         bad["kvx"] = text[: len(text) // 2]
     elif name == "foreign":  # NIXL's params, no kvx
-        bad = {"do_remote_prefill": True, "remote_engine_id": "nixl-0", "remote_block_ids": [1, 2, 3],
-               "remote_host": "127.0.0.1", "remote_port": 1}
+        bad = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "nixl-0",
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": "127.0.0.1",
+            "remote_port": 1,
+        }
     elif name == "unknown_export":  # an export P never had
         bad["kvx"]["export"] = (kvx["export"] + 1) % 2**63
     elif name == "dead_producer":
@@ -330,8 +370,17 @@ def _corrupt(name: str, good: dict, other: dict) -> dict:
     return bad
 
 
-BAD = ["garbage", "not_a_dict", "wrong_types", "truncated", "json_cut", "foreign", "unknown_export",
-       "dead_producer", "other_prompt"]
+BAD = [
+    "garbage",
+    "not_a_dict",
+    "wrong_types",
+    "truncated",
+    "json_cut",
+    "foreign",
+    "unknown_export",
+    "dead_producer",
+    "other_prompt",
+]
 
 
 def test_g_bad_params_are_a_per_request_error_and_recompute(spawn):
