@@ -132,7 +132,9 @@ pub struct RemoteSource {
     pub export: u64,
     /// Each producer rank's server, by rank.
     pub producers: Vec<SocketAddr>,
-    /// Keys of the exported blocks, in prompt order.
+    /// Keys of the exported blocks, in prompt order (in JSON: 32 hex digits each; an
+    /// integer above 2^64 is not a value vLLM carries in a request's `kv_transfer_params`).
+    #[serde(with = "hex_keys")]
     pub keys: Vec<BlockKey>,
     /// The lease TTL, in milliseconds.
     pub ttl_ms: u64,
@@ -225,6 +227,27 @@ impl RemoteSource {
     }
 }
 
+/// Block keys as strings of 32 hex digits.
+mod hex_keys {
+    use kvx_core::BlockKey;
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    pub(super) fn serialize<S: Serializer>(keys: &[BlockKey], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(keys.iter().map(|k| k.to_string()))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<BlockKey>, D::Error> {
+        let texts = Vec::<String>::deserialize(d)?;
+        texts
+            .iter()
+            .map(|t| {
+                BlockKey::from_hex(t)
+                    .ok_or_else(|| D::Error::custom(format!("{t:?} is not a key of 32 hex digits")))
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +275,16 @@ mod tests {
         assert_eq!(back.descriptor(1, 4096).unwrap().addr.port(), 7401);
         assert!(back.descriptor(2, 4096).is_err());
         assert_eq!(back.descriptors().len(), 2);
+    }
+
+    #[test]
+    fn keys_travel_as_hex_strings() {
+        let v: serde_json::Value = serde_json::from_str(&source().to_json()).unwrap();
+        assert_eq!(v["keys"][1], serde_json::json!("f".repeat(32)));
+        let e = RemoteSource::from_json(&source().to_json().replace(&"f".repeat(32), "xyz"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"xyz\" is not a key of 32 hex digits"), "{e}");
     }
 
     #[test]

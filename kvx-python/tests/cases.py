@@ -20,6 +20,6 @@ BAD_EXTRA = [
     ({"file": {"roots": ["/tmp"], "blocks": 8, "shared": {}}}, ["file.shared", "no shared mount"]),
     ({"remote": {"heartbeat_ms": 600000}}, ["remote.heartbeat_ms", "below remote.lease_ttl_ms"]),
     ({"remote": {"listen": "127.0.0.1:0"}}, ["remote.listen", "fixed port"]),
-    ({"remote": {"listen": "kvx-p:7400"}}, ["remote.listen", "kvx-p:7400"]),
+    ({"remote": {"listen": "kvx-p:7400"}}, ["remote.listen", "socket address"]),
     ({"remote": {"lease_ttl": 5}}, ["unknown field", "lease_ttl"]),
 ]

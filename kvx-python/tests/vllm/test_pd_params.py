@@ -54,7 +54,7 @@ def valid_source(side: SchedulerSide, req: SimpleNamespace) -> dict:
         "namespace": namespace_id(NAMESPACE),
         "export": 7,
         "producers": ["127.0.0.1:9"],
-        "keys": [int.from_bytes(keys[i : i + 16], "big") for i in range(0, len(keys), 16)],
+        "keys": [keys[i : i + 16].hex() for i in range(0, len(keys), 16)],
         "ttl_ms": 1000,
         "heartbeat_ms": 100,
     }
@@ -69,6 +69,7 @@ def mutations(rng: random.Random, good: dict) -> list[Any]:
         {"do_remote_prefill": True, "kvx": {**good, "producers": []}},
         {"do_remote_prefill": True, "kvx": {**good, "producers": ["127.0.0.1:9", "127.0.0.1:10"]}},
         {"do_remote_prefill": True, "kvx": {**good, "keys": [1, 2, 3, 4]}},
+        {"do_remote_prefill": True, "kvx": {**good, "keys": ["0" * 32] * 4}},
         {"do_remote_prefill": True, "kvx": {**good, "keys": []}},
         {"do_remote_prefill": True, "kvx": {**good, "keys": ["a"] * 4}},
         {"do_remote_prefill": True, "kvx": {**good, "export": -1}},
