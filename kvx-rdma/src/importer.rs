@@ -82,17 +82,25 @@ struct Registered {
 struct Registry {
     descs: HashMap<RequestId, Registered>,
     keys: HashMap<BlockKey, Vec<(RequestId, u32)>>,
+    /// The remote request each local request reads (`ImporterHandle::register_for`).
+    readers: HashMap<RequestId, RequestId>,
 }
 
 impl Registry {
-    fn lookup(&self, key: BlockKey) -> Option<(Arc<RemoteDescriptor>, u32)> {
-        self.keys
-            .get(&key)?
+    /// Where `key` is read from for an op of local request `reader`: the remote request
+    /// registered for `reader` if it exports the key, else any registered one that does.
+    fn lookup(&self, reader: RequestId, key: BlockKey) -> Option<(Arc<RemoteDescriptor>, u32)> {
+        let found = self.keys.get(&key)?;
+        let own = self.readers.get(&reader);
+        found
             .iter()
+            .filter(|(r, _)| own.is_none_or(|o| o == r))
+            .chain(found.iter())
             .find_map(|(r, i)| self.descs.get(r).map(|reg| (reg.desc.clone(), *i)))
     }
 
     fn remove(&mut self, request: RequestId) -> Option<Registered> {
+        self.readers.retain(|_, r| *r != request);
         let reg = self.descs.remove(&request)?;
         for key in &reg.desc.blocks {
             if let Some(v) = self.keys.get_mut(key) {
@@ -235,6 +243,17 @@ impl ImporterHandle {
         Ok(())
     }
 
+    /// [`ImporterHandle::register`], and read `desc`'s blocks for the ops of local request
+    /// `reader` from it first: two remote requests that export the same key (a shared prefix)
+    /// are not interchangeable, since one's lease may end while the other's reader still needs
+    /// the block.
+    pub fn register_for(&self, reader: RequestId, desc: RemoteDescriptor) -> Result<(), RdmaError> {
+        let request = desc.request;
+        self.register(desc)?;
+        lock(&self.state.registry).readers.insert(reader, request);
+        Ok(())
+    }
+
     /// Why the producer refused a heartbeat for `request` (its lease ended), if it did.
     pub fn lease_lost(&self, request: RequestId) -> Option<String> {
         let reg = lock(&self.state.registry);
@@ -289,7 +308,7 @@ async fn run_op(state: Arc<ImporterState>, mut op: Op, cancel: CancelToken) {
     {
         let reg = lock(&state.registry);
         for (pos, b) in op.blocks.iter().enumerate() {
-            let Some((desc, index)) = reg.lookup(b.key) else {
+            let Some((desc, index)) = reg.lookup(op.request, b.key) else {
                 results[pos] = Some(Err(BlockError::NotFound));
                 continue;
             };
@@ -406,5 +425,85 @@ impl Drop for Importer {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Exporter, ServerConfig, TcpServer};
+    use kvx_core::{
+        BufferPool, DEFAULT_ALIGN, DriverBuilder, DriverConfig, EngineBlockId, HostArena, OpBlock,
+        TaskSpec,
+    };
+    use kvx_policy::LeaseConfig;
+
+    /// Two remote requests export the same key (a shared prefix); the first one's lease ended.
+    /// A reader registered for the second reads the key from it, not from the first.
+    #[test]
+    fn a_reader_reads_a_shared_key_from_its_own_remote_request() {
+        let mut arena = HostArena::contiguous(4096, 4).unwrap();
+        arena.write_block(EngineBlockId(1), &[5u8; 4096]).unwrap();
+        // SAFETY: the arena outlives the exporter and the server (dropped first, below); no
+        // exported block is written while exported.
+        let exporter = unsafe { Exporter::new(arena.layout().clone()) }.unwrap();
+        let server = TcpServer::start(exporter.clone(), ServerConfig::default()).unwrap();
+        let key = BlockKey::chain(None, b"shared prefix");
+        let lease = LeaseConfig {
+            ttl_ms: 30_000,
+            heartbeat_interval_ms: 1_000,
+            expected_readers: 1,
+        };
+        for r in [RequestId(1), RequestId(2)] {
+            exporter.export(r, &[(key, EngineBlockId(1))], &lease).unwrap();
+            exporter.ready(r).unwrap();
+        }
+        exporter.abort(RequestId(1)).unwrap();
+        while exporter.poll_released().is_none() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let importer = Importer::new(ImporterConfig {
+            heartbeats: false,
+            ..ImporterConfig::default()
+        })
+        .unwrap();
+        let handle = importer.handle();
+        // Registered first: the released request (its descriptor as the consumer got it).
+        let mut first = server.descriptor(&exporter, RequestId(2)).unwrap();
+        first.request = RequestId(1);
+        handle.register(first).unwrap();
+        let reader = RequestId(40);
+        handle
+            .register_for(reader, server.descriptor(&exporter, RequestId(2)).unwrap())
+            .unwrap();
+        let mut b = DriverBuilder::new(DriverConfig::default());
+        let rdma = b.backend(Box::new(importer));
+        let driver = b.spawn().unwrap();
+        let pool = BufferPool::new(2, 4096, DEFAULT_ALIGN).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let task = driver
+            .submit(TaskSpec {
+                request: reader,
+                dir: Direction::Load,
+                route: vec![rdma],
+                blocks: vec![OpBlock {
+                    key,
+                    engine: None,
+                    buf: Buf::Owned(pool.take().unwrap()),
+                }],
+                deadline,
+                deferred: false,
+            })
+            .unwrap();
+        let report = driver.wait_report(task, deadline).unwrap();
+        assert!(report.is_ok(), "{:?}", report.blocks[0].result);
+        assert_eq!(
+            report.blocks[0].buf.as_ref().unwrap().as_slice(),
+            &[5u8; 4096][..]
+        );
+        handle.forget(RequestId(2)).unwrap();
+        assert!(lock(&handle.state.registry).readers.is_empty());
+        drop(driver);
+        drop(server);
     }
 }

@@ -145,7 +145,12 @@ impl WorkerSide {
             Some(remote) => source
                 .descriptor(remote.rank, self.cfg.block_bytes as u64)
                 .map_err(|e| e.to_string())
-                .and_then(|d| remote.importer.register(d).map_err(|e| e.to_string()))
+                .and_then(|d| {
+                    remote
+                        .importer
+                        .register_for(job.request, d)
+                        .map_err(|e| e.to_string())
+                })
                 .map(|()| {
                     remote.registered.insert(job.job, source.export);
                 }),
