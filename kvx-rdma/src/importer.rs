@@ -455,7 +455,9 @@ mod tests {
             expected_readers: 1,
         };
         for r in [RequestId(1), RequestId(2)] {
-            exporter.export(r, &[(key, EngineBlockId(1))], &lease).unwrap();
+            exporter
+                .export(r, &[(key, EngineBlockId(1))], &lease)
+                .unwrap();
             exporter.ready(r).unwrap();
         }
         exporter.abort(RequestId(1)).unwrap();
