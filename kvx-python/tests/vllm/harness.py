@@ -49,32 +49,41 @@ init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
-def write_model_dir(root: Path) -> Path:
-    """A local model directory holding only a 2-layer Llama config.json (no weights)."""
-    d = root / "tiny-llama"
+def model_config(architecture: str, model_type: str, layers: int, dtype: str, **more: Any) -> dict:
+    """A small model's config.json fields (KV_HEADS heads of HEAD, VOCAB tokens), with ``more``."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": KV_HEADS * HEAD,
+        "intermediate_size": 128,
+        "num_attention_heads": KV_HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD,
+        "num_hidden_layers": layers,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "torch_dtype": dtype,
+        **more,
+    }
+
+
+def write_config_dir(root: Path, name: str, config: dict) -> Path:
+    """A local model directory ``root/name`` holding only ``config`` as config.json (no weights).
+    Engines in several processes share one model directory (P/D: the model's path is part of
+    kvx's key namespace), so an unchanged config is not rewritten while another engine reads it."""
+    d = root / name
     d.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": KV_HEADS * HEAD,
-            "intermediate_size": 128,
-            "num_attention_heads": KV_HEADS,
-            "num_key_value_heads": KV_HEADS,
-            "head_dim": HEAD,
-            "num_hidden_layers": LAYERS,
-            "vocab_size": VOCAB,
-            "max_position_embeddings": 4096,
-            "torch_dtype": "float16",
-            "rms_norm_eps": 1e-5,
-        }
-    )
+    text = json.dumps(config)
     f = d / "config.json"
-    # Engines in several processes share one model directory (P/D: the model's path is part of
-    # kvx's key namespace): rewriting it while another engine reads it would race.
     if not f.exists() or f.read_text() != text:
         f.write_text(text)
     return d
+
+
+def write_model_dir(root: Path) -> Path:
+    """A local model directory holding only a 2-layer Llama config.json (no weights)."""
+    config = model_config("LlamaForCausalLM", "llama", LAYERS, "float16", rms_norm_eps=1e-5)
+    return write_config_dir(root, "tiny-llama", config)
 
 
 def chain(h: int, tok: int) -> int:

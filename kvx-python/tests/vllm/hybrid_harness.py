@@ -7,7 +7,6 @@ token- and layer-derived bytes, so every block of every group is checked byte fo
 
 from __future__ import annotations
 
-import json
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from harness import _HASHER, BLOCK, VOCAB, EngineLoop, chain
+from harness import _HASHER, BLOCK, HEAD, KV_HEADS, VOCAB, EngineLoop, chain, model_config, write_config_dir
 
 try:  # vLLM 0.33
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
@@ -45,8 +44,6 @@ except ImportError:  # vLLM 0.32
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
 LAYERS = 4  # sliding, full, sliding, full (Gemma-2's pattern)
-KV_HEADS = 2
-HEAD = 32
 WINDOW = 32
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
@@ -63,32 +60,19 @@ def unavailable() -> str | None:
 
 def write_model_dir(root: Path) -> Path:
     """A local directory holding only a 4-layer Gemma-2 config.json (no weights)."""
-    d = root / "tiny-gemma2"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["Gemma2ForCausalLM"],
-                "model_type": "gemma2",
-                "hidden_size": KV_HEADS * HEAD,
-                "intermediate_size": 128,
-                "num_attention_heads": KV_HEADS,
-                "num_key_value_heads": KV_HEADS,
-                "head_dim": HEAD,
-                "num_hidden_layers": LAYERS,
-                "vocab_size": VOCAB,
-                "max_position_embeddings": 4096,
-                "sliding_window": WINDOW,
-                "torch_dtype": "bfloat16",
-                "rms_norm_eps": 1e-6,
-                "query_pre_attn_scalar": HEAD,
-                "attn_logit_softcapping": 50.0,
-                "final_logit_softcapping": 30.0,
-                "hidden_activation": "gelu_pytorch_tanh",
-            }
-        )
+    config = model_config(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        LAYERS,
+        "bfloat16",
+        sliding_window=WINDOW,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=HEAD,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
     )
-    return d
+    return write_config_dir(root, "tiny-gemma2", config)
 
 
 def layer_specs() -> dict:

@@ -8,8 +8,7 @@ import random
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvx.testing import FrozenMount
-
+from frozen import stored_behind_frozen_mount
 from harness import BLOCK, Engine, prompt
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -115,28 +114,14 @@ def test_corrupt_block_file(tmp_path, policy):
 
 
 def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: test_frozen_file_tier_waits_at_most_one_deadline: {reason}")
-        pytest.skip(reason)
-    backing = file_dir(tmp_path, "backing")
-    mnt = file_dir(tmp_path, "mnt")
-    mount = FrozenMount(str(mnt), str(backing))
     deadline_ms = 300
-    extra = {
-        "host_blocks": 64,
-        "file": {"roots": [str(mnt)], "blocks": 16384},
-        "timeouts": {"load_ms": deadline_ms, "store_ms": 400},
-    }
     prompts = [prompt(10 + i, 3 * BLOCK + 5) for i in range(4)]
-    try:
-        e = Engine(tmp_path, extra)
-        try:
-            for i, p in enumerate(prompts):
-                e.add(f"w{i}", p)
-            e.run()
-        finally:
-            e.close()
+    with stored_behind_frozen_mount(
+        tmp_path,
+        "test_frozen_file_tier_waits_at_most_one_deadline",
+        {"host_blocks": 64, "timeouts": {"load_ms": deadline_ms, "store_ms": 400}},
+        prompts,
+    ) as (mount, extra):
         e = Engine(tmp_path, extra)
         try:
             mount.freeze()
@@ -161,31 +146,16 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
         finally:
             mount.close()  # releases the stuck file operations before the engine stops
             e.close()
-    finally:
-        mount.close()
 
 
 def test_abort_while_loading_frees_blocks_once_the_load_ends(tmp_path):
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: test_abort_while_loading_frees_blocks_once_the_load_ends: {reason}")
-        pytest.skip(reason)
-    backing = file_dir(tmp_path, "backing")
-    mnt = file_dir(tmp_path, "mnt")
-    mount = FrozenMount(str(mnt), str(backing))
-    extra = {
-        "host_blocks": 16,
-        "file": {"roots": [str(mnt)], "blocks": 16384},
-        "timeouts": {"load_ms": 200, "store_ms": 200},
-    }
     p = prompt(50, 3 * BLOCK + 2)
-    try:
-        e = Engine(tmp_path, extra)
-        try:
-            e.add("w", p)
-            e.run()
-        finally:
-            e.close()
+    with stored_behind_frozen_mount(
+        tmp_path,
+        "test_abort_while_loading_frees_blocks_once_the_load_ends",
+        {"host_blocks": 16, "timeouts": {"load_ms": 200, "store_ms": 200}},
+        [p],
+    ) as (mount, extra):
         e = Engine(tmp_path, extra)
         try:
             delays = []
@@ -217,8 +187,6 @@ def test_abort_while_loading_frees_blocks_once_the_load_ends(tmp_path):
         finally:
             mount.close()
             e.close()
-    finally:
-        mount.close()
 
 
 def test_preempted_request_is_flushed_and_reloads(tmp_path):

@@ -16,11 +16,11 @@ import copy
 import json
 import time
 
-import pd_netns
 import pytest
-from pd_proc import EngineProc, free_port
 
+import pd_netns
 from harness import BLOCK, prompt
+from pd_proc import EngineProc, free_port
 
 TICK = 0.001
 SLACK = 0.050

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from kvx.testing import FrozenMount
-
+from frozen import stored_behind_frozen_mount
 from harness import BLOCK, Engine, prompt
 
 TICK_S = 0.001  # kvx_core::TICK
@@ -22,31 +19,13 @@ DEADLINE_MS = 120_000
 
 
 def test_shutdown_returns_within_the_bound_with_loads_and_stores_stuck(tmp_path):
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: test_shutdown_returns_within_the_bound_with_loads_and_stores_stuck: {reason}")
-        pytest.skip(reason)
-    backing = tmp_path / "backing"
-    mnt = tmp_path / "mnt"
-    backing.mkdir()
-    mnt.mkdir()
-    mount = FrozenMount(str(mnt), str(backing))
-    extra = {
-        "host_blocks": 64,
-        "file": {"roots": [str(mnt)], "blocks": 16384},
-        "timeouts": {"load_ms": DEADLINE_MS, "store_ms": DEADLINE_MS},
-    }
     stored = [prompt(70 + i, 3 * BLOCK + 5) for i in range(4)]
-    try:
-        # A first engine stores the prompts in the file tier, then goes.
-        e = Engine(tmp_path, extra)
-        try:
-            for i, p in enumerate(stored):
-                e.add(f"w{i}", p)
-            e.run()
-        finally:
-            e.close()
-        assert any(backing.rglob("*.kvb")), "the first engine stored blocks in the file tier"
+    with stored_behind_frozen_mount(
+        tmp_path,
+        "test_shutdown_returns_within_the_bound_with_loads_and_stores_stuck",
+        {"host_blocks": 64, "timeouts": {"load_ms": DEADLINE_MS, "store_ms": DEADLINE_MS}},
+        stored,
+    ) as (mount, extra):
         # A second engine, the mount frozen: its prompts hit the file tier (loads stuck) and new
         # prompts are stored (file stores stuck).
         e = Engine(tmp_path, extra)
@@ -86,5 +65,3 @@ def test_shutdown_returns_within_the_bound_with_loads_and_stores_stuck(tmp_path)
             # Thaw first, so that nothing the test leaves holds the process at exit.
             mount.thaw()
             e.close()
-    finally:
-        mount.close()

@@ -1,0 +1,46 @@
+"""A file tier behind a mount the test can freeze (kvx.testing.FrozenMount, in the test wheel),
+already holding some prompts' blocks: what the stuck-mount tests start from."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import Engine
+
+
+@contextlib.contextmanager
+def stored_behind_frozen_mount(
+    tmp_path: Path, test: str, extra: dict, prompts: list[list[int]]
+) -> Iterator[tuple[Any, dict]]:
+    """Skip ``test`` (one line) where FUSE is unavailable; else mount a freezable directory,
+    make it the file tier of ``extra`` (its other keys kept), let a first engine store
+    ``prompts`` there and go, and yield (the mount, not frozen yet; the engine config). The
+    mount is closed afterwards, releasing any file operation still stuck in it."""
+    from kvx.testing import FrozenMount
+
+    reason = FrozenMount.unavailable()
+    if reason is not None:
+        print(f"skip: {test}: {reason}")
+        pytest.skip(reason)
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir(exist_ok=True)
+    mnt.mkdir(exist_ok=True)
+    mount = FrozenMount(str(mnt), str(backing))
+    config = {**extra, "file": {"roots": [str(mnt)], "blocks": 16384}}
+    try:
+        e = Engine(tmp_path, config)
+        try:
+            for i, p in enumerate(prompts):
+                e.add(f"w{i}", p)
+            e.run()
+        finally:
+            e.close()
+        assert any(backing.rglob("*.kvb")), "the first engine stored blocks in the file tier"
+        yield mount, config
+    finally:
+        mount.close()
