@@ -26,6 +26,11 @@ struct Engine {
 }
 
 fn engine(remote: RemoteTierConfig) -> Engine {
+    engine_of_rank(remote, None)
+}
+
+/// An engine whose worker is `rank` of a tensor-parallel world of 2 (`None`: a single worker).
+fn engine_of_rank(remote: RemoteTierConfig, rank: Option<u32>) -> Engine {
     let arena = HostArena::contiguous(BLOCK, 16).unwrap();
     let cfg = OffloadConfig {
         host_blocks: 8,
@@ -35,7 +40,11 @@ fn engine(remote: RemoteTierConfig) -> Engine {
     // SAFETY: the arena outlives the runtime (shut down in `Engine::close` before the arena
     // drops), and the test touches no block while an op on it is outstanding.
     let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
-    let kvx = OffloadBuilder::new(cfg, memory).build().unwrap();
+    let mut b = OffloadBuilder::new(cfg, memory);
+    if let Some(r) = rank {
+        b = b.shard(kvx_offload::Shard::new(r, 2, 0, 1).unwrap());
+    }
+    let kvx = b.build().unwrap();
     Engine { arena, kvx }
 }
 
@@ -257,4 +266,87 @@ fn a_source_for_another_rank_or_without_a_remote_tier_fails_its_blocks_at_once()
     assert_eq!(out.invalid_blocks.len(), 2);
     p.close();
     c.close();
+}
+
+/// Two free ports in a row (a producer of two ranks listens on port and port + 1).
+fn two_free_ports() -> u16 {
+    loop {
+        let base = free_port();
+        if base < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", base + 1)).is_ok() {
+            return base;
+        }
+    }
+}
+
+#[test]
+fn each_tensor_parallel_rank_reads_its_own_producer_rank() {
+    let port = two_free_ports();
+    let remote_p = RemoteTierConfig {
+        listen: Some(format!("127.0.0.1:{port}").parse().unwrap()),
+        heartbeat_ms: 1_000,
+        ..RemoteTierConfig::default()
+    };
+    let ks = keys(4);
+    let blocks: Vec<(BlockKey, EngineBlockId)> = ks
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (*k, EngineBlockId(i as u32)))
+        .collect();
+    // Each producer rank holds its own shard of every block: bytes 10 * rank + block + 1.
+    let mut producers: Vec<Engine> = (0..2)
+        .map(|r| {
+            let mut p = engine_of_rank(remote_p.clone(), Some(r));
+            for i in 0..4u32 {
+                p.arena
+                    .write_block(EngineBlockId(i), &[(10 * r + i + 1) as u8; BLOCK])
+                    .unwrap();
+            }
+            // Both ranks' scheduler sides decide the same (vLLM's one scheduler, every rank's
+            // copy of its metadata).
+            assert!(p.kvx.scheduler.export_finished(RequestId(1), 88, &blocks));
+            let meta = p.kvx.scheduler.build_meta();
+            assert!(p.kvx.worker.start_step(meta).unwrap().fence().is_none());
+            assert_eq!(p.kvx.runtime.remote_addr().unwrap().port(), port + r as u16);
+            p
+        })
+        .collect();
+    let source = RemoteSource {
+        namespace: "test".into(),
+        export: 88,
+        producers: remote_p.producers(2).unwrap(),
+        keys: ks,
+        ttl_ms: remote_p.lease_ttl_ms,
+        heartbeat_ms: remote_p.heartbeat_ms,
+    };
+    let keeper = LeaseKeeper::new(KeeperConfig::default()).unwrap();
+    keeper.keep(9, source.descriptors()).unwrap();
+    let end = Instant::now() + Duration::from_secs(2);
+    while keeper.status(9) != Some(KeptLease::Live) {
+        assert!(Instant::now() < end, "{:?}", keeper.status(9));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for r in 0..2u32 {
+        let mut c = engine_of_rank(RemoteTierConfig::default(), Some(r));
+        let (_, invalid) = load_all(&mut c, RequestId(9), source.clone());
+        assert!(invalid.is_empty(), "rank {r}: {invalid:?}");
+        for i in 0..4u32 {
+            let want = vec![(10 * r + i + 1) as u8; BLOCK];
+            assert_eq!(
+                c.arena.read_block(EngineBlockId(i)).unwrap(),
+                want,
+                "rank {r} block {i}"
+            );
+        }
+        c.close();
+    }
+    // One done per producer rank (the keeper's), and each rank reports the request sent.
+    assert!(keeper.release(9, true));
+    for p in &mut producers {
+        until(p, Duration::from_secs(2), |o| {
+            o.finished_sending == vec![RequestId(1)]
+        });
+    }
+    for p in producers {
+        p.close();
+    }
 }
