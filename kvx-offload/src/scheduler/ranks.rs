@@ -19,7 +19,7 @@ use kvx_core::{BlockError, BlockKey, RequestId};
 use rustc_hash::{FxHashMap, FxHashSet};
 use tracing::warn;
 
-use super::SchedulerSide;
+use super::{JobInfo, SchedulerSide};
 use crate::meta::{JobId, JobPart, JobResult, WorkerOutput};
 
 /// One job part's results from the ranks that reported so far.
@@ -152,8 +152,10 @@ impl SchedulerSide {
         }
         let mut ready = Vec::new();
         for r in &out.jobs {
-            if !self.jobs.contains_key(&r.job) && !self.write_backs.contains_key(&r.job) {
-                continue; // a job from before a reset
+            if !self.part_pending(r.job, r.part) {
+                // A job from before a reset, or a part already merged (a rank's report replayed
+                // late, as vLLM 0.33 may after a worker failure): nothing waits for it.
+                continue;
             }
             let p = self
                 .partials
@@ -177,6 +179,25 @@ impl SchedulerSide {
         }
         self.apply_results(&ready);
         ready
+    }
+
+    /// True while `part` of `job` has not been applied yet.
+    fn part_pending(&self, job: JobId, part: JobPart) -> bool {
+        match self.jobs.get(&job) {
+            Some((
+                _,
+                JobInfo::Store {
+                    host_pending,
+                    file_pending,
+                },
+            )) => match part {
+                JobPart::StoreHost => *host_pending,
+                JobPart::StoreFile => *file_pending,
+                JobPart::Load => false,
+            },
+            Some((_, JobInfo::Load { .. } | JobInfo::Remote)) => part == JobPart::Load,
+            None => self.write_backs.contains_key(&job) && part == JobPart::StoreFile,
+        }
     }
 
     /// Job parts some ranks reported and others not yet.
@@ -285,6 +306,29 @@ mod tests {
             (0, 0, 0)
         );
         assert!(s.build_meta().evict_host.is_empty());
+    }
+
+    #[test]
+    fn a_part_reported_again_after_it_was_merged_leaves_nothing_behind() {
+        let mut s = sched(2, true);
+        let a = k(1);
+        let job = store(&mut s, 1, &[a]);
+        s.build_meta();
+        let host = result(job, RequestId(1), JobPart::StoreHost, &[a], &[], &[]);
+        assert!(s.update_from_rank(0, &host).is_empty());
+        assert_eq!(s.update_from_rank(1, &host).len(), 1);
+        // The file part is still out; rank 1's host report comes again (replayed late).
+        assert!(s.update_from_rank(1, &host).is_empty());
+        assert_eq!(
+            s.partial_count(),
+            0,
+            "a replayed part opened a partial that never closes"
+        );
+        let file = result(job, RequestId(1), JobPart::StoreFile, &[a], &[], &[]);
+        assert!(s.update_from_rank(0, &file).is_empty());
+        assert_eq!(s.update_from_rank(1, &file).len(), 1);
+        assert!(s.update_from_rank(0, &file).is_empty());
+        assert_eq!((s.partial_count(), s.job_count()), (0, 0));
     }
 
     #[test]
