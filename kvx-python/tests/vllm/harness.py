@@ -120,6 +120,33 @@ class Tracked:
     invalid: set[int] = field(default_factory=set)  # engine blocks of its loads reported invalid
 
 
+def engine_config(
+    model: ModelConfig, cache: CacheConfig, extra: dict, *, policy: str, kv_role: str,
+    max_num_seqs: int, max_batched_tokens: int,
+) -> VllmConfig:
+    """vLLM's config of a test engine on CPU with KvxConnector (``extra``: its
+    kv_connector_extra_config), chunked prefill on, 2048-token model length."""
+    return VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(
+            max_model_len=2048,
+            is_encoder_decoder=False,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched_tokens,
+            enable_chunked_prefill=True,
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvxConnector",
+            kv_connector_module_path="kvx.vllm",
+            kv_role=kv_role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config=extra,
+        ),
+    )
+
+
 class EngineLoop:
     """Stepping an engine until it is idle, and the state that says so: shared by ``Engine``
     and the hybrid-model engine (each has ``scheduler``, ``conn``, ``worker``, ``num_blocks``
@@ -129,6 +156,52 @@ class EngineLoop:
     conn: Any
     worker: Any
     num_blocks: int
+    vllm_config: VllmConfig
+    kv_cache_config: Any
+    tracked: dict
+
+    # -- setting up, as vLLM's engine core and a worker do ----------------------------------
+    def _start_worker_connector(self) -> None:
+        """The worker side first: a KV cache kvx cannot serve must fail before any step."""
+        self.worker = KVConnectorFactory.create_connector(
+            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+
+    def _start_scheduler(self, kv_caches: dict) -> None:
+        """vLLM's per-step worker driver over ``kv_caches``, its scheduler, and the records
+        every engine keeps."""
+        try:
+            self.driver = ActiveKVConnector(self.vllm_config, kv_caches)
+        except Exception:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+            self.worker.shutdown()
+            raise
+        self.scheduler = Scheduler(
+            self.vllm_config,
+            self.kv_cache_config,
+            StructuredOutputManager(self.vllm_config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.conn = self.scheduler.connector
+        self.tracked = {}
+        self.invalid_reported: list[set[int]] = []
+        self.recv_reported: set[str] = set()
+        self.steps = 0
+
+    def _states(self, t: Any) -> list[int]:
+        """The prefix state after each of a request's tokens so far."""
+        h = t.states[-1] if t.states else 0
+        for tok in t.request.all_token_ids[len(t.states) :]:
+            h = chain(h, tok)
+            t.states.append(h)
+        return t.states
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
 
     def run(self, timeout: float = 30.0, until=None) -> None:
         """Step until every request finished and kvx and vLLM are idle (or ``until()``)."""
@@ -184,24 +257,9 @@ class Engine(EngineLoop):
         self.num_blocks = num_blocks
         model = ModelConfig(model=str(write_model_dir(tmp)), skip_tokenizer_init=True, dtype="float16",
                             max_model_len=2048)
-        self.vllm_config = VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
-            scheduler_config=SchedulerConfig(
-                max_model_len=2048,
-                is_encoder_decoder=False,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_batched_tokens,
-                enable_chunked_prefill=True,
-            ),
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvxConnector",
-                kv_connector_module_path="kvx.vllm",
-                kv_role=kv_role,
-                kv_load_failure_policy=policy,
-                kv_connector_extra_config=extra,
-            ),
+        self.vllm_config = engine_config(
+            model, CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching), extra,
+            policy=policy, kv_role=kv_role, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16)
@@ -213,11 +271,7 @@ class Engine(EngineLoop):
             self.kv_cache_config, kv_caches, self.layout = vllm_kv_caches(self.vllm_config, groups, layouts, num_blocks)
         else:
             self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-        # Worker side first: a bad layout must fail here, before any step.
-        self.worker = KVConnectorFactory.create_connector(
-            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        self._start_worker_connector()
         self.cross_layer = cross_layer
         if kv_caches is None and cross_layer:
             # One tensor for all layers, a block one contiguous run: (blocks, layers, K/V, ...).
@@ -232,26 +286,9 @@ class Engine(EngineLoop):
         self.kv = kv_caches
         # [K/V, blocks, ...] tensors (the harness's default) or block-first ones.
         self.kv_first = self.kv["layer0"].shape[0] != num_blocks
-        try:
-            self.driver = ActiveKVConnector(self.vllm_config, kv_caches)
-        except Exception:
-            kv_transfer_state._KV_CONNECTOR_AGENT = None
-            self.worker.shutdown()
-            raise
-        self.scheduler = Scheduler(
-            self.vllm_config,
-            self.kv_cache_config,
-            StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK,
-            log_stats=True,
-        )
-        self.conn = self.scheduler.connector
-        self.tracked: dict[str, Tracked] = {}
+        self._start_scheduler(kv_caches)
         self.verified_blocks = 0
-        self.invalid_reported: list[set[int]] = []
-        self.recv_reported: set[str] = set()
         self.send_reported: list[str] = []
-        self.steps = 0
         self.meta_sizes: list[int] = []
         self.resumed_as_new = 0  # preempted requests that came back among the new ones (V2 runner)
 
@@ -273,14 +310,6 @@ class Engine(EngineLoop):
         self.tracked[req_id] = t
         self.scheduler.add_request(req)
         return t
-
-    def _states(self, t: Tracked) -> list[int]:
-        toks = t.request.all_token_ids
-        h = t.states[-1] if t.states else 0
-        for tok in toks[len(t.states) :]:
-            h = chain(h, tok)
-            t.states.append(h)
-        return t.states
 
     # -- the fake model ---------------------------------------------------------------------
     def _slot(self, layer: int, block: int, off: int) -> torch.Tensor:
@@ -420,11 +449,6 @@ class Engine(EngineLoop):
         """kvx block keys of a request's full blocks (16 bytes each)."""
         side = self.conn._sched
         return side._keys(side._req(self.tracked[req_id].request))
-
-    def close(self) -> None:
-        self.scheduler.shutdown()
-        self.worker.shutdown()
-        kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
 def vllm_kv_caches(vllm_config, groups, layouts: list[str], num_blocks: int):

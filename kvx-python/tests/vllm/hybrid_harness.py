@@ -15,28 +15,18 @@ from pathlib import Path
 import torch
 from vllm.config import (
     CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
     ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
 )
-from vllm.distributed.kv_transfer import kv_transfer_state
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from harness import _HASHER, BLOCK, HEAD, KV_HEADS, VOCAB, EngineLoop, chain, model_config, write_config_dir
+from harness import _HASHER, BLOCK, HEAD, KV_HEADS, VOCAB, EngineLoop, engine_config, model_config, write_config_dir
 
 try:  # vLLM 0.33
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
@@ -119,26 +109,10 @@ class HybridEngine(EngineLoop):
         model = ModelConfig(
             model=str(write_model_dir(tmp)), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
         )
-        self.vllm_config = VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(
-                block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching
-            ),
-            scheduler_config=SchedulerConfig(
-                max_model_len=2048,
-                is_encoder_decoder=False,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_batched_tokens,
-                enable_chunked_prefill=True,
-            ),
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvxConnector",
-                kv_connector_module_path="kvx.vllm",
-                kv_role="kv_both",
-                kv_load_failure_policy=policy,
-                kv_connector_extra_config=extra,
-            ),
+        cache = CacheConfig(block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching)
+        self.vllm_config = engine_config(
+            model, cache, extra, policy=policy, kv_role="kv_both",
+            max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
         )
         assert not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager, "HMA is off"
         specs = layer_specs()
@@ -152,31 +126,11 @@ class HybridEngine(EngineLoop):
             isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in self.kv_cache_config.kv_cache_groups
         ]
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.worker = KVConnectorFactory.create_connector(
-            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        self._start_worker_connector()
         self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
-        try:
-            self.driver = ActiveKVConnector(self.vllm_config, self.kv)
-        except Exception:
-            kv_transfer_state._KV_CONNECTOR_AGENT = None
-            self.worker.shutdown()
-            raise
-        self.scheduler = Scheduler(
-            self.vllm_config,
-            self.kv_cache_config,
-            StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK,
-            log_stats=True,
-        )
-        self.conn = self.scheduler.connector
-        self.tracked: dict[str, Tracked] = {}
+        self._start_scheduler(self.kv)
         self.verified = [0] * len(self.groups)  # blocks checked byte for byte, per group
-        self.invalid_reported: list[set[int]] = []
-        self.recv_reported: set[str] = set()
         self.failed_reported: set[str] = set()
-        self.steps = 0
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Tracked:
@@ -187,13 +141,6 @@ class HybridEngine(EngineLoop):
         self.tracked[req_id] = t
         self.scheduler.add_request(req)
         return t
-
-    def _states(self, t: Tracked) -> list[int]:
-        h = t.states[-1] if t.states else 0
-        for tok in t.request.all_token_ids[len(t.states) :]:
-            h = chain(h, tok)
-            t.states.append(h)
-        return t.states
 
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self.scheduler.kv_cache_manager.get_block_ids(req_id)
@@ -302,8 +249,3 @@ class HybridEngine(EngineLoop):
         """kvx block keys of one group of a request's full blocks (16 bytes each)."""
         side = self.conn._sched
         return bytes(side.group_keys(self.tracked[req_id].request)[group])
-
-    def close(self) -> None:
-        self.scheduler.shutdown()
-        self.worker.shutdown()
-        kv_transfer_state._KV_CONNECTOR_AGENT = None

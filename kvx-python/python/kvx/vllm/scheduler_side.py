@@ -40,7 +40,6 @@ class SchedulerStats:
     store_jobs: int = 0
     preemptions: int = 0
     failed_loads: int = 0
-    remote_hit_tokens: int = 0
 
 
 class SchedulerSide:
@@ -113,9 +112,7 @@ class SchedulerSide:
             queued = self.disagg.alloc(request, blocks, num_external_tokens)
             if queued is not None:
                 if queued:
-                    self.loading.add(request.request_id)
-                    self.stats.loads += 1
-                    self.stats.remote_hit_tokens += num_external_tokens
+                    self._load_started(request.request_id, self._req(request), num_external_tokens)
                 return
         if num_external_tokens == 0:
             return
