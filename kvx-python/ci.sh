@@ -58,7 +58,7 @@ stamp "vllm $want, maturin, pytest, ruff and mypy in $venv"
 (cd "$root/kvx-python" && "$venv/bin/python" -m ruff check . && "$venv/bin/python" -m mypy)
 stamp "ruff and mypy clean"
 
-# The CPU stand-in for the CUDA driver, for tests/unit/test_cuda_standin.py.
+# The CPU stand-in for the CUDA driver, for tests/unit/test_cuda_engine.py.
 cargo build --quiet -p kvx-cuda-standin
 stamp "CUDA stand-in built"
 
