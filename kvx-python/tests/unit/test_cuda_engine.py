@@ -1,10 +1,18 @@
-"""kvx's native worker side over CUDA engine memory, on the CPU stand-in for the CUDA driver: no
-GPU, no torch, no vLLM.
+"""kvx's native worker side over CUDA engine memory: stores from device blocks to the host tier,
+loads back into other device blocks, byte-exact, with blocks outside the load untouched.
 
-The stand-in (`cargo build -p kvx-cuda-standin`, or the path in KVX_CUDA_STANDIN) is loaded by
-path; its soname is libcuda.so, so kvx's own dlopen("libcuda.so") gets it. The KV "tensor" is
-device memory allocated through the stand-in and described as a `cuda:N` tensor, exactly as
-kvx.vllm describes a torch tensor. Skipped (with the reason) where the stand-in is not built.
+Two sources of device memory run the same scenario:
+
+- the CPU stand-in for the CUDA driver (`cargo build -p kvx-cuda-standin`, or the path in
+  KVX_CUDA_STANDIN), loaded by path; its soname is libcuda.so, so kvx's own dlopen("libcuda.so")
+  gets it. No GPU, no torch. The KV "tensor" is stand-in device memory described as a `cuda:N`
+  tensor, exactly as kvx.vllm describes a torch tensor.
+- a real GPU through torch: the KV cache is a torch CUDA tensor (torch's allocator, the device's
+  primary context, as vLLM allocates it), written by torch kernels on torch's stream.
+
+Each skips with its reason where its memory is missing; KVX_CUDA_REQUIRE_GPU=1 turns the real-GPU
+skip into a failure (scripts/gpu-check.sh sets it). Never run both in one process on a GPU
+machine: the stand-in, once loaded, is the process's libcuda.
 """
 
 from __future__ import annotations
@@ -21,39 +29,30 @@ from kvx import SchedulerSide, WorkerSide, block_keys
 
 ROOT = Path(__file__).resolve().parents[3]
 STANDIN = Path(os.environ.get("KVX_CUDA_STANDIN", ROOT / "target/debug/libkvx_cuda_standin.so"))
-DEVICE = 3  # a stand-in device of its own
+STANDIN_DEVICE = 3  # a stand-in device of its own
 BLOCK, KV_HEADS, HEAD, NUM_BLOCKS = 16, 2, 32, 8
+SHAPE = [2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD]
+STRIDES = [NUM_BLOCKS * BLOCK * KV_HEADS * HEAD, BLOCK * KV_HEADS * HEAD, KV_HEADS * HEAD, HEAD, 1]
+PER_BLOCK = BLOCK * KV_HEADS * HEAD
+ELEMS = 2 * NUM_BLOCKS * PER_BLOCK
 SMALL = json.dumps({"host_blocks": 4, "timeouts": {"load_ms": 2000, "store_ms": 2000}})
+# Blocks 0 and 1 are stored, then loaded into blocks 5 and 6.
+MOVES = ((0, 5), (1, 6))
 
 
-@pytest.fixture(scope="module")
-def cuda() -> ctypes.CDLL:
-    if not STANDIN.exists():
-        pytest.skip(f"the CUDA stand-in is not built ({STANDIN}): cargo build -p kvx-cuda-standin")
-    lib = ctypes.CDLL(str(STANDIN), mode=ctypes.RTLD_GLOBAL)
-    lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
-    lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-    ctx = ctypes.c_void_p()
-    assert lib.cuInit(0) == 0
-    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), DEVICE) == 0
-    assert lib.cuCtxSetCurrent(ctx) == 0
-    return lib
+def pattern(i: int) -> int:
+    """The int16 written at element i: no two blocks alike."""
+    return (i * 7) % 30011
 
 
-def test_a_cuda_kv_cache_stores_and_loads_back_byte_exact(cuda: ctypes.CDLL) -> None:
-    elems = 2 * NUM_BLOCKS * BLOCK * KV_HEADS * HEAD
-    shape = [2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD]
-    strides = [NUM_BLOCKS * BLOCK * KV_HEADS * HEAD, BLOCK * KV_HEADS * HEAD, KV_HEADS * HEAD, HEAD, 1]
-    ptr = ctypes.c_uint64()
-    assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), elems * 2) == 0
-    data = (ctypes.c_int16 * elems)(*[(i * 7) % 30011 for i in range(elems)])
-    assert cuda.cuMemcpyHtoD_v2(ptr.value, ctypes.addressof(data), elems * 2) == 0
-    desc = ("layer0", ptr.value, shape, strides, 2, f"cuda:{DEVICE}")
+def store_then_load(desc: tuple) -> None:
+    """Store blocks 0 and 1 of the described KV tensor to the host tier, then load them into
+    blocks 5 and 6; every step is driven as vLLM drives the two sides."""
     sched = SchedulerSide(SMALL, BLOCK)
     worker = WorkerSide(SMALL, BLOCK, [desc], [], NUM_BLOCKS)
     try:
         keys = block_keys(b"cuda", [b"block0", b"block1"])
-        assert sched.save_blocks(1, keys, [0, 1])
+        assert sched.save_blocks(1, keys, [src for src, _ in MOVES])
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the device blocks never reached the host tier"
@@ -63,7 +62,7 @@ def test_a_cuda_kv_cache_stores_and_loads_back_byte_exact(cuda: ctypes.CDLL) -> 
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
         assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
-        sched.update_state_after_alloc(2, [5, 6])
+        sched.update_state_after_alloc(2, [dst for _, dst in MOVES])
         done: list[int] = []
         while 2 not in done:
             assert time.monotonic() < end, "the load into device blocks never finished"
@@ -76,12 +75,68 @@ def test_a_cuda_kv_cache_stores_and_loads_back_byte_exact(cuda: ctypes.CDLL) -> 
             time.sleep(0.001)
     finally:
         worker.close()
-    back = (ctypes.c_int16 * elems)()
-    assert cuda.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, elems * 2) == 0
-    per_block = BLOCK * KV_HEADS * HEAD
+
+
+def check_moved(before: list[int], back: list[int]) -> None:
+    """Blocks 5 and 6 of `back` hold blocks 0 and 1 of `before` (both K and V); blocks 0..5 are
+    unchanged."""
     for kv in range(2):
-        for src, dst in ((0, 5), (1, 6)):
-            s = (kv * NUM_BLOCKS + src) * per_block
-            d = (kv * NUM_BLOCKS + dst) * per_block
-            assert back[d : d + per_block] == data[s : s + per_block], f"block {dst} (kv {kv})"
-    assert back[: per_block * 5] == data[: per_block * 5], "blocks outside the load changed"
+        for src, dst in MOVES:
+            s = (kv * NUM_BLOCKS + src) * PER_BLOCK
+            d = (kv * NUM_BLOCKS + dst) * PER_BLOCK
+            assert back[d : d + PER_BLOCK] == before[s : s + PER_BLOCK], f"block {dst} (kv {kv})"
+    assert back[: PER_BLOCK * 5] == before[: PER_BLOCK * 5], "blocks outside the load changed"
+
+
+@pytest.fixture(scope="module")
+def standin() -> ctypes.CDLL:
+    if not STANDIN.exists():
+        pytest.skip(f"the CUDA stand-in is not built ({STANDIN}): cargo build -p kvx-cuda-standin")
+    lib = ctypes.CDLL(str(STANDIN), mode=ctypes.RTLD_GLOBAL)
+    lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+    lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+    ctx = ctypes.c_void_p()
+    assert lib.cuInit(0) == 0
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), STANDIN_DEVICE) == 0
+    assert lib.cuCtxSetCurrent(ctx) == 0
+    return lib
+
+
+def test_a_cuda_kv_cache_on_the_standin_stores_and_loads_back_byte_exact(standin: ctypes.CDLL) -> None:
+    ptr = ctypes.c_uint64()
+    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
+    data = (ctypes.c_int16 * ELEMS)(*[pattern(i) for i in range(ELEMS)])
+    assert standin.cuMemcpyHtoD_v2(ptr.value, ctypes.addressof(data), ELEMS * 2) == 0
+    store_then_load(("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}"))
+    back = (ctypes.c_int16 * ELEMS)()
+    assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
+    check_moved(list(data), list(back))
+
+
+def real_gpu_or_skip():
+    """torch, when it sees a CUDA device; else a skip (a failure under KVX_CUDA_REQUIRE_GPU=1)."""
+    try:
+        import torch
+    except ImportError:
+        reason = "no GPU: torch is not installed"
+    else:
+        if torch.cuda.is_available():
+            return torch
+        reason = "no GPU: torch sees no CUDA device"
+    if os.environ.get("KVX_CUDA_REQUIRE_GPU") == "1":
+        pytest.fail(f"KVX_CUDA_REQUIRE_GPU=1 but {reason}")
+    pytest.skip(reason)
+
+
+def test_a_torch_kv_cache_on_a_real_gpu_stores_and_loads_back_byte_exact() -> None:
+    torch = real_gpu_or_skip()
+    # Written by a torch kernel on torch's stream, then the step boundary: vLLM's stream is
+    # synchronized when the step's sampled tokens reach the host, before the next start_step.
+    index = torch.arange(ELEMS, dtype=torch.int64, device="cuda:0")
+    kv = ((index * 7) % 30011).to(torch.int16).reshape(SHAPE)
+    kv[:, 5:7] = -1  # poisoned destinations: a load that copies nothing cannot pass
+    before = kv.flatten().tolist()
+    torch.cuda.synchronize()
+    assert list(kv.stride()) == STRIDES
+    store_then_load(("layer0", kv.data_ptr(), list(kv.shape), list(kv.stride()), kv.element_size(), str(kv.device)))
+    check_moved(before, kv.flatten().tolist())
