@@ -8,7 +8,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvx_core::Direction;
 use kvx_cuda::bench::{Case, Rig};
-use kvx_cuda::{BatchMode, CudaDevice, CudaError};
+use kvx_cuda::{CudaBackendConfig, CudaDevice, CudaError};
 
 fn bench_case(c: &mut Criterion, rig: &mut Rig, case: Case) -> Result<(), CudaError> {
     let mut group = c.benchmark_group(format!("cuda/{}", case.label()));
@@ -55,7 +55,7 @@ fn main() {
     };
     let mut c = Criterion::default().configure_from_args();
     for case in [Case::Contiguous, Case::Scattered] {
-        let result = Rig::new(&device, case, BatchMode::Auto)
+        let result = Rig::new(&device, case, CudaBackendConfig::default())
             .and_then(|mut rig| bench_case(&mut c, &mut rig, case));
         if let Err(e) = result {
             eprintln!("cuda benchmark {}: {e}", case.label());

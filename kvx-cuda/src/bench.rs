@@ -14,7 +14,7 @@ use kvx_core::{
 use rand::SeedableRng;
 
 use crate::CudaBackend;
-use crate::config::{BatchMode, CudaBackendConfig};
+use crate::config::CudaBackendConfig;
 use crate::device::{CudaDevice, DeviceMem};
 use crate::error::CudaError;
 use crate::pinned::PinnedPool;
@@ -84,8 +84,9 @@ pub struct Rig {
 }
 
 impl Rig {
-    /// Allocate and register everything for `case` on `device`.
-    pub fn new(device: &CudaDevice, case: Case, batch: BatchMode) -> Result<Rig, CudaError> {
+    /// Allocate and register everything for `case` on `device`; the backend runs with `cfg`
+    /// (its name set here).
+    pub fn new(device: &CudaDevice, case: Case, cfg: CudaBackendConfig) -> Result<Rig, CudaError> {
         let bb = case.block_bytes();
         let n = case.engine_blocks();
         let engine = device.alloc(bb * n as usize)?;
@@ -98,8 +99,7 @@ impl Rig {
         )?;
         let cfg = CudaBackendConfig {
             name: format!("cuda-bench-{}", device.ordinal()),
-            batch,
-            ..CudaBackendConfig::default()
+            ..cfg
         };
         // SAFETY: `engine` is device memory of `device` covering the layout; the Rig drops the
         // backend (which drains its copies) before `engine`, and reads no block while an op runs.

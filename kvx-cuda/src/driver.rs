@@ -37,6 +37,7 @@ pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuEventRecord",
     "cuEventSynchronize",
+    "cuEventQuery",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemAlloc_v2",

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
@@ -89,6 +90,30 @@ impl Event {
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream.raw)
         })
+    }
+
+    /// Whether the recorded work completed (`cuEventQuery`); never waits.
+    pub(crate) fn query(&self) -> Result<bool, CudaError> {
+        // SAFETY: live event handle.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| true),
+        }
+    }
+
+    /// Wait until the recorded work completed: with `poll`, by asking every `poll` (growing to
+    /// 1/64 of the time waited so far, at most 10 ms, so a hung copy costs next to nothing);
+    /// without, in [`Event::synchronize`]. Must be called on a thread with the context bound.
+    pub(crate) fn wait(&self, poll: Option<Duration>) -> Result<(), CudaError> {
+        let Some(interval) = poll else {
+            return self.synchronize();
+        };
+        let start = Instant::now();
+        while !self.query()? {
+            let grown = (start.elapsed() / 64).min(Duration::from_millis(10));
+            std::thread::sleep(interval.max(grown));
+        }
+        Ok(())
     }
 
     /// Block (sleeping, thanks to `CU_EVENT_BLOCKING_SYNC`) until the recorded work completed.

@@ -6,7 +6,7 @@
 use clap::Args;
 use kvx_core::Direction;
 use kvx_cuda::bench::{Case, Rig, Sample, measure};
-use kvx_cuda::{BatchMode, CudaDevice, CudaError};
+use kvx_cuda::{BatchMode, CudaBackendConfig, CudaDevice, CudaError};
 
 /// Options of `kvx bench cuda`.
 #[derive(Args)]
@@ -47,28 +47,54 @@ pub fn run(args: CudaArgs) -> i32 {
     }
 }
 
-/// A measured row; `reference` marks the per-run comparison row (not held to a target).
+/// A measured row; `reference` names what a comparison row shows (not held to a target).
 struct Row {
     sample: Sample,
-    reference: bool,
+    reference: Option<&'static str>,
+    completion: &'static str,
 }
 
 fn collect(device: &CudaDevice, iters: usize) -> Result<Vec<Row>, CudaError> {
+    let poll = CudaBackendConfig::default();
+    let blocking = CudaBackendConfig {
+        completion_poll: None,
+        ..CudaBackendConfig::default()
+    };
+    let per_run = CudaBackendConfig {
+        batch: BatchMode::Never,
+        ..CudaBackendConfig::default()
+    };
     let mut cases = vec![
-        (Case::Contiguous, BatchMode::Auto),
-        (Case::Scattered, BatchMode::Auto),
+        (Case::Contiguous, poll.clone(), None),
+        (Case::Scattered, poll.clone(), None),
+        // What polling the op's event buys over sleeping in cuEventSynchronize.
+        (
+            Case::Contiguous,
+            blocking,
+            Some("reference: completer blocks"),
+        ),
     ];
     if device.batch_copy_available() {
         // The same scattered blocks one copy call per run, to show what batching buys.
-        cases.push((Case::Scattered, BatchMode::Never));
+        cases.push((
+            Case::Scattered,
+            per_run,
+            Some("reference: one call per run"),
+        ));
     }
     let mut out = Vec::new();
-    for (case, batch) in cases {
-        let mut rig = Rig::new(device, case, batch)?;
+    for (case, cfg, reference) in cases {
+        let completion = if cfg.completion_poll.is_some() {
+            "poll"
+        } else {
+            "block"
+        };
+        let mut rig = Rig::new(device, case, cfg)?;
         for dir in [Direction::Load, Direction::Store] {
             out.push(Row {
                 sample: measure(&mut rig, dir, iters)?,
-                reference: batch == BatchMode::Never,
+                reference,
+                completion,
             });
         }
     }
@@ -88,16 +114,17 @@ fn print_table(device: &CudaDevice, rows: &[Row]) {
         }
     );
     println!(
-        "{:<25} {:<4} {:<8} {:>9} {:>10} {:>6} {:>7} {:>9}  verdict",
-        "case", "dir", "copies", "kvx GB/s", "plain GB/s", "ratio", "target", "calls/op"
+        "{:<25} {:<4} {:<8} {:<5} {:>9} {:>10} {:>6} {:>7} {:>9}  verdict",
+        "case", "dir", "copies", "wait", "kvx GB/s", "plain GB/s", "ratio", "target", "calls/op"
     );
     for r in rows {
         let s = &r.sample;
         println!(
-            "{:<25} {:<4} {:<8} {:>9.2} {:>10.2} {:>6.2} {:>7.2} {:>9.1}  {}",
+            "{:<25} {:<4} {:<8} {:<5} {:>9.2} {:>10.2} {:>6.2} {:>7.2} {:>9.1}  {}",
             s.case,
             s.dir,
             if s.batched { "batched" } else { "per-run" },
+            r.completion,
             s.kvx_gbps,
             s.plain_gbps,
             s.ratio,
@@ -109,8 +136,8 @@ fn print_table(device: &CudaDevice, rows: &[Row]) {
 }
 
 fn verdict(r: &Row) -> &'static str {
-    if r.reference {
-        "reference: one call per run"
+    if let Some(what) = r.reference {
+        what
     } else if r.sample.ratio >= r.sample.target {
         "ok"
     } else {
@@ -134,7 +161,8 @@ fn to_json(device: &CudaDevice, rows: &[Row]) -> serde_json::Value {
             "ratio": s.ratio,
             "target": s.target,
             "calls_per_op": s.calls_per_op,
-            "reference": r.reference,
+            "reference": r.reference.is_some(),
+            "completion": r.completion,
             "verdict": verdict(r),
         })).collect::<Vec<_>>(),
     })

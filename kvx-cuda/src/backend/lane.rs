@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use kvx_core::{BlockError, Op, OpCompletion};
 
@@ -35,18 +36,20 @@ pub(crate) struct CudaFence {
     pub(crate) stream: Arc<Stream>,
     /// The context, rebound before the stream fallback.
     pub(crate) ctx: Arc<Ctx>,
+    /// How the event is waited for ([`crate::CudaBackendConfig::completion_poll`]).
+    pub(crate) poll: Option<Duration>,
 }
 
 impl Fence for CudaFence {
     fn wait(self, ledger: &Ledger) -> Result<(), CudaError> {
         if let Some(ev) = self.event {
-            match ev.synchronize() {
+            match ev.wait(self.poll) {
                 Ok(()) => {
                     ledger.put_event(ev);
                     return Ok(());
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cuEventSynchronize failed; synchronising the stream")
+                    tracing::warn!(error = %e, "waiting for the op's event failed; synchronising the stream")
                 }
             }
         }

@@ -6,8 +6,9 @@
 //!   [`crate::plan`]), queues them with one batched call (or one call per run), records the op's
 //!   event and returns. It never waits for the GPU; past `max_inflight_ops` it refuses with
 //!   `Busy` so the driver's queue cannot fill up and block it.
-//! - A completer thread per stream sleeps in `cuEventSynchronize` and completes ops in order,
-//!   then calls the Notifier. `poll` only takes what the completers queued: it never blocks.
+//! - A completer thread per stream waits for each op's event in order (asking it every
+//!   `completion_poll`, or sleeping in `cuEventSynchronize`) and completes the op, then calls
+//!   the Notifier. `poll` only takes what the completers queued: it never blocks.
 //! - `wait(ops, until)` sleeps on a condition variable until those ops' events completed (the
 //!   preemption flush), or `until` passes.
 //! - Deadlines are the tracker's business: the task of an op that never returns gets its
@@ -21,6 +22,7 @@
 //!   other, so the tracker returns the buffers to their pool.
 
 mod lane;
+mod timer_slack;
 #[cfg(test)]
 mod wedged_tests;
 
@@ -247,9 +249,13 @@ impl CudaBackend {
         };
         for (lane, what) in backend.lanes.iter().zip(["load", "store"]) {
             let (lane, ledger, ctx) = (lane.clone(), backend.ledger.clone(), ctx.clone());
+            let polls = backend.cfg.completion_poll.is_some();
             let handle = std::thread::Builder::new()
                 .name(format!("kvx-cuda-{what}"))
                 .spawn(move || {
+                    if polls {
+                        timer_slack::tighten();
+                    }
                     if let Err(e) = ctx.bind() {
                         tracing::error!(error = %e, "kvx-cuda completer cannot bind the CUDA context");
                     }
@@ -515,6 +521,7 @@ impl Backend for CudaBackend {
             event,
             stream: stream.clone(),
             ctx: self.ctx().clone(),
+            poll: self.cfg.completion_poll,
         };
         lane.push(InFlight { op, results, fence });
         Ok(())
