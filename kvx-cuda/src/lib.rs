@@ -109,7 +109,7 @@ mod plan;
 mod stream;
 
 pub use backend::{CudaBackend, CudaStats, CudaStatsHandle};
-pub use config::{BatchMode, CudaBackendConfig};
+pub use config::{BatchMode, CudaBackendConfig, DEFAULT_COMPLETION_POLL};
 pub use device::{CudaDevice, DeviceMem};
 pub use driver::cuda_available;
 pub use error::CudaError;
