@@ -69,6 +69,10 @@ fn main() {
             "bad_peer_input_from_server",
             bad_peer::bad_peer_input_from_server,
         ),
+        trial(
+            "surplus_reply_is_not_pooled",
+            bad_peer::surplus_reply_is_not_pooled,
+        ),
     ];
     let netns = remote::netns::available();
     if let Err(reason) = &netns {

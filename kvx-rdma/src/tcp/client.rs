@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvx_core::BlockError;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::time::{timeout, timeout_at};
 
@@ -16,6 +16,10 @@ use crate::descriptor::{RemoteDescriptor, TransportKind};
 use crate::error::RdmaError;
 use crate::transport::{BoxFuture, CancelToken, ReadSlot, Transport};
 use crate::wire::{self, PROTOCOL_VERSION, Reply, ReplyHead, Request};
+
+/// Bytes read ahead of a reply head: the head and the first bytes of its payload in one
+/// syscall (those few bytes copied twice); the rest of a payload bypasses the buffer.
+const HEAD_BUFFER: usize = 4096;
 
 /// Settings of a [`TcpTransport`].
 #[derive(Debug, Clone)]
@@ -253,7 +257,9 @@ impl TcpTransport {
             return None;
         }
         let mut s = match self.checkout(addr).await {
-            Ok(s) => s,
+            // Reply heads come through a small buffer (one syscall each, with the payload's
+            // first bytes); payloads are read straight into the slots, past the buffer.
+            Ok(s) => BufReader::with_capacity(HEAD_BUFFER, s),
             Err(e) => {
                 fail_rest(results, 0, BlockError::Io(e.to_string()));
                 return None;
@@ -352,7 +358,9 @@ impl TcpTransport {
                 }
             }
         }
-        Some(s)
+        // Every reply was read whole, so the buffer is empty unless the producer sent more
+        // than was asked for: such a connection is out of sync and not pooled.
+        s.buffer().is_empty().then(|| s.into_inner())
     }
 }
 

@@ -295,3 +295,71 @@ pub fn bad_peer_input_from_server() {
     }
     server.join().unwrap();
 }
+
+/// A producer that sends more than was asked for: a whole reply to the one read, then a frame
+/// nobody asked for, in one segment. The load gets its block; its connection, holding the
+/// stray frame, is not pooled, so the next load opens a new connection and gets its block too
+/// (a pooled one would hand it the stray frame as the reply to its read).
+pub fn surplus_reply_is_not_pooled() {
+    const SMALL: usize = 1024;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let mut conns = Vec::new();
+        let until = Instant::now() + Duration::from_secs(5);
+        while conns.len() < 2 && Instant::now() < until {
+            let mut s = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
+            };
+            s.set_nonblocking(false).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            frame(&mut s).expect("hello");
+            let welcome = Reply::Welcome {
+                version: PROTOCOL_VERSION,
+                max_read: 1 << 20,
+            };
+            s.write_all(&welcome.encode()).unwrap();
+            let (_, body) = frame(&mut s).expect("a read");
+            let Ok(Request::Read { tag, len, .. }) = Request::decode(&body) else {
+                panic!("expected a read, got {body:?}");
+            };
+            let mut reply = Reply::Data { tag, len }.encode();
+            reply.extend((0..len as usize).map(|j| pattern(1, j)));
+            if conns.is_empty() {
+                reply.extend(Reply::Ack { tag: 999_999 }.encode());
+            }
+            s.write_all(&reply).unwrap();
+            conns.push(s); // kept open: the consumer decides whether to reuse it
+        }
+        conns.len()
+    });
+    let desc = RemoteDescriptor {
+        request: RequestId(1),
+        addr,
+        transport: TransportKind::Tcp,
+        block_bytes: SMALL as u64,
+        blocks: vec![BlockKey(1)],
+        heartbeat_interval_ms: 1000,
+        ttl_ms: 6000,
+        expected_readers: 1,
+    };
+    let mut c = Consumer::new(0, SMALL, 1, None, false);
+    c.handle.register(desc.clone()).unwrap();
+    for load in ["first", "second"] {
+        let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(3));
+        assert!(r.is_ok(), "{load} load: {:?}", r.blocks[0].result);
+        let got = r.blocks[0].buf.as_ref().expect("a buffer").as_slice();
+        let want: Vec<u8> = (0..SMALL).map(|j| pattern(1, j)).collect();
+        assert_eq!(got, &want[..], "{load} load's bytes");
+    }
+    assert_eq!(
+        server.join().unwrap(),
+        2,
+        "the second load needed a new connection"
+    );
+}
