@@ -33,7 +33,7 @@ fn remote(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("raw_tcp_copy", &label), |b| {
             b.iter_custom(|iters| {
                 (0..iters)
-                    .map(|_| rig.raw_tcp_copy().expect("raw copy"))
+                    .map(|_| rig.raw_tcp_copy(1).expect("raw copy"))
                     .sum()
             })
         });

@@ -164,44 +164,75 @@ impl LoopbackRig {
 }
 
 impl LoopbackRig {
-    /// The physical path for the same bytes: one plain loopback TCP connection, the sender
-    /// writing each exported block straight from the engine memory, the receiver reading each
-    /// into one of as many destination buffers as the staging pool has, in turn. The
-    /// connection is warmed up by one untimed pass; returns the time of a second pass.
-    pub fn raw_tcp_copy(&self) -> std::io::Result<Duration> {
+    /// The physical path for the same bytes: `connections` plain loopback TCP connections at
+    /// once (as many as kvx has load tasks in flight, each on its own connection), block `i`
+    /// on connection `i % connections`; each sender writes its blocks straight from the engine
+    /// memory, each receiver reads them into its share of as many destination buffers as the
+    /// staging pool has, in turn. Every connection is warmed up by one untimed pass; returns
+    /// the time of the second pass, from when every receiver finished the first.
+    pub fn raw_tcp_copy(&self, connections: usize) -> std::io::Result<Duration> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         let bs = self.block_bytes;
-        // Touched before the clock starts, like the staging pool, which is allocated up front.
-        let mut dest: Vec<Vec<u8>> = (0..self.staging).map(|_| vec![1u8; bs]).collect();
         let blocks = self.blocks();
+        let n = connections.clamp(1, blocks.max(1));
+        let dests_each = (self.staging / n).max(1);
+        let ready = std::sync::Barrier::new(n + 1);
         std::thread::scope(|scope| {
-            let sender = scope.spawn(|| -> std::io::Result<()> {
-                let (mut s, _) = listener.accept()?;
-                s.set_nodelay(true)?;
-                // Warm-up pass (untimed, like kvx's warm-up round), then the timed pass.
-                for _ in 0..2 {
-                    for block in self.arena.as_slice().chunks(bs) {
-                        s.write_all(block)?;
+            let mut senders = Vec::new();
+            for _ in 0..n {
+                let (listener, arena) = (&listener, &self.arena);
+                senders.push(scope.spawn(move || -> std::io::Result<()> {
+                    let (mut s, _) = listener.accept()?;
+                    s.set_nodelay(true)?;
+                    let mut which = [0u8; 4];
+                    s.read_exact(&mut which)?;
+                    let c = u32::from_le_bytes(which) as usize;
+                    // Warm-up pass (untimed, like kvx's warm-up round), then the timed pass.
+                    for _ in 0..2 {
+                        for block in arena.as_slice().chunks(bs).skip(c).step_by(n) {
+                            s.write_all(block)?;
+                        }
                     }
-                }
-                Ok(())
-            });
-            let mut s = TcpStream::connect(addr)?;
-            s.set_nodelay(true)?;
-            let n = dest.len();
-            for i in 0..blocks {
-                s.read_exact(&mut dest[i % n])?;
+                    Ok(())
+                }));
             }
+            let mut receivers = Vec::new();
+            for c in 0..n {
+                let ready = &ready;
+                receivers.push(scope.spawn(move || -> std::io::Result<()> {
+                    // Touched before the clock starts, like the staging pool (allocated up front).
+                    let mut dest: Vec<Vec<u8>> = (0..dests_each).map(|_| vec![1u8; bs]).collect();
+                    let pass = |s: &mut TcpStream, dest: &mut [Vec<u8>]| -> std::io::Result<()> {
+                        for (k, _) in (c..blocks).step_by(n).enumerate() {
+                            s.read_exact(&mut dest[k % dests_each])?;
+                        }
+                        Ok(())
+                    };
+                    let warmed = TcpStream::connect(addr).and_then(|mut s| {
+                        s.set_nodelay(true)?;
+                        s.write_all(&(c as u32).to_le_bytes())?;
+                        pass(&mut s, &mut dest)?;
+                        Ok(s)
+                    });
+                    // Every receiver reaches the start line, failed or not: none waits forever.
+                    ready.wait();
+                    pass(&mut warmed?, &mut dest)
+                }));
+            }
+            ready.wait();
             let t0 = Instant::now();
-            for i in 0..blocks {
-                s.read_exact(&mut dest[i % n])?;
+            let mut first_error = None;
+            for h in receivers.into_iter().chain(senders) {
+                let r = h
+                    .join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("a copy thread panicked")));
+                if let Err(e) = r {
+                    first_error.get_or_insert(e);
+                }
             }
             let took = t0.elapsed();
-            sender
-                .join()
-                .map_err(|_| std::io::Error::other("sender thread panicked"))??;
-            Ok(took)
+            first_error.map_or(Ok(took), Err)
         })
     }
 }
