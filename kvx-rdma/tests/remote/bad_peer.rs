@@ -237,6 +237,20 @@ pub fn bad_peer_input() {
     assert!(!err.contains("panicked"), "producer panicked: {err}");
 }
 
+/// A descriptor of one block of `block_bytes` served by a hand-written server at `addr`.
+fn one_block_at(addr: SocketAddr, block_bytes: u64) -> RemoteDescriptor {
+    RemoteDescriptor {
+        request: RequestId(1),
+        addr,
+        transport: TransportKind::Tcp,
+        block_bytes,
+        blocks: vec![BlockKey(1)],
+        heartbeat_interval_ms: 1000,
+        ttl_ms: 6000,
+        expected_readers: 1,
+    }
+}
+
 /// The consumer side of bad input: a server that lies about lengths and tags.
 pub fn bad_peer_input_from_server() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -271,16 +285,7 @@ pub fn bad_peer_input_from_server() {
             std::thread::sleep(Duration::from_millis(200));
         }
     });
-    let desc = RemoteDescriptor {
-        request: RequestId(1),
-        addr,
-        transport: TransportKind::Tcp,
-        block_bytes: BLOCK as u64,
-        blocks: vec![BlockKey(1)],
-        heartbeat_interval_ms: 1000,
-        ttl_ms: 6000,
-        expected_readers: 1,
-    };
+    let desc = one_block_at(addr, BLOCK as u64);
     let mut c = Consumer::new(0, BLOCK, 1, None, false);
     c.handle.register(desc.clone()).unwrap();
     for what in ["announces", "broke the protocol", "unknown frame type"] {
@@ -338,16 +343,7 @@ pub fn surplus_reply_is_not_pooled() {
         }
         conns.len()
     });
-    let desc = RemoteDescriptor {
-        request: RequestId(1),
-        addr,
-        transport: TransportKind::Tcp,
-        block_bytes: SMALL as u64,
-        blocks: vec![BlockKey(1)],
-        heartbeat_interval_ms: 1000,
-        ttl_ms: 6000,
-        expected_readers: 1,
-    };
+    let desc = one_block_at(addr, SMALL as u64);
     let mut c = Consumer::new(0, SMALL, 1, None, false);
     c.handle.register(desc.clone()).unwrap();
     for load in ["first", "second"] {
