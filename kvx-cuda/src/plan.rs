@@ -69,6 +69,19 @@ pub fn coalesce(mut runs: Vec<Run>) -> Vec<Run> {
     out
 }
 
+/// Fewest runs one stream gets when an op's runs are spread over several streams: fewer are
+/// not worth the extra event.
+pub const MIN_RUNS_PER_STREAM: usize = 32;
+
+/// `runs` cut into at most `streams` consecutive parts of nearly equal counts, each of at
+/// least [`MIN_RUNS_PER_STREAM`] runs (so an op of fewer runs is one part). A copy engine
+/// works through one stream's copies one at a time, paying a fixed cost per copy beside the
+/// bytes; parts on separate streams are copied side by side.
+pub fn spread(runs: &[Run], streams: usize) -> Vec<&[Run]> {
+    let parts = (runs.len() / MIN_RUNS_PER_STREAM).clamp(1, streams.max(1));
+    runs.chunks(runs.len().div_ceil(parts).max(1)).collect()
+}
+
 /// `coalesce(pieces(..))`: the runs for an op.
 pub fn plan(layout: &KvLayout, blocks: &[(EngineBlockId, usize)]) -> Result<Vec<Run>, CoreError> {
     Ok(coalesce(pieces(layout, blocks)?))
@@ -89,6 +102,34 @@ mod tests {
 
     fn blk(i: u32) -> EngineBlockId {
         EngineBlockId(i)
+    }
+
+    #[test]
+    fn spread_keeps_every_run_once_in_order_and_small_ops_whole() {
+        let runs: Vec<Run> = (0..1000u64)
+            .map(|i| Run {
+                dev: i * 4096,
+                host: (999 - i as usize) * 4096,
+                len: 64,
+            })
+            .collect();
+        for (n, streams, want_parts) in [
+            (1000, 8, 8),
+            (1000, 1, 1),
+            (63, 8, 1),
+            (64, 8, 2),
+            (0, 8, 0),
+        ] {
+            let parts = spread(&runs[..n], streams);
+            assert_eq!(parts.len(), want_parts, "{n} runs over {streams} streams");
+            assert!(parts.iter().all(|p| p.len() >= MIN_RUNS_PER_STREAM.min(n)));
+            let joined: Vec<Run> = parts.concat();
+            assert_eq!(
+                joined,
+                runs[..n].to_vec(),
+                "{n} runs over {streams} streams"
+            );
+        }
     }
 
     #[test]

@@ -60,6 +60,10 @@ fn collect(device: &CudaDevice, iters: usize) -> Result<Vec<Row>, CudaError> {
         completion_poll: None,
         ..CudaBackendConfig::default()
     };
+    let one_stream = CudaBackendConfig {
+        copy_streams: 1,
+        ..CudaBackendConfig::default()
+    };
     let per_run = CudaBackendConfig {
         batch: BatchMode::Never,
         ..CudaBackendConfig::default()
@@ -73,6 +77,8 @@ fn collect(device: &CudaDevice, iters: usize) -> Result<Vec<Row>, CudaError> {
             blocking,
             Some("reference: completer blocks"),
         ),
+        // What spreading an op over several streams (copy engines) buys.
+        (Case::Scattered, one_stream, Some("reference: one stream")),
     ];
     if device.batch_copy_available() {
         // The same scattered blocks one copy call per run, to show what batching buys.

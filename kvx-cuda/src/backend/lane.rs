@@ -28,33 +28,45 @@ pub(crate) trait Fence: Send + 'static {
     fn wait(self, ledger: &Ledger) -> Result<(), CudaError>;
 }
 
-/// The CUDA fence of an op: its event, or failing that its whole stream.
-pub(crate) struct CudaFence {
-    /// Recorded after the op's copies; `None` if recording failed.
+/// One stream's share of an op: the event recorded after its copies, or failing that the
+/// stream itself.
+pub(crate) struct FencePart {
+    /// Recorded after the part's copies; `None` if recording failed.
     pub(crate) event: Option<Event>,
-    /// The stream the copies were queued on.
+    /// The stream the part's copies were queued on.
     pub(crate) stream: Arc<Stream>,
-    /// The context, rebound before the stream fallback.
+}
+
+/// The CUDA fence of an op: every part of it (one per stream its copies were spread over).
+pub(crate) struct CudaFence {
+    pub(crate) parts: Vec<FencePart>,
+    /// The context, rebound before a stream fallback.
     pub(crate) ctx: Arc<Ctx>,
-    /// How the event is waited for ([`crate::CudaBackendConfig::completion_poll`]).
+    /// How events are waited for ([`crate::CudaBackendConfig::completion_poll`]).
     pub(crate) poll: Option<Duration>,
 }
 
 impl Fence for CudaFence {
     fn wait(self, ledger: &Ledger) -> Result<(), CudaError> {
-        if let Some(ev) = self.event {
-            match ev.wait(self.poll) {
-                Ok(()) => {
-                    ledger.put_event(ev);
-                    return Ok(());
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "waiting for the op's event failed; synchronising the stream")
+        let mut result = Ok(());
+        for part in self.parts {
+            if let Some(ev) = part.event {
+                match ev.wait(self.poll) {
+                    Ok(()) => {
+                        ledger.put_event(ev);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "waiting for the op's event failed; synchronising the stream")
+                    }
                 }
             }
+            let synced = self.ctx.bind().and_then(|()| part.stream.synchronize());
+            if result.is_ok() {
+                result = synced;
+            }
         }
-        self.ctx.bind()?;
-        self.stream.synchronize()
+        result
     }
 }
 

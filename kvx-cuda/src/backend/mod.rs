@@ -44,7 +44,7 @@ use crate::error::CudaError;
 use crate::pinned::{PinnedPool, PinnedRanges};
 use crate::plan;
 use crate::stream::{self, CopyDir, Event, Stream};
-use lane::{CudaFence, InFlight, Lane};
+use lane::{CudaFence, FencePart, InFlight, Lane};
 
 /// Counters of one backend (monotonic, except `in_flight`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -96,6 +96,23 @@ struct Counters {
     abandoned_ops: AtomicU64,
     late_completions: AtomicU64,
     last_batch_error: Mutex<Option<String>>,
+}
+
+impl Counters {
+    /// Count the runs of one part of an op queued with `calls`.
+    fn count(&self, runs: &[plan::Run], calls: &stream::Calls) {
+        self.runs.fetch_add(runs.len() as u64, Ordering::Relaxed);
+        let bytes = runs.iter().map(|r| r.len as u64).sum::<u64>();
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.api_calls.fetch_add(calls.api_calls, Ordering::Relaxed);
+        self.batch_calls
+            .fetch_add(calls.batch_calls, Ordering::Relaxed);
+        self.batch_fallbacks
+            .fetch_add(calls.batch_fallbacks, Ordering::Relaxed);
+        if let Some(e) = &calls.batch_error {
+            *kvx_core::lock(&self.last_batch_error) = Some(e.to_string());
+        }
+    }
 }
 
 /// What the backend knows of an op between submit and completion.
@@ -203,8 +220,8 @@ pub struct CudaBackend {
     device: CudaDevice,
     layout: KvLayout,
     pinned: PinnedRanges,
-    /// `[loads (HtoD), stores (DtoH)]`.
-    streams: [Arc<Stream>; 2],
+    /// `[loads (HtoD), stores (DtoH)]`, `copy_streams` each (an op starts on the first).
+    streams: [Vec<Arc<Stream>>; 2],
     /// The ops queued on each stream, in the same order.
     lanes: [Arc<Lane<CudaFence>>; 2],
     ledger: Arc<Ledger>,
@@ -230,10 +247,12 @@ impl CudaBackend {
         cfg.validate()?;
         check_layout(&layout, device.ordinal())?;
         let ctx = device.ctx().clone();
-        let streams = [
-            Arc::new(Stream::new(ctx.clone())?),
-            Arc::new(Stream::new(ctx.clone())?),
-        ];
+        let direction = || -> Result<Vec<Arc<Stream>>, CudaError> {
+            (0..cfg.copy_streams)
+                .map(|_| Stream::new(ctx.clone()).map(Arc::new))
+                .collect()
+        };
+        let streams = [direction()?, direction()?];
         let lanes = [Arc::new(Lane::new()), Arc::new(Lane::new())];
         let batch = cfg.batch == BatchMode::Auto && ctx.batch_copy();
         let mut backend = CudaBackend {
@@ -462,64 +481,68 @@ impl Backend for CudaBackend {
             self.ledger.complete(OpCompletion { op, results });
             return Ok(());
         }
-        let (lane, stream, copy_dir) = match dir {
+        let (lane, streams, copy_dir) = match dir {
             Direction::Load => (&self.lanes[0], &self.streams[0], CopyDir::HtoD),
             Direction::Store => (&self.lanes[1], &self.streams[1], CopyDir::DtoH),
         };
-        // SAFETY: every run comes from a block that passed `check_block`: its host range is
-        // inside a pinned registration this backend holds, in a buffer owned by `op`, which
-        // stays in this backend (lane queue, then the completer) until the event recorded
-        // below completed; a store's destination is an exclusively owned buffer. Device ranges
-        // are segments of `layout`, which the caller of the unsafe `new` vouched for.
-        let enqueued = unsafe {
-            stream::enqueue(
-                self.ctx(),
-                stream,
-                copy_dir,
-                &runs,
-                &self.batch,
-                self.cfg.min_batch_runs,
-            )
-        };
-        match enqueued {
-            Ok(calls) => {
-                stats.runs.fetch_add(runs.len() as u64, Ordering::Relaxed);
-                stats.bytes.fetch_add(
-                    runs.iter().map(|r| r.len as u64).sum::<u64>(),
-                    Ordering::Relaxed,
-                );
-                stats
-                    .api_calls
-                    .fetch_add(calls.api_calls, Ordering::Relaxed);
-                stats
-                    .batch_calls
-                    .fetch_add(calls.batch_calls, Ordering::Relaxed);
-                stats
-                    .batch_fallbacks
-                    .fetch_add(calls.batch_fallbacks, Ordering::Relaxed);
-                if let Some(e) = calls.batch_error {
-                    *kvx_core::lock(&stats.last_batch_error) = Some(e.to_string());
-                }
-            }
-            Err(e) => {
-                // Some runs may be queued already: the op still waits for its event below.
-                stats.failed_ops.fetch_add(1, Ordering::Relaxed);
-                let msg = format!("queueing the CUDA copy failed: {e}");
-                for &i in &target_pos {
-                    results[i] = Err(BlockError::Io(msg.clone()));
-                }
+        // One event per part; a part whose event cannot be had joins the others.
+        let mut events = vec![event];
+        for _ in 1..plan::spread(&runs, streams.len()).len() {
+            match self.take_event() {
+                Ok(ev) => events.push(ev),
+                Err(_) => break,
             }
         }
-        let event = match event.record(stream) {
-            Ok(()) => Some(event),
-            Err(e) => {
-                tracing::warn!(error = %e, op = %op.id, "cuEventRecord failed; the completer will synchronise the stream");
-                None
+        let parts = plan::spread(&runs, events.len());
+        let mut fence_parts = Vec::with_capacity(parts.len());
+        let mut failed = false;
+        for ((part, stream), event) in parts.into_iter().zip(streams).zip(events) {
+            if failed {
+                self.ledger.put_event(event);
+                continue;
             }
-        };
+            // SAFETY: every run comes from a block that passed `check_block`: its host range
+            // is inside a pinned registration this backend holds, in a buffer owned by `op`,
+            // which stays in this backend (lane queue, then the completer) until the events
+            // recorded below completed; a store's destination is an exclusively owned buffer.
+            // Device ranges are segments of `layout`, which the caller of the unsafe `new`
+            // vouched for. Parts never share a byte (each run is in one part).
+            let enqueued = unsafe {
+                stream::enqueue(
+                    self.ctx(),
+                    stream,
+                    copy_dir,
+                    part,
+                    &self.batch,
+                    self.cfg.min_batch_runs,
+                )
+            };
+            match enqueued {
+                Ok(calls) => stats.count(part, &calls),
+                Err(e) => {
+                    // Some runs may be queued already: the op still waits for this part's event.
+                    failed = true;
+                    stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+                    let msg = format!("queueing the CUDA copy failed: {e}");
+                    for &i in &target_pos {
+                        results[i] = Err(BlockError::Io(msg.clone()));
+                    }
+                }
+            }
+            let event = match event.record(stream) {
+                Ok(()) => Some(event),
+                Err(e) => {
+                    tracing::warn!(error = %e, op = %op.id, "cuEventRecord failed; the completer will synchronise the stream");
+                    None
+                }
+            };
+            fence_parts.push(FencePart {
+                event,
+                stream: stream.clone(),
+            });
+        }
         let fence = CudaFence {
-            event,
-            stream: stream.clone(),
+            parts: fence_parts,
             ctx: self.ctx().clone(),
             poll: self.cfg.completion_poll,
         };
