@@ -39,7 +39,7 @@ pub struct CudaBackendConfig {
     /// 0.18-0.24 ms longer that way (`kvx bench cuda`).
     pub completion_poll: Option<Duration>,
     /// Streams per direction an op's copies are spread over (default 8; an op gets one per
-    /// [`crate::plan::MIN_RUNS_PER_STREAM`] runs at most). A copy engine pays a fixed cost per
+    /// 32 runs at most). A copy engine pays a fixed cost per
     /// copy, so one stream's 1,024 scattered 64 KiB copies ran at 0.58x a contiguous copy on an
     /// H200, 4 streams at 0.85x and 8 at 0.90x (a CUDA program, same run).
     pub copy_streams: usize,
