@@ -73,13 +73,25 @@ pub fn coalesce(mut runs: Vec<Run>) -> Vec<Run> {
 /// not worth the extra event.
 pub const MIN_RUNS_PER_STREAM: usize = 32;
 
-/// `runs` cut into at most `streams` consecutive parts of nearly equal counts, each of at
-/// least [`MIN_RUNS_PER_STREAM`] runs (so an op of fewer runs is one part). A copy engine
-/// works through one stream's copies one at a time, paying a fixed cost per copy beside the
-/// bytes; parts on separate streams are copied side by side.
+/// `runs` cut into `min(streams, runs / MIN_RUNS_PER_STREAM)` consecutive parts (at least one)
+/// whose counts differ by at most one, so each part but a lone one has at least
+/// [`MIN_RUNS_PER_STREAM`] runs. A copy engine works through one stream's copies one at a
+/// time, paying a fixed cost per copy beside the bytes; parts on separate streams are copied
+/// side by side. No runs, no parts.
 pub fn spread(runs: &[Run], streams: usize) -> Vec<&[Run]> {
+    if runs.is_empty() {
+        return Vec::new();
+    }
     let parts = (runs.len() / MIN_RUNS_PER_STREAM).clamp(1, streams.max(1));
-    runs.chunks(runs.len().div_ceil(parts).max(1)).collect()
+    let (base, longer) = (runs.len() / parts, runs.len() % parts);
+    let mut out = Vec::with_capacity(parts);
+    let mut rest = runs;
+    for i in 0..parts {
+        let (part, tail) = rest.split_at(base + usize::from(i < longer));
+        out.push(part);
+        rest = tail;
+    }
+    out
 }
 
 /// `coalesce(pieces(..))`: the runs for an op.
@@ -106,23 +118,39 @@ mod tests {
 
     #[test]
     fn spread_keeps_every_run_once_in_order_and_small_ops_whole() {
-        let runs: Vec<Run> = (0..1000u64)
+        let runs: Vec<Run> = (0..2000u64)
             .map(|i| Run {
                 dev: i * 4096,
-                host: (999 - i as usize) * 4096,
+                host: (1999 - i as usize) * 4096,
                 len: 64,
             })
             .collect();
-        for (n, streams, want_parts) in [
+        let cases = [
             (1000, 8, 8),
             (1000, 1, 1),
             (63, 8, 1),
             (64, 8, 2),
+            (257, 8, 8),
+            (1089, 34, 34),
+            (1999, 100, 62),
             (0, 8, 0),
-        ] {
+        ];
+        for (n, streams, want_parts) in cases {
             let parts = spread(&runs[..n], streams);
             assert_eq!(parts.len(), want_parts, "{n} runs over {streams} streams");
-            assert!(parts.iter().all(|p| p.len() >= MIN_RUNS_PER_STREAM.min(n)));
+            if want_parts > 1 {
+                assert!(
+                    parts.iter().all(|p| p.len() >= MIN_RUNS_PER_STREAM),
+                    "{n} runs over {streams} streams: a part under the minimum"
+                );
+            }
+            let (lo, hi) = parts.iter().fold((usize::MAX, 0), |(lo, hi), p| {
+                (lo.min(p.len()), hi.max(p.len()))
+            });
+            assert!(
+                want_parts == 0 || hi - lo <= 1,
+                "{n} runs: parts of {lo}..{hi}"
+            );
             let joined: Vec<Run> = parts.concat();
             assert_eq!(
                 joined,

@@ -1,12 +1,13 @@
-//! One direction's stream and its completer thread.
+//! One direction's streams and its completer thread.
 //!
-//! Submission order on a stream is completion order, so each lane is a FIFO: `submit` queues
-//! the copies, records the op's event, then pushes the op here; the completer pops the oldest
-//! op, sleeps in `cuEventSynchronize` (the event has `CU_EVENT_BLOCKING_SYNC`, so no core
-//! spins), and only then hands the op — and its buffers — back through the shared completion
-//! list, waking `Backend::wait` callers and the driver's Notifier. An op's buffers therefore
-//! never leave the backend before the DMA that reads or writes them finished, however late that
-//! is after the task's deadline (the tracker keeps such an op as a zombie meanwhile).
+//! Each lane is a FIFO of ops: `submit` queues an op's copies on up to `copy_streams` streams,
+//! records one event per stream part, then pushes the op here; the completer pops the oldest op,
+//! waits for every part's event (polling it every `completion_poll`, or sleeping in
+//! `cuEventSynchronize`), and only then hands the op — and its buffers — back through the shared
+//! completion list, waking `Backend::wait` callers and the driver's Notifier. Ops complete in
+//! submission order even when a later one's copies ended first. An op's buffers therefore never
+//! leave the backend before the DMA that reads or writes them finished, however late that is
+//! after the task's deadline (the tracker keeps such an op as a zombie meanwhile).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
