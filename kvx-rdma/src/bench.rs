@@ -168,10 +168,12 @@ impl LoopbackRig {
     /// once (as many as kvx has load tasks in flight, each on its own connection), block `i`
     /// on connection `i % connections`; each sender writes its blocks straight from the engine
     /// memory, each receiver reads them into its share of as many destination buffers as the
-    /// staging pool has, in turn. Every connection is warmed up by one untimed pass; returns
-    /// the time of the second pass, from when every receiver finished the first.
+    /// staging pool has, in turn. Every connection is warmed up by one untimed pass; the timed
+    /// pass starts when every receiver finished its warm-up, and no sender writes a byte of it
+    /// before then (each waits for its receiver's go byte). Returns the timed pass's duration.
     pub fn raw_tcp_copy(&self, connections: usize) -> std::io::Result<Duration> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let bs = self.block_bytes;
         let blocks = self.blocks();
@@ -183,16 +185,18 @@ impl LoopbackRig {
             for _ in 0..n {
                 let (listener, arena) = (&listener, &self.arena);
                 senders.push(scope.spawn(move || -> std::io::Result<()> {
-                    let (mut s, _) = listener.accept()?;
-                    s.set_nodelay(true)?;
+                    let mut s = accept_within(listener, RAW_COPY_STALL)?;
                     let mut which = [0u8; 4];
                     s.read_exact(&mut which)?;
                     let c = u32::from_le_bytes(which) as usize;
+                    let mine = || arena.as_slice().chunks(bs).skip(c).step_by(n);
                     // Warm-up pass (untimed, like kvx's warm-up round), then the timed pass.
-                    for _ in 0..2 {
-                        for block in arena.as_slice().chunks(bs).skip(c).step_by(n) {
-                            s.write_all(block)?;
-                        }
+                    for block in mine() {
+                        s.write_all(block)?;
+                    }
+                    s.read_exact(&mut [0u8])?;
+                    for block in mine() {
+                        s.write_all(block)?;
                     }
                     Ok(())
                 }));
@@ -210,14 +214,17 @@ impl LoopbackRig {
                         Ok(())
                     };
                     let warmed = TcpStream::connect(addr).and_then(|mut s| {
-                        s.set_nodelay(true)?;
+                        configure(&s)?;
                         s.write_all(&(c as u32).to_le_bytes())?;
                         pass(&mut s, &mut dest)?;
                         Ok(s)
                     });
-                    // Every receiver reaches the start line, failed or not: none waits forever.
+                    // Every receiver reaches the start line, failed or not; a sender whose
+                    // receiver failed gives up at its accept or read timeout.
                     ready.wait();
-                    pass(&mut warmed?, &mut dest)
+                    let mut s = warmed?;
+                    s.write_all(&[1])?;
+                    pass(&mut s, &mut dest)
                 }));
             }
             ready.wait();
@@ -234,6 +241,40 @@ impl LoopbackRig {
             let took = t0.elapsed();
             first_error.map_or(Ok(took), Err)
         })
+    }
+}
+
+/// How long a raw-copy thread waits for its peer before giving up with an error.
+const RAW_COPY_STALL: Duration = Duration::from_secs(30);
+
+/// Blocking I/O with no delay and a read timeout of [`RAW_COPY_STALL`].
+fn configure(s: &TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(RAW_COPY_STALL))
+}
+
+/// The next connection on a non-blocking `listener`, as a configured blocking stream; an error
+/// after `limit` without one.
+fn accept_within(listener: &TcpListener, limit: Duration) -> std::io::Result<TcpStream> {
+    let until = Instant::now() + limit;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)?;
+                configure(&s)?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no raw-copy connection came",
+                ));
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
