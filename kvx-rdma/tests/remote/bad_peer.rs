@@ -302,9 +302,11 @@ pub fn bad_peer_input_from_server() {
 }
 
 /// A producer that sends more than was asked for: a whole reply to the one read, then a frame
-/// nobody asked for, in one segment. The load gets its block; its connection, holding the
-/// stray frame, is not pooled, so the next load opens a new connection and gets its block too
-/// (a pooled one would hand it the stray frame as the reply to its read).
+/// nobody asked for, in one segment, so the consumer's read-ahead buffer holds the stray frame
+/// when the load ends. The load gets its block; its connection is not pooled (pooling it would
+/// drop the buffered bytes and leave the stream wherever they ended), so the next load opens a
+/// new connection and gets its block too. This server answers one read per connection: a load
+/// on a pooled connection would time out.
 pub fn surplus_reply_is_not_pooled() {
     const SMALL: usize = 1024;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
