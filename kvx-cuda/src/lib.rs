@@ -1,6 +1,6 @@
 //! kvx-cuda: a kvx-core [`Backend`](kvx_core::Backend) that copies KV blocks between engine
-//! memory on a CUDA device and page-locked host buffers, on one stream per direction, each op
-//! tracked by a CUDA event.
+//! memory on a CUDA device and page-locked host buffers, each op's copies spread over up to
+//! `copy_streams` streams of its direction and tracked by one CUDA event per stream.
 //!
 //! Store engine block 3 into a pinned buffer and load it back into block 5 (needs a GPU; on a
 //! machine without CUDA, `CudaDevice::open` returns [`CudaError::NoCuda`] instead of panicking):
@@ -62,10 +62,14 @@
 //!   naming the chunk size, and nothing stays pinned.
 //! - **Scatter/gather.** `plan.rs` sorts an op's segments by device address and merges runs that
 //!   are contiguous on both sides; the rest go in one batched call.
-//! - **Completion.** One non-blocking stream per direction; an event (blocking-sync, no timing)
-//!   is recorded after each op; a completer thread per stream sleeps on the events in order,
-//!   completes the ops and calls the driver's Notifier. `poll` never blocks; `wait` sleeps on a
-//!   condition variable until the named ops' events completed (the preemption flush).
+//! - **Completion.** Each direction has `copy_streams` non-blocking streams (default 8): an op
+//!   of many runs is cut into parts of at least 32 runs, one per stream, since a copy engine
+//!   pays a fixed cost per copy and streams run side by side. An event (no timing) is recorded
+//!   after each part; a completer thread per direction waits for the ops' events in order
+//!   (polling each every [`CudaBackendConfig::completion_poll`], 20 µs by default, or sleeping
+//!   in `cuEventSynchronize`), completes the ops and calls the driver's Notifier. `poll` never
+//!   blocks; `wait` sleeps on a condition variable until the named ops' events completed (the
+//!   preemption flush).
 //! - **Deadlines.** Kept by kvx-core's tracker: a task whose copy never returns (a wedged
 //!   stream) still gets its verdict at its deadline. A queued copy cannot be withdrawn, so
 //!   `cancel` only marks the op abandoned (counted in [`CudaStats::abandoned_ops`]); the op keeps
