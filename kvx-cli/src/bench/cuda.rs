@@ -20,6 +20,10 @@ pub struct CudaArgs {
     /// Measured iterations per case and direction (after 3 warm-ups).
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Streams per direction an op is spread over (default: the backend's, 8); the "one
+    /// stream" reference row keeps 1.
+    #[arg(long)]
+    copy_streams: Option<usize>,
 }
 
 /// Run the benchmark; returns the exit code.
@@ -31,12 +35,18 @@ pub fn run(args: CudaArgs) -> i32 {
             return 2;
         }
     };
-    match collect(&device, args.iters) {
+    let base = CudaBackendConfig {
+        copy_streams: args
+            .copy_streams
+            .unwrap_or(CudaBackendConfig::default().copy_streams),
+        ..CudaBackendConfig::default()
+    };
+    match collect(&device, &base, args.iters) {
         Ok(rows) => {
             if args.json {
-                println!("{}", to_json(&device, &rows));
+                println!("{}", to_json(&device, &base, &rows));
             } else {
-                print_table(&device, &rows);
+                print_table(&device, &base, &rows);
             }
             0
         }
@@ -54,19 +64,23 @@ struct Row {
     completion: &'static str,
 }
 
-fn collect(device: &CudaDevice, iters: usize) -> Result<Vec<Row>, CudaError> {
-    let poll = CudaBackendConfig::default();
+fn collect(
+    device: &CudaDevice,
+    base: &CudaBackendConfig,
+    iters: usize,
+) -> Result<Vec<Row>, CudaError> {
+    let poll = base.clone();
     let blocking = CudaBackendConfig {
         completion_poll: None,
-        ..CudaBackendConfig::default()
+        ..base.clone()
     };
     let one_stream = CudaBackendConfig {
         copy_streams: 1,
-        ..CudaBackendConfig::default()
+        ..base.clone()
     };
     let per_run = CudaBackendConfig {
         batch: BatchMode::Never,
-        ..CudaBackendConfig::default()
+        ..base.clone()
     };
     let mut cases = vec![
         (Case::Contiguous, poll.clone(), None),
@@ -107,9 +121,10 @@ fn collect(device: &CudaDevice, iters: usize) -> Result<Vec<Row>, CudaError> {
     Ok(out)
 }
 
-fn print_table(device: &CudaDevice, rows: &[Row]) {
+fn print_table(device: &CudaDevice, base: &CudaBackendConfig, rows: &[Row]) {
     println!(
-        "kvx bench cuda: {} (device {}, driver {}, cuMemcpyBatchAsync {})",
+        "kvx bench cuda: {} (device {}, driver {}, cuMemcpyBatchAsync {}, {} streams per \
+         direction)",
         device.name(),
         device.ordinal(),
         device.driver_version(),
@@ -117,7 +132,8 @@ fn print_table(device: &CudaDevice, rows: &[Row]) {
             "yes"
         } else {
             "no"
-        }
+        },
+        base.copy_streams
     );
     println!(
         "{:<25} {:<4} {:<8} {:<5} {:>9} {:>10} {:>6} {:>7} {:>9}  verdict",
@@ -151,9 +167,10 @@ fn verdict(r: &Row) -> &'static str {
     }
 }
 
-fn to_json(device: &CudaDevice, rows: &[Row]) -> serde_json::Value {
+fn to_json(device: &CudaDevice, base: &CudaBackendConfig, rows: &[Row]) -> serde_json::Value {
     serde_json::json!({
         "device": device.name(),
+        "copy_streams": base.copy_streams,
         "ordinal": device.ordinal(),
         "driver_version": device.driver_version(),
         "batch_copy_available": device.batch_copy_available(),
