@@ -73,16 +73,24 @@ pub fn coalesce(mut runs: Vec<Run>) -> Vec<Run> {
 /// not worth the extra event.
 pub const MIN_RUNS_PER_STREAM: usize = 32;
 
+/// How many parts [`spread`] cuts `runs` runs into over `streams` streams.
+pub fn part_count(runs: usize, streams: usize) -> usize {
+    if runs == 0 {
+        return 0;
+    }
+    (runs / MIN_RUNS_PER_STREAM).clamp(1, streams.max(1))
+}
+
 /// `runs` cut into `min(streams, runs / MIN_RUNS_PER_STREAM)` consecutive parts (at least one)
 /// whose counts differ by at most one, so each part but a lone one has at least
 /// [`MIN_RUNS_PER_STREAM`] runs. A copy engine works through one stream's copies one at a
 /// time, paying a fixed cost per copy beside the bytes; parts on separate streams are copied
 /// side by side. No runs, no parts.
 pub fn spread(runs: &[Run], streams: usize) -> Vec<&[Run]> {
-    if runs.is_empty() {
+    let parts = part_count(runs.len(), streams);
+    if parts == 0 {
         return Vec::new();
     }
-    let parts = (runs.len() / MIN_RUNS_PER_STREAM).clamp(1, streams.max(1));
     let (base, longer) = (runs.len() / parts, runs.len() % parts);
     let mut out = Vec::with_capacity(parts);
     let mut rest = runs;

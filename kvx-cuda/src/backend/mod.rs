@@ -323,7 +323,7 @@ impl Backend for CudaBackend {
         };
         // One event per part; a part whose event cannot be had joins the others.
         let mut events = vec![event];
-        for _ in 1..plan::spread(&runs, streams.len()).len() {
+        for _ in 1..plan::part_count(runs.len(), streams.len()) {
             match self.take_event() {
                 Ok(ev) => events.push(ev),
                 Err(_) => break,
