@@ -40,6 +40,7 @@ pub(crate) struct FencePart {
 
 /// The CUDA fence of an op: every part of it (one per stream its copies were spread over).
 pub(crate) struct CudaFence {
+    /// One per stream the op's copies went to, in stream order.
     pub(crate) parts: Vec<FencePart>,
     /// The context, rebound before a stream fallback.
     pub(crate) ctx: Arc<Ctx>,
