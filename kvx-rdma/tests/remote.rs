@@ -73,6 +73,10 @@ fn main() {
             "surplus_reply_is_not_pooled",
             bad_peer::surplus_reply_is_not_pooled,
         ),
+        trial(
+            "a_pooled_connection_the_producer_closed_is_not_used",
+            bad_peer::a_pooled_connection_the_producer_closed_is_not_used,
+        ),
     ];
     let netns = remote::netns::available();
     if let Err(reason) = &netns {

@@ -121,13 +121,18 @@ impl TcpTransport {
             })?
     }
 
+    /// A pooled connection to `addr` that is still open, or a new one.
     pub(crate) async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
-        let pooled = kvx_core::lock(&self.idle)
-            .get_mut(&addr)
-            .and_then(|v| v.pop());
-        match pooled {
-            Some(s) => Ok(s),
-            None => self.connect(addr).await,
+        loop {
+            let pooled = kvx_core::lock(&self.idle)
+                .get_mut(&addr)
+                .and_then(|v| v.pop());
+            match pooled {
+                Some(s) if still_open(&s) => return Ok(s),
+                // Closed by the producer while idle (its idle timeout, a restart): dropped.
+                Some(_) => continue,
+                None => return self.connect(addr).await,
+            }
         }
     }
 
@@ -362,6 +367,12 @@ impl TcpTransport {
         // than was asked for: such a connection is out of sync and not pooled.
         s.buffer().is_empty().then(|| s.into_inner())
     }
+}
+
+/// Whether an idle, in-sync connection is still open: nothing to read on it yet. The end of
+/// the stream (the producer closed it) or stray bytes mean it cannot be used.
+fn still_open(s: &TcpStream) -> bool {
+    matches!(s.try_read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 fn fail_rest(results: &mut [Option<Result<(), BlockError>>], from: usize, err: BlockError) {

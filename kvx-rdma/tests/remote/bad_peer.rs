@@ -361,3 +361,35 @@ pub fn surplus_reply_is_not_pooled() {
         "the second load needed a new connection"
     );
 }
+
+/// The producer closes a connection that stayed idle past its idle timeout. The consumer had
+/// pooled it after a load; its next load must not read from the closed connection (the load
+/// would fail, and the engine recompute blocks it could have had): it sees the close when it
+/// takes the connection from the pool, and opens a new one.
+pub fn a_pooled_connection_the_producer_closed_is_not_used() {
+    let idle = Duration::from_millis(200);
+    let mut p = Peer::producer(&[("KVX_IDLE_MS", idle.as_millis().to_string())]);
+    let desc = p.export(1, 0, 2, 30_000, 1);
+    p.ready(1);
+    let mut c = Consumer::new(0, BLOCK, 2, None, false);
+    c.handle.register(desc.clone()).unwrap();
+    for (i, load) in ["before the idle timeout", "after it"]
+        .into_iter()
+        .enumerate()
+    {
+        if i > 0 {
+            // Long enough for the producer to close every connection the load left idle.
+            std::thread::sleep(idle * 3);
+        }
+        let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
+        for (b, block) in r.blocks.iter().enumerate() {
+            assert!(
+                block.result.is_ok(),
+                "{load}: block {b}: {:?}",
+                block.result
+            );
+        }
+        let engine = c.arena.read_block(kvx_core::EngineBlockId(1)).unwrap();
+        assert_eq!(engine[7], pattern(1, 7), "{load}: the bytes of block 1");
+    }
+}

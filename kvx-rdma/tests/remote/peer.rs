@@ -56,6 +56,7 @@ pub fn producer() -> i32 {
         pace: Duration::from_millis(env("KVX_PACE_MS", 0)),
         handshake_timeout: Duration::from_millis(env("KVX_HANDSHAKE_MS", 5000)),
         write_timeout: Duration::from_millis(env("KVX_WRITE_MS", 5000)),
+        idle_timeout: Duration::from_millis(env("KVX_IDLE_MS", 600_000)),
         ..ServerConfig::default()
     };
     let server = TcpServer::start(exporter.clone(), cfg).expect("server");
