@@ -15,8 +15,18 @@ use super::load::{LoadState, LoadedBlock, Source};
 use crate::error::OffloadError;
 use crate::meta::{ExportJob, JobId, RemoteLoadJob};
 
-/// Blocks per task of a remote load.
+/// Blocks per task of a remote load, at least.
 const REMOTE_TASK_BLOCKS: usize = 16;
+
+/// Tasks of one remote load, at most: each reads on a connection of its own, and a long
+/// prompt's load would otherwise open more connections than the importer keeps pooled.
+const REMOTE_TASKS: usize = 8;
+
+/// Blocks per task when a remote load reads `blocks` blocks: [`REMOTE_TASK_BLOCKS`], or more
+/// when that would make more than [`REMOTE_TASKS`] tasks.
+fn blocks_per_remote_task(blocks: usize) -> usize {
+    REMOTE_TASK_BLOCKS.max(blocks.div_ceil(REMOTE_TASKS))
+}
 
 /// The remote tier on one worker: what the builder set up, and what is in flight.
 pub(crate) struct RemotePart {
@@ -189,9 +199,10 @@ impl WorkerSide {
             // Several tasks, so that reading some blocks overlaps copying others into engine
             // memory (one task would read all before copying any), each on a connection of
             // its own.
+            let per_task = blocks_per_remote_task(part.len());
             let mut rest = part.into_iter().peekable();
             while rest.peek().is_some() {
-                let chunk: Vec<OpBlock> = rest.by_ref().take(REMOTE_TASK_BLOCKS).collect();
+                let chunk: Vec<OpBlock> = rest.by_ref().take(per_task).collect();
                 self.submit_load_part(job.job, &mut st, chunk, route.clone(), deadline)?;
             }
         }
@@ -230,5 +241,27 @@ impl WorkerSide {
         self.remote
             .as_ref()
             .map_or(0, |r| r.exported.len() + r.registered.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A short load reads in tasks of 16 blocks; a long one in at most 8 tasks.
+    #[test]
+    fn a_load_reads_in_tasks_of_16_blocks_and_at_most_8_tasks() {
+        for (blocks, per_task, tasks) in [
+            (1, 16, 1),
+            (16, 16, 1),
+            (17, 16, 2),
+            (128, 16, 8),
+            (129, 17, 8),
+            (256, 32, 8),
+            (2049, 257, 8),
+        ] {
+            assert_eq!(blocks_per_remote_task(blocks), per_task, "{blocks} blocks");
+            assert_eq!(blocks.div_ceil(per_task), tasks, "{blocks} blocks");
+        }
     }
 }
