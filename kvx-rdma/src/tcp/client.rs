@@ -37,7 +37,8 @@ pub struct TcpClientConfig {
     pub window: usize,
     /// Bytes of reads in flight on one connection, at least (default 8 MiB).
     pub window_bytes: u64,
-    /// Idle connections kept per producer (default 4).
+    /// Idle connections kept per producer (default 16: the 8 a long prompt's load reads over
+    /// in kvx-offload, twice).
     pub max_idle: usize,
 }
 
@@ -50,7 +51,7 @@ impl Default for TcpClientConfig {
             control_timeout: Duration::from_secs(2),
             window: 8,
             window_bytes: 8 << 20,
-            max_idle: 4,
+            max_idle: 16,
         }
     }
 }
