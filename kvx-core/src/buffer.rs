@@ -139,6 +139,11 @@ impl std::fmt::Debug for AlignedBuf {
     }
 }
 
+/// Distance between the starts of consecutive buffers of a pool.
+fn stride(buf_size: usize, align: usize) -> usize {
+    buf_size.max(1).div_ceil(align) * align
+}
+
 struct PoolState {
     free: Vec<(usize, AlignedBuf)>,
     lent: Vec<bool>,
@@ -153,7 +158,7 @@ struct PoolInner {
     state: Mutex<PoolState>,
     /// The memory of every buffer; lives as long as the pool or any buffer lent from it
     /// (each `PoolBuf` holds the pool).
-    _memory: PoolMemory,
+    memory: PoolMemory,
 }
 
 /// A fixed set of equal, aligned buffers. Cloning gives another handle to the same pool.
@@ -177,7 +182,7 @@ impl BufferPool {
                 size: buf_size,
             });
         }
-        let stride = buf_size.max(1).div_ceil(align) * align;
+        let stride = stride(buf_size, align);
         let bytes = stride
             .checked_mul(count)
             .ok_or(CoreError::OutOfMemory { bytes: usize::MAX })?;
@@ -202,7 +207,7 @@ impl BufferPool {
                     free,
                     lent: vec![false; count],
                 }),
-                _memory: memory,
+                memory,
             }),
         })
     }
@@ -258,6 +263,28 @@ impl BufferPool {
     /// True when every buffer is back.
     pub fn is_whole(&self) -> bool {
         self.available() == self.inner.count
+    }
+
+    /// The pool's memory as a host layout: block `i` is buffer `i`'s `buf_size` bytes. The
+    /// memory lives as long as any handle to the pool; what a lent buffer holds is its
+    /// owner's to read or write.
+    pub fn layout(&self) -> Result<crate::KvLayout, CoreError> {
+        let inner = &self.inner;
+        let blocks = u32::try_from(inner.count).map_err(|_| {
+            CoreError::BadLayout(format!(
+                "{} buffers are more than a layout holds",
+                inner.count
+            ))
+        })?;
+        crate::KvLayout::new(
+            vec![crate::Region {
+                base: inner.memory.ptr().as_ptr() as usize,
+                kind: crate::MemoryKind::Host,
+                stride: stride(inner.buf_size, inner.align),
+                segment_len: inner.buf_size,
+            }],
+            blocks,
+        )
     }
 }
 
@@ -407,6 +434,24 @@ mod tests {
         assert_eq!(pool.available(), 1, "still held by the second reference");
         drop(second);
         assert!(pool.is_whole());
+    }
+
+    /// Block `i` of the pool's layout is buffer `i`'s memory, whatever the padding between
+    /// buffers.
+    #[test]
+    fn the_layout_of_a_pool_addresses_its_buffers() {
+        let pool = BufferPool::new(3, 5000, DEFAULT_ALIGN).unwrap();
+        let layout = pool.layout().unwrap();
+        assert_eq!(layout.num_blocks(), 3);
+        assert_eq!(layout.block_bytes(), 5000);
+        let bufs: Vec<PoolBuf> = (0..3).map(|_| pool.take().unwrap()).collect();
+        for b in &bufs {
+            let segments: Vec<_> = layout
+                .segments(crate::EngineBlockId(b.index() as u32))
+                .unwrap()
+                .collect();
+            assert_eq!(segments, vec![(b.as_ptr() as usize, 5000)]);
+        }
     }
 
     #[test]
