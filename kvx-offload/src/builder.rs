@@ -105,8 +105,10 @@ pub struct OffloadRuntime {
     files: Option<kvx_posix::PosixHandle>,
     /// The shared mount's collector on this node, stopped when the runtime drops.
     _collector: Option<kvx_posix::Collector>,
+    /// The pinned pools of a GPU engine (the host tier's, the export staging buffers), kept
+    /// until after the server and the driver stop.
     #[cfg(feature = "cuda")]
-    _pinned: Option<kvx_cuda::PinnedPool>,
+    _pinned: Vec<kvx_cuda::PinnedPool>,
     adopted: usize,
     direct: bool,
 }
@@ -156,9 +158,13 @@ impl OffloadBuilder {
         }
         let mut b = DriverBuilder::new(driver_cfg);
         #[cfg(feature = "cuda")]
-        let mut pinned = None;
+        let mut pinned = Vec::new();
+        // A GPU engine's exports are staged in host buffers the server reads from.
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut staging = None;
         let rank = shard.map_or(0, |s| s.rank());
-        // The producer serves engine memory from host RAM only (its server reads it directly).
+        // The producer's server reads a host engine's memory directly, and a GPU engine's
+        // exports from staging buffers.
         let mut exporter = None;
         let (engine, block_bytes, pool) = match memory.kind {
             MemoryKind::Host(layout) => {
@@ -207,7 +213,24 @@ impl OffloadBuilder {
                     .pinned_pool(cfg.pool_buffers(blocks), bytes)
                     .map_err(|e| setup("pinned pool")(e.to_string()))?;
                 let pool = (*p).clone();
-                pinned = Some(p);
+                pinned.push(p);
+                if let Some(r) = cfg.remote.as_ref().filter(|r| r.listen.is_some()) {
+                    let p = gpu
+                        .pinned_pool(r.export_blocks, bytes)
+                        .map_err(|e| setup("export staging buffers")(e.to_string()))?;
+                    let area = p
+                        .layout()
+                        .map_err(|e| setup("export staging buffers")(e.to_string()))?;
+                    // SAFETY: the buffers' memory lives as long as a handle to their pool:
+                    // the runtime holds one (`pinned`) until after the server stops. A buffer
+                    // is written only by its copy out of engine memory, before its export
+                    // starts, and reused only after the exporter released it.
+                    let e = unsafe { kvx_rdma::Exporter::new(area) }
+                        .map_err(|e| setup("remote exporter")(e.to_string()))?;
+                    exporter = Some(e);
+                    staging = Some(crate::worker::Staging::new((*p).clone()));
+                    pinned.push(p);
+                }
                 (b.backend(Box::new(gpu)), bytes, pool)
             }
             MemoryKind::Backend {
@@ -223,7 +246,7 @@ impl OffloadBuilder {
         if cfg.remote.as_ref().is_some_and(|r| r.listen.is_some()) && exporter.is_none() {
             return Err(OffloadError::config(
                 "remote.listen",
-                "a producer serves engine memory in host RAM only (this engine's is not)",
+                "a producer serves engine memory in host RAM or on a GPU (this engine's is neither)",
             ));
         }
         let files = open_file_tier(&cfg, block_bytes, &mut b)?;
@@ -302,6 +325,7 @@ impl OffloadBuilder {
                     expected_readers: 1,
                 },
                 Duration::from_millis(r.load_ms),
+                staging,
             ));
         }
         Ok(Offload {

@@ -45,6 +45,10 @@ pub struct RemoteTierConfig {
     pub export_grace_ms: u64,
     /// Shared token producer and consumers present (default none).
     pub token: Option<String>,
+    /// Producer with engine memory on a GPU: pinned host buffers, in blocks, that exported
+    /// requests are copied into and read from until their lease ends (default 256); an export
+    /// that finds too few free is refused, and its reader computes the prompt itself.
+    pub export_blocks: usize,
 }
 
 impl Default for RemoteTierConfig {
@@ -57,6 +61,7 @@ impl Default for RemoteTierConfig {
             load_ms: 10_000,
             export_grace_ms: 2_000,
             token: None,
+            export_blocks: 256,
         }
     }
 }
@@ -81,6 +86,16 @@ impl RemoteTierConfig {
         }
         if self.load_ms == 0 {
             return Err(OffloadError::config("remote.load_ms", "must be positive"));
+        }
+        if self.export_blocks == 0 || u32::try_from(self.export_blocks).is_err() {
+            return Err(OffloadError::config(
+                "remote.export_blocks",
+                format!(
+                    "must be between 1 and {}, got {}",
+                    u32::MAX,
+                    self.export_blocks
+                ),
+            ));
         }
         if let Some(l) = self.listen {
             if l.port() == 0 {

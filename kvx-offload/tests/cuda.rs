@@ -13,6 +13,8 @@
 mod common;
 #[path = "cuda/engine.rs"]
 mod engine;
+#[path = "cuda/export.rs"]
+mod export;
 #[path = "cuda/scenarios.rs"]
 mod scenarios;
 
@@ -103,6 +105,12 @@ fn main() {
             true,
         ),
         ("cuda_reset_drops_stale", reset_drops_stale, true, false),
+        (
+            "cuda_producer_stages_exports_in_host_buffers",
+            export::gpu_producer_stages_exports_in_host_buffers,
+            false,
+            false,
+        ),
     ];
     let fuse = kvx_fusefs::fuse_available();
     let opened = CudaDevice::open(0);

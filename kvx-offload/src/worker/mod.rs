@@ -5,6 +5,7 @@ mod host_tier;
 mod load;
 mod preempt;
 mod remote;
+mod staging;
 mod store;
 mod write_through;
 
@@ -27,6 +28,7 @@ use store::StoreState;
 
 pub use preempt::PreemptionFence;
 pub(crate) use remote::RemotePart;
+pub(crate) use staging::Staging;
 
 /// Settings of the worker half.
 #[derive(Debug, Clone)]
@@ -250,6 +252,12 @@ impl WorkerSide {
             }
         }
         self.abandon_loads(&meta.finished);
+        // Exported requests are in `finished` and `delayed_free` too: reported once both their
+        // stores and their lease ended, or (a GPU engine's, staged in host buffers) once their
+        // copy out of engine memory is done, which starts here, before the request finishes.
+        for job in meta.exports {
+            self.export(job);
+        }
         let delayed: FxHashSet<RequestId> = meta.delayed_free.iter().copied().collect();
         for req in meta.finished {
             // The driver reports every finished request as released once no op of it is out;
@@ -258,11 +266,6 @@ impl WorkerSide {
             if delayed.contains(&req) {
                 self.finishing.insert(req);
             }
-        }
-        // Exported requests are in `finished` and `delayed_free` too: reported once both their
-        // stores and their lease ended.
-        for job in meta.exports {
-            self.export(job);
         }
         if meta.submit_stores_now {
             self.driver.start_step()?;
@@ -319,6 +322,9 @@ impl WorkerSide {
     }
 
     fn on_report(&mut self, r: TaskReport) {
+        if self.is_staging_copy(r.task) {
+            return self.on_staged(r);
+        }
         let Some((job, role)) = self.tasks.remove(&r.task) else {
             return; // a task from before a reset
         };

@@ -10,8 +10,8 @@ use kvx_rdma::{Exporter, ImporterHandle};
 use rustc_hash::FxHashMap;
 use tracing::warn;
 
-use super::WorkerSide;
 use super::load::{LoadState, LoadedBlock, Source};
+use super::{Staging, WorkerSide};
 use crate::error::OffloadError;
 use crate::meta::{ExportJob, JobId, RemoteLoadJob};
 
@@ -46,6 +46,9 @@ pub(crate) struct RemotePart {
     pub(crate) by_export: FxHashMap<u64, RequestId>,
     /// Remote loads in flight, with the export id each registered with the importer.
     pub(crate) registered: FxHashMap<JobId, u64>,
+    /// A GPU engine's exports, staged in pinned host buffers; `None`: the server reads engine
+    /// memory (a host engine's).
+    pub(crate) staging: Option<Staging>,
 }
 
 impl RemotePart {
@@ -57,6 +60,7 @@ impl RemotePart {
         rank: u32,
         lease: LeaseConfig,
         load_timeout: Duration,
+        staging: Option<Staging>,
     ) -> RemotePart {
         RemotePart {
             exporter,
@@ -68,6 +72,7 @@ impl RemotePart {
             exported: FxHashMap::default(),
             by_export: FxHashMap::default(),
             registered: FxHashMap::default(),
+            staging,
         }
     }
 }
@@ -86,6 +91,9 @@ impl WorkerSide {
             warn!(request = %job.request, "kvx: an export on a worker with no remote.listen");
             return;
         };
+        if remote.staging.is_some() {
+            return self.stage_export(job);
+        }
         let id = RequestId(job.export);
         let exported = exporter
             .export(id, &job.blocks, &remote.lease)
@@ -113,6 +121,11 @@ impl WorkerSide {
         };
         let mut out = Vec::new();
         while let Some(r) = exporter.poll_released() {
+            if let Some(staging) = remote.staging.as_mut() {
+                // The engine heard of the request when its copy was done.
+                staging.released(r.request.0);
+                continue;
+            }
             if let Some(req) = remote.by_export.remove(&r.request.0) {
                 remote.exported.remove(&req);
                 out.push(req);
@@ -226,8 +239,9 @@ impl WorkerSide {
         let Some(remote) = self.remote.as_mut() else {
             return;
         };
+        let staged = remote.staging.as_mut().map(Staging::reset);
         if let Some(exporter) = &remote.exporter {
-            for export in remote.by_export.keys() {
+            for export in remote.by_export.keys().chain(staged.iter().flatten()) {
                 let _ = exporter.abort(RequestId(*export));
             }
         }
@@ -238,9 +252,9 @@ impl WorkerSide {
 
     /// Exports and remote loads in flight.
     pub(super) fn remote_in_flight(&self) -> usize {
-        self.remote
-            .as_ref()
-            .map_or(0, |r| r.exported.len() + r.registered.len())
+        self.remote.as_ref().map_or(0, |r| {
+            r.exported.len() + r.registered.len() + r.staging.as_ref().map_or(0, Staging::in_flight)
+        })
     }
 }
 

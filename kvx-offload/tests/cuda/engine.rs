@@ -27,7 +27,8 @@ pub struct DeviceArena {
 }
 
 impl DeviceArena {
-    fn new(dev: &CudaDevice) -> Result<DeviceArena, Failed> {
+    /// `ENGINE_BLOCKS` blocks of device memory on `dev`.
+    pub fn new(dev: &CudaDevice) -> Result<DeviceArena, Failed> {
         let seg = BLOCK / 2;
         let region = seg * ENGINE_BLOCKS as usize;
         let mem = dev.alloc(2 * region)?;
@@ -41,6 +42,11 @@ impl DeviceArena {
             .collect();
         let layout = KvLayout::new(regions, ENGINE_BLOCKS)?;
         Ok(DeviceArena { mem, layout })
+    }
+
+    /// The engine layout of these blocks.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
     }
 
     fn offset(&self, addr: usize) -> usize {
