@@ -54,6 +54,9 @@ impl WorkerSide {
     /// Stage `job`: copy its blocks out of engine memory into buffers of the staging pool, at
     /// once (the export starts when the copy is done, [`WorkerSide::on_staged`]). Too few free
     /// buffers, or a copy the driver refuses: the export is refused (its reader recomputes).
+    ///
+    /// Not deferred like a store: the request finished in an earlier step, so the kernels that
+    /// wrote its blocks are done before this step started (`EngineMemory::cuda`'s ordering).
     pub(super) fn stage_export(&mut self, job: ExportJob) {
         let Some(staging) = self.remote.as_mut().and_then(|r| r.staging.as_mut()) else {
             return;
