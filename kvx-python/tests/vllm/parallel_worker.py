@@ -25,7 +25,8 @@ def slot_words(h: int, layer: int, plane: int) -> torch.Tensor:
     return ((base + _ARANGE * 0x3B + (h >> 16)) & 0xFFFF).to(torch.int16)
 
 
-def build_config(model_dir: str, tp: int, pp: int, extra: dict, policy: str, num_blocks: int) -> Any:
+def build_config(model_dir: str, tp: int, pp: int, extra: dict, policy: str, num_blocks: int,
+                 kv_role: str = "kv_both") -> Any:
     """The engine's VllmConfig (the same in the scheduler and every worker)."""
     from vllm.config import (
         CacheConfig,
@@ -47,7 +48,7 @@ def build_config(model_dir: str, tp: int, pp: int, extra: dict, policy: str, num
                                          max_num_batched_tokens=512, enable_chunked_prefill=True),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(kv_connector="KvxConnector", kv_connector_module_path="kvx.vllm",
-                                            kv_role="kv_both", kv_load_failure_policy=policy,
+                                            kv_role=kv_role, kv_load_failure_policy=policy,
                                             kv_connector_extra_config=extra),
     )
     cfg.cache_config.num_gpu_blocks = num_blocks
@@ -98,7 +99,7 @@ class Shard:
 
 
 def main(rank: int, tp: int, pp: int, port: int, model_dir: str, extra: dict, policy: str,
-         num_blocks: int, layers: int, conn: Any) -> None:
+         num_blocks: int, layers: int, conn: Any, kv_role: str = "kv_both") -> None:
     """Serve steps from ``conn`` until told to stop: (scheduler output, writes, checks) in,
     (kv_connector_output, check failures, verified blocks) out, all pickled."""
     try:
@@ -110,7 +111,7 @@ def main(rank: int, tp: int, pp: int, port: int, model_dir: str, extra: dict, po
         from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
         from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
-        cfg = build_config(model_dir, tp, pp, extra, policy, num_blocks)
+        cfg = build_config(model_dir, tp, pp, extra, policy, num_blocks, kv_role)
         with set_current_vllm_config(cfg):
             init_worker_distributed_environment(cfg, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
             tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group

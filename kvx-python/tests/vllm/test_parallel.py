@@ -55,16 +55,17 @@ class Tracked:
     states: list[int] = field(default_factory=list)
     seen: bool = False
     status: RequestStatus | None = None
+    params: dict | None = None  # the kv_transfer_params of its finishing output
 
 
 class ParallelEngine:
     """vLLM's scheduler here, one process per worker, vLLM's aggregator in between."""
 
     def __init__(self, tmp: Path, extra: dict, tp: int, pp: int, policy: str = "recompute",
-                 num_blocks: int = 64):
+                 num_blocks: int = 64, kv_role: str = "kv_both"):
         self.world = tp * pp
         mdir = model_dir(tmp)
-        self.cfg = pw.build_config(mdir, tp, pp, extra, policy, num_blocks)
+        self.cfg = pw.build_config(mdir, tp, pp, extra, policy, num_blocks, kv_role)
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns: list[Any] = []
@@ -72,7 +73,7 @@ class ParallelEngine:
         for rank in range(self.world):
             here, there = ctx.Pipe()
             p = ctx.Process(target=pw.main, args=(rank, tp, pp, port, mdir, extra, policy, num_blocks,
-                                                  LAYERS, there), daemon=True)
+                                                  LAYERS, there, kv_role), daemon=True)
             p.start()
             self.conns.append(here)
             self.procs.append(p)
@@ -97,9 +98,10 @@ class ParallelEngine:
             raise AssertionError(f"worker failed:\n{payload}")
         return payload
 
-    def add(self, req_id: str, p: list[int], max_tokens: int = 2) -> None:
-        req = Request(req_id, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                      block_hasher=_HASHER)
+    def add(self, req_id: str, p: list[int], max_tokens: int = 2, params: dict | None = None) -> None:
+        extra = None if params is None else {"kv_transfer_params": params}
+        req = Request(req_id, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
+                      None, block_hasher=_HASHER)
         self.tracked[req_id] = Tracked(req)
         self.scheduler.add_request(req)
 
@@ -151,6 +153,7 @@ class ParallelEngine:
                 if o.finish_reason is not None:
                     t = self.tracked[o.request_id]
                     t.status = t.request.status
+                    t.params = o.kv_transfer_params
 
     def state(self) -> dict:
         s = self.scheduler
@@ -167,11 +170,15 @@ class ParallelEngine:
             st.update({f"rank{rank}_{k}": v for k, v in w.items()})
         return st
 
+    def idle(self) -> bool:
+        """No request left and nothing tracked on the scheduler or any worker."""
+        return self.scheduler.get_num_unfinished_requests() == 0 and all(v == 0 for v in self.state().values())
+
     def run(self, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
         while True:
             self.step()
-            if self.scheduler.get_num_unfinished_requests() == 0 and all(v == 0 for v in self.state().values()):
+            if self.idle():
                 return
             if time.monotonic() > end:
                 raise AssertionError(f"not idle after {timeout}s: {self.state()}")
@@ -318,3 +325,43 @@ def test_pipeline_parallel_and_a_missing_shard_is_not_adopted(tmp_path):
         assert e.verified == [3, 3]
     finally:
         e.close()
+
+
+def test_prefill_decode_between_tensor_parallel_engines(tmp_path):
+    """P and D each with 2 tensor-parallel workers in processes of their own: P's worker r
+    serves its shard of the prompt's blocks on port + r, D's worker r reads it from there, and
+    every D worker checks its shard of every loaded block byte for byte. P frees the blocks
+    once D is done; both end idle."""
+    port = free_port()
+    p_extra = {"host_blocks": 32, "remote": {"listen": f"127.0.0.1:{port}", "lease_ttl_ms": 30000,
+                                             "heartbeat_ms": 1000}}
+    d_extra = {"host_blocks": 32, "remote": {"load_ms": 10000}}
+    tokens = prompt(14, 4 * BLOCK + 3)
+    # One model directory for both: P and D must name the model the same way (key namespace).
+    p = ParallelEngine(tmp_path, p_extra, 2, 1, kv_role="kv_producer")
+    d = None
+    try:
+        d = ParallelEngine(tmp_path, d_extra, 2, 1, kv_role="kv_consumer")
+        p.add("a", tokens, max_tokens=1, params={"do_remote_decode": True})
+        end = time.monotonic() + 60
+        while p.tracked["a"].status is None:
+            assert time.monotonic() < end, "P never finished the prefill"
+            p.step()
+        params = p.tracked["a"].params
+        assert params is not None and params.get("do_remote_prefill") is True, params
+        assert len(params["kvx"]["producers"]) == 2, "one address per P worker"
+        d.add("a", tokens, max_tokens=2, params=params)
+        # Both engines step: P's next step exports the request, D's scheduler waits for the
+        # lease, D's workers load their shards, then D decodes and tells P it is done.
+        while not (d.idle() and p.idle()):
+            assert time.monotonic() < end, f"not idle: P {p.state()}, D {d.state()}"
+            p.step()
+            d.step()
+        assert d.tracked["a"].status == DONE
+        assert d.recv_reported == {"a"}
+        assert d.invalid_reported == []
+        assert d.verified == [4, 4], "each D worker checked its shard of the 4 loaded blocks"
+    finally:
+        p.close()
+        if d is not None:
+            d.close()
