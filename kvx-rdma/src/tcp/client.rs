@@ -38,7 +38,7 @@ pub struct TcpClientConfig {
     /// Bytes of reads in flight on one connection, at least (default 8 MiB).
     pub window_bytes: u64,
     /// Idle connections kept per producer (default 16: the 8 a long prompt's load reads over
-    /// in kvx-offload, twice).
+    /// in kvx-offload, twice). Each counts against the producer's `max_connections`.
     pub max_idle: usize,
 }
 

@@ -152,10 +152,21 @@ impl TcpServer {
     }
 }
 
+/// How long dropping a server waits for its threads to stop: a reply in progress is a
+/// non-blocking write, so they stop within microseconds unless the machine is starved.
+const STOP_WAIT: Duration = Duration::from_secs(1);
+
 impl Drop for TcpServer {
+    /// Stops serving; outside a runtime, waits (at most 1 s) until no thread of the
+    /// server can still be copying from the memory it serves, so that memory may be freed next.
     fn drop(&mut self) {
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+            if tokio::runtime::Handle::try_current().is_ok() {
+                // A runtime may not block inside another one.
+                rt.shutdown_background();
+            } else {
+                rt.shutdown_timeout(STOP_WAIT);
+            }
         }
     }
 }
