@@ -161,7 +161,7 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
         println!(
             "  raw tcp copy    {raw:8.2} GiB/s   (same bytes from engine memory into {} \
              rotating buffers over {} connection(s), same loopback, same run)",
-            args.task_blocks * args.depth,
+            raw_copy.destinations(),
             raw_copy.connections()
         );
         println!("  ratio           {:8.2}x", read / raw);

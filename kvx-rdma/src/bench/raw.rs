@@ -30,6 +30,8 @@ fn configure(s: &TcpStream) -> std::io::Result<()> {
 /// and both are warmed up by one untimed pass right before the timed one ([`Self::measure`]).
 pub struct RawTcpCopy {
     lanes: Vec<Lane>,
+    /// Destination buffers over all connections.
+    dests: usize,
 }
 
 /// One connection of a [`RawTcpCopy`] and the two threads at its ends.
@@ -107,12 +109,20 @@ impl RawTcpCopy {
                 threads: vec![sender, receiver],
             });
         }
-        Ok(RawTcpCopy { lanes })
+        Ok(RawTcpCopy {
+            lanes,
+            dests: dests_each * n,
+        })
     }
 
     /// Connections in use.
     pub fn connections(&self) -> usize {
         self.lanes.len()
+    }
+
+    /// Destination buffers the receivers rotate through, over all connections.
+    pub fn destinations(&self) -> usize {
+        self.dests
     }
 
     /// One pass over every block on every connection at once; returns how long it took, from
