@@ -165,10 +165,11 @@ impl OffloadBuilder {
         let rank = shard.map_or(0, |s| s.rank());
         // The producer's server reads a host engine's memory directly, and a GPU engine's
         // exports from staging buffers.
+        let producer = cfg.remote.as_ref().filter(|r| r.listen.is_some());
         let mut exporter = None;
         let (engine, block_bytes, pool) = match memory.kind {
             MemoryKind::Host(layout) => {
-                if cfg.remote.as_ref().is_some_and(|r| r.listen.is_some()) {
+                if producer.is_some() {
                     // SAFETY: the caller of `EngineMemory::host` promised the regions stay
                     // valid until the runtime shuts down, which drops the server first; the
                     // engine frees an exported block only once its release is reported.
@@ -214,7 +215,7 @@ impl OffloadBuilder {
                     .map_err(|e| setup("pinned pool")(e.to_string()))?;
                 let pool = (*p).clone();
                 pinned.push(p);
-                if let Some(r) = cfg.remote.as_ref().filter(|r| r.listen.is_some()) {
+                if let Some(r) = producer {
                     let p = gpu
                         .pinned_pool(r.export_blocks, bytes)
                         .map_err(|e| setup("export staging buffers")(e.to_string()))?;
@@ -243,7 +244,7 @@ impl OffloadBuilder {
                 (b.backend(backend), block_bytes, pool)
             }
         };
-        if cfg.remote.as_ref().is_some_and(|r| r.listen.is_some()) && exporter.is_none() {
+        if producer.is_some() && exporter.is_none() {
             return Err(OffloadError::config(
                 "remote.listen",
                 "a producer serves engine memory in host RAM or on a GPU (this engine's is neither)",

@@ -58,7 +58,9 @@ pub struct WriteBackJob {
 }
 
 /// Export a finished request's engine blocks to remote readers (producer): the blocks stay the
-/// engine's until the lease ends, and the request is reported in `finished_sending` then.
+/// engine's until the lease ends, and the request is reported in `finished_sending` then; a
+/// GPU engine's are copied into staging buffers the lease holds instead, and the request is
+/// reported once that copy is done.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportJob {
     /// The engine's request (in `finished` and `delayed_free` of the same step).

@@ -22,6 +22,7 @@ use crate::error::OffloadError;
 /// lease_ttl_ms = 480000      # producer: blocks no reader said done with are freed then
 /// heartbeat_ms = 10000       # producer: how often readers renew the lease
 /// load_ms = 10000            # consumer: a remote load's deadline
+/// export_blocks = 1024       # producer on a GPU: pinned host buffers exports are served from
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -46,8 +47,10 @@ pub struct RemoteTierConfig {
     /// Shared token producer and consumers present (default none).
     pub token: Option<String>,
     /// Producer with engine memory on a GPU: pinned host buffers, in blocks, that exported
-    /// requests are copied into and read from until their lease ends (default 256); an export
-    /// that finds too few free is refused, and its reader computes the prompt itself.
+    /// requests are copied into and read from until their lease ends (default 1024: a
+    /// 16k-token prompt of 16-token blocks); an export that finds too few free (one larger
+    /// than this, or while leases hold the rest) is refused, and its reader computes the
+    /// prompt itself.
     pub export_blocks: usize,
 }
 
@@ -61,7 +64,7 @@ impl Default for RemoteTierConfig {
             load_ms: 10_000,
             export_grace_ms: 2_000,
             token: None,
-            export_blocks: 256,
+            export_blocks: 1024,
         }
     }
 }

@@ -111,6 +111,12 @@ fn main() {
             false,
             false,
         ),
+        (
+            "cuda_producer_copy_failure_refuses_the_export",
+            export::gpu_producer_copy_failure_refuses_the_export,
+            true,
+            false,
+        ),
     ];
     let fuse = kvx_fusefs::fuse_available();
     let opened = CudaDevice::open(0);

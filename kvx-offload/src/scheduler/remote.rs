@@ -12,8 +12,9 @@ use crate::remote::RemoteSource;
 impl SchedulerSide {
     /// The engine is done with `req` and sends its `blocks` to a remote reader under `export`:
     /// the worker exports them this step, and the engine frees them only once `req` is
-    /// reported in `finished_sending` (the lease ended: read, expired or aborted). Always
-    /// true: the freeing is delayed.
+    /// reported in `finished_sending` (the lease ended: read, expired or aborted; with engine
+    /// memory on a GPU, once the blocks were copied into staging buffers). Always true: the
+    /// freeing is delayed.
     pub fn export_finished(
         &mut self,
         req: RequestId,

@@ -1,6 +1,7 @@
 //! The worker side's part of the remote tier: exports of finished requests (producer: a lease
-//! per request, the blocks the engine's until it ends) and loads from remote producers
-//! (consumer: read into staging buffers by kvx-rdma's importer, then copied into engine blocks).
+//! per request, the blocks the engine's until it ends, or a GPU engine's blocks copied into
+//! staging buffers first, `staging.rs`) and loads from remote producers (consumer: read into
+//! staging buffers by kvx-rdma's importer, then copied into engine blocks).
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,32 @@ const REMOTE_TASKS: usize = 8;
 /// when that would make more than [`REMOTE_TASKS`] tasks.
 fn blocks_per_remote_task(blocks: usize) -> usize {
     REMOTE_TASK_BLOCKS.max(blocks.div_ceil(REMOTE_TASKS))
+}
+
+/// Export `blocks` (engine blocks of the exporter's memory) as `job`'s export id and start its
+/// lease; false, with a warning, when the exporter refuses (an export under that id already,
+/// a block outside its memory): the request is then left to the driver's release alone.
+pub(super) fn start_lease(
+    exporter: &Exporter,
+    job: &ExportJob,
+    blocks: &[(kvx_core::BlockKey, kvx_core::EngineBlockId)],
+    lease: &LeaseConfig,
+) -> bool {
+    let id = RequestId(job.export);
+    match exporter
+        .export(id, blocks, lease)
+        .and_then(|()| exporter.ready(id))
+    {
+        Ok(()) => true,
+        Err(e) => {
+            // Not another export's id: that one stays as it is.
+            if !matches!(e, kvx_rdma::RdmaError::AlreadyExported(_)) {
+                let _ = exporter.abort(id);
+            }
+            warn!(request = %job.request, export = job.export, error = %e, "kvx: export refused");
+            false
+        }
+    }
 }
 
 /// The remote tier on one worker: what the builder set up, and what is in flight.
@@ -78,7 +105,8 @@ impl RemotePart {
 }
 
 impl WorkerSide {
-    /// Export a finished request's blocks; its lease starts now. A request that cannot be
+    /// Export a finished request's blocks; its lease starts now (a GPU engine's once its copy
+    /// into staging buffers is done, [`WorkerSide::stage_export`]). A request that cannot be
     /// exported (no server here, an id exported twice, a block outside the pool) is left to
     /// the driver's release alone: the engine frees it once its stores are done, and a reader
     /// of it fails.
@@ -94,19 +122,9 @@ impl WorkerSide {
         if remote.staging.is_some() {
             return self.stage_export(job);
         }
-        let id = RequestId(job.export);
-        let exported = exporter
-            .export(id, &job.blocks, &remote.lease)
-            .and_then(|()| exporter.ready(id));
-        match exported {
-            Ok(()) => {
-                remote.exported.insert(job.request, job.export);
-                remote.by_export.insert(job.export, job.request);
-            }
-            Err(e) => {
-                let _ = exporter.abort(id);
-                warn!(request = %job.request, export = job.export, error = %e, "kvx: export refused");
-            }
+        if start_lease(exporter, &job, &job.blocks, &remote.lease) {
+            remote.exported.insert(job.request, job.export);
+            remote.by_export.insert(job.export, job.request);
         }
     }
 
@@ -142,8 +160,8 @@ impl WorkerSide {
     }
 
     /// Start a load from a remote producer: register the source's descriptor for this rank
-    /// with the importer, then one task reading into staging buffers and copying into the
-    /// engine's blocks. A block that cannot be read (no remote tier, a bad source, no buffer)
+    /// with the importer, then at most [`REMOTE_TASKS`] tasks reading into staging buffers and
+    /// copying into the engine's blocks. A block that cannot be read (no remote tier, a bad source, no buffer)
     /// fails at once; the load's verdict comes as any load's.
     pub(super) fn start_remote_load(&mut self, job: RemoteLoadJob) -> Result<(), OffloadError> {
         let source = job.source.clone();
@@ -233,8 +251,9 @@ impl WorkerSide {
         }
     }
 
-    /// A reset: end every export's lease now (each is still reported in `finished_sending`
-    /// once no read holds it), and forget every source registered for a load.
+    /// A reset: end every export's lease now (a host engine's request is still reported in
+    /// `finished_sending` once no read holds it; a GPU engine's was reported when its copy was
+    /// done), and forget every source registered for a load.
     pub(super) fn reset_remote(&mut self) {
         let Some(remote) = self.remote.as_mut() else {
             return;

@@ -3,7 +3,7 @@
 //! once the copy is done (the request is reported in `finished_sending` then, not at the end of
 //! its lease); the buffers go back when the lease ends (all readers done, expiry or abort).
 
-use kvx_core::{Buf, BufferPool, Direction, EngineBlockId, OpBlock, PoolBuf, RequestId};
+use kvx_core::{Buf, BufferPool, Direction, EngineBlockId, OpBlock, PoolBuf};
 use kvx_core::{TaskId, TaskReport, TaskSpec};
 use rustc_hash::FxHashMap;
 use tracing::warn;
@@ -61,24 +61,32 @@ impl WorkerSide {
         let Some(staging) = self.remote.as_mut().and_then(|r| r.staging.as_mut()) else {
             return;
         };
-        let mut blocks = Vec::with_capacity(job.blocks.len());
-        for (key, engine) in &job.blocks {
-            let Some(buf) = staging.pool.take() else {
-                warn!(
-                    request = %job.request,
-                    export = job.export,
-                    blocks = job.blocks.len(),
-                    free = staging.pool.available() + blocks.len(),
-                    "kvx: export refused: too few free staging buffers (remote.export_blocks)"
-                );
-                return;
-            };
-            blocks.push(OpBlock {
-                key: *key,
-                engine: Some(*engine),
-                buf: Buf::Owned(buf),
-            });
-        }
+        let free = staging.pool.available();
+        let taken: Option<Vec<_>> = if free < job.blocks.len() {
+            None
+        } else {
+            job.blocks
+                .iter()
+                .map(|(key, engine)| {
+                    Some(OpBlock {
+                        key: *key,
+                        engine: Some(*engine),
+                        buf: Buf::Owned(staging.pool.take()?),
+                    })
+                })
+                .collect()
+        };
+        let Some(blocks) = taken else {
+            warn!(
+                request = %job.request,
+                export = job.export,
+                blocks = job.blocks.len(),
+                free,
+                capacity = staging.pool.capacity(),
+                "kvx: export refused: too few free staging buffers (remote.export_blocks)"
+            );
+            return;
+        };
         let submitted = self.driver.submit(TaskSpec {
             request: job.request,
             dir: Direction::Store,
@@ -115,10 +123,14 @@ impl WorkerSide {
         let Some(remote) = self.remote.as_mut() else {
             return;
         };
-        let (Some(staging), Some(exporter)) = (remote.staging.as_mut(), &remote.exporter) else {
+        let Some(job) = remote
+            .staging
+            .as_mut()
+            .and_then(|s| s.copies.remove(&r.task))
+        else {
             return;
         };
-        let Some(job) = staging.copies.remove(&r.task) else {
+        let (Some(staging), Some(exporter)) = (remote.staging.as_mut(), &remote.exporter) else {
             return;
         };
         if !r.is_ok() {
@@ -136,18 +148,8 @@ impl WorkerSide {
             blocks.push((b.key, EngineBlockId(buf.index() as u32)));
             bufs.push(buf);
         }
-        let id = RequestId(job.export);
-        match exporter
-            .export(id, &blocks, &remote.lease)
-            .and_then(|()| exporter.ready(id))
-        {
-            Ok(()) => {
-                staging.held.insert(job.export, bufs);
-            }
-            Err(e) => {
-                let _ = exporter.abort(id);
-                warn!(request = %job.request, export = job.export, error = %e, "kvx: export refused");
-            }
+        if super::remote::start_lease(exporter, &job, &blocks, &remote.lease) {
+            staging.held.insert(job.export, bufs);
         }
     }
 }

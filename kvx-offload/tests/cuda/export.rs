@@ -109,16 +109,8 @@ fn data(b: u32) -> Vec<u8> {
     (0..BLOCK).map(|i| (i as u32 * 13 + b * 7) as u8).collect()
 }
 
-/// The producer on `gpu` exports request 1 (device blocks 0..4). The engine hears it is done
-/// sending as soon as the copy out of the device is done, with no reader yet; the engine then
-/// reuses those device blocks; a reader still gets the exported bytes, from the staging
-/// buffers, which come back when it says done. A request of more blocks than the free staging
-/// buffers is refused: the engine gets its blocks back at once, and a reader fails.
-pub fn gpu_producer_stages_exports_in_host_buffers(gpu: &Gpu) -> Result<(), Failed> {
-    let mut arena = DeviceArena::new(&gpu.dev)?;
-    for b in 0..10 {
-        arena.write_block(EngineBlockId(b), &data(b))?;
-    }
+/// A producer over `arena` on `gpu` with [`STAGING`] staging buffers.
+fn producer(gpu: &Gpu, arena: &DeviceArena) -> Result<Offload, Failed> {
     let listen = format!("127.0.0.1:{}", port()?).parse()?;
     let cfg = OffloadConfig {
         host_blocks: 8,
@@ -131,31 +123,115 @@ pub fn gpu_producer_stages_exports_in_host_buffers(gpu: &Gpu) -> Result<(), Fail
         }),
         ..OffloadConfig::default()
     };
-    // SAFETY: the device memory outlives the runtime (shut down below, before the arena
-    // drops); the test writes device blocks only once the engine got them back.
+    // SAFETY: the device memory outlives the runtime (each test shuts it down before its
+    // arena drops); the tests write device blocks only once the engine got them back.
     let memory = unsafe { EngineMemory::cuda(&gpu.dev, arena.layout().clone()) };
-    let mut p = OffloadBuilder::new(cfg, memory).build()?;
-    let key = |r: u64, i: u32| BlockKey::chain(None, format!("{r}/{i}").as_bytes());
-    let exported: Vec<(BlockKey, EngineBlockId)> =
-        (0..4).map(|i| (key(1, i), EngineBlockId(i))).collect();
-    let too_big: Vec<(BlockKey, EngineBlockId)> =
-        (0..9).map(|i| (key(2, i), EngineBlockId(i))).collect();
-    if !p.scheduler.export_finished(RequestId(1), 77, &exported)
-        || !p.scheduler.export_finished(RequestId(2), 78, &too_big)
-    {
-        return Err("the scheduler refused an export".into());
+    Ok(OffloadBuilder::new(cfg, memory).build()?)
+}
+
+/// The key of block `i` of request `r`.
+fn key(r: u64, i: u32) -> BlockKey {
+    BlockKey::chain(None, format!("{r}/{i}").as_bytes())
+}
+
+/// Request `r`'s blocks: keys, and device blocks `0..n`.
+fn request_blocks(r: u64, n: u32) -> Vec<(BlockKey, EngineBlockId)> {
+    (0..n).map(|i| (key(r, i), EngineBlockId(i))).collect()
+}
+
+/// The source a consumer gets for export `export` of `blocks` from `p`.
+fn source(
+    p: &Offload,
+    export: u64,
+    blocks: &[(BlockKey, EngineBlockId)],
+) -> Result<RemoteDescriptor, Failed> {
+    let src = kvx_offload::RemoteSource {
+        namespace: "test".into(),
+        export,
+        producers: vec![p.runtime.remote_addr().ok_or("no server address")?],
+        keys: blocks.iter().map(|(k, _)| *k).collect(),
+        ttl_ms: 30_000,
+        heartbeat_ms: 7_500,
+    };
+    Ok(src.descriptor(0, BLOCK as u64)?)
+}
+
+/// A request's blocks: keys, and the device blocks holding them.
+type Blocks = [(BlockKey, EngineBlockId)];
+
+/// Export the requests `(request, export id, blocks)` in one step of `p`.
+fn export(p: &mut Offload, exports: &[(u64, u64, &Blocks)]) -> Result<(), Failed> {
+    for (r, e, blocks) in exports {
+        if !p.scheduler.export_finished(RequestId(*r), *e, blocks) {
+            return Err(format!("the scheduler refused export {e}").into());
+        }
     }
     let meta = p.scheduler.build_meta();
     if p.worker.start_step(meta)?.fence().is_some() {
         return Err("an export step waits on a fence".into());
     }
+    Ok(())
+}
+
+/// Step `p` until its worker went back to nothing in flight, at most 2 s.
+fn until_nothing_in_flight(p: &mut Offload) -> Result<bool, Failed> {
+    let end = Instant::now() + Duration::from_secs(2);
+    while p.worker.in_flight() > 0 && Instant::now() < end {
+        p.worker.get_finished()?;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(p.worker.in_flight() == 0)
+}
+
+fn close(p: Offload, arena: DeviceArena) {
+    let Offload {
+        worker, runtime, ..
+    } = p;
+    drop(worker);
+    runtime.shutdown();
+    drop(arena);
+}
+
+/// The producer on `gpu` exports request 1 (device blocks 0..4). The engine hears it is done
+/// sending once the copy out of the device is done (on the stand-in, whose copies are slowed
+/// to 300 ms here, not before), with no reader yet; the engine then reuses those device
+/// blocks; a reader still gets the exported bytes, from the staging buffers, which come back
+/// when it says done. A request of more blocks than the free staging buffers is refused: the
+/// engine gets its blocks back at once, and a reader fails.
+pub fn gpu_producer_stages_exports_in_host_buffers(gpu: &Gpu) -> Result<(), Failed> {
+    let mut arena = DeviceArena::new(&gpu.dev)?;
+    for b in 0..10 {
+        arena.write_block(EngineBlockId(b), &data(b))?;
+    }
+    let mut p = producer(gpu, &arena)?;
+    let copy = Duration::from_millis(300);
+    if let Some(s) = &gpu.standin {
+        s.set_copy_delay(gpu.dev.ordinal(), copy);
+    }
+    let (exported, too_big) = (request_blocks(1, 4), request_blocks(2, STAGING as u32 + 1));
+    let started = Instant::now();
+    export(&mut p, &[(1, 77, &exported), (2, 78, &too_big)])?;
     let mut sent = Vec::new();
+    let mut first_sent = None;
     let done = step_until(&mut p, Duration::from_secs(5), |o| {
         sent.extend_from_slice(&o.finished_sending);
+        if first_sent.is_none() && sent.contains(&RequestId(1)) {
+            first_sent = Some(started.elapsed());
+        }
         sent.contains(&RequestId(1)) && sent.contains(&RequestId(2))
     })?;
     if !done {
         return Err(format!("finished_sending {sent:?}: not both requests within 5 s").into());
+    }
+    if gpu.standin.is_some() && first_sent.is_some_and(|t| t < copy) {
+        return Err(format!(
+            "request 1 was reported sent {first_sent:?} after its export started, before its \
+             {copy:?} copy out of the device was done"
+        )
+        .into());
+    }
+    if let Some(s) = &gpu.standin {
+        s.set_copy_delay(gpu.dev.ordinal(), Duration::ZERO);
     }
     if p.worker.in_flight() == 0 {
         return Err("request 1's lease ended with no reader".into());
@@ -164,24 +240,15 @@ pub fn gpu_producer_stages_exports_in_host_buffers(gpu: &Gpu) -> Result<(), Fail
     for b in 0..10 {
         arena.write_block(EngineBlockId(b), &[0xEE; BLOCK])?;
     }
-    let producers = vec![p.runtime.remote_addr().ok_or("no server address")?];
-    let source = |export: u64, blocks: &[(BlockKey, EngineBlockId)]| kvx_offload::RemoteSource {
-        namespace: "test".into(),
-        export,
-        producers: producers.clone(),
-        keys: blocks.iter().map(|(k, _)| *k).collect(),
-        ttl_ms: 30_000,
-        heartbeat_ms: 7_500,
-    };
     let reader = Reader::new()?;
-    let desc = source(77, &exported).descriptor(0, BLOCK as u64)?;
+    let desc = source(&p, 77, &exported)?;
     reader.handle.register(desc.clone())?;
     for (i, got) in reader.read(&desc)?.into_iter().enumerate() {
         if got? != data(i as u32) {
             return Err(format!("exported block {i}: not the bytes the request had").into());
         }
     }
-    let refused = source(78, &too_big).descriptor(0, BLOCK as u64)?;
+    let refused = source(&p, 78, &too_big)?;
     reader.handle.register(refused.clone())?;
     if let Some((i, _)) = reader
         .read(&refused)?
@@ -192,20 +259,45 @@ pub fn gpu_producer_stages_exports_in_host_buffers(gpu: &Gpu) -> Result<(), Fail
         return Err(format!("block {i} of the refused export was read").into());
     }
     reader.handle.done(desc.request)?;
-    let end = Instant::now() + Duration::from_secs(2);
-    while p.worker.in_flight() > 0 && Instant::now() < end {
-        p.worker.get_finished()?;
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    if p.worker.in_flight() > 0 {
+    if !until_nothing_in_flight(&mut p)? {
         return Err("the staging buffers did not come back after the reader said done".into());
     }
     drop(reader);
-    let Offload {
-        worker, runtime, ..
-    } = p;
-    drop(worker);
-    runtime.shutdown();
-    drop(arena);
+    close(p, arena);
+    Ok(())
+}
+
+/// The copy out of the device fails (the stand-in fails every copy): the export is refused,
+/// the engine gets its blocks back, the staging buffers come back, and a reader fails.
+pub fn gpu_producer_copy_failure_refuses_the_export(gpu: &Gpu) -> Result<(), Failed> {
+    let s = gpu
+        .standin
+        .as_ref()
+        .ok_or("needs the stand-in's fault knob")?;
+    let arena = DeviceArena::new(&gpu.dev)?;
+    let mut p = producer(gpu, &arena)?;
+    s.fail_after_copies(gpu.dev.ordinal(), Some(0));
+    let blocks = request_blocks(3, 2);
+    export(&mut p, &[(3, 79, &blocks)])?;
+    let mut sent = Vec::new();
+    let reported = step_until(&mut p, Duration::from_secs(5), |o| {
+        sent.extend_from_slice(&o.finished_sending);
+        sent.contains(&RequestId(3))
+    })?;
+    s.fail_after_copies(gpu.dev.ordinal(), None);
+    if !reported {
+        return Err("the request whose copy failed was never reported sent".into());
+    }
+    if !until_nothing_in_flight(&mut p)? {
+        return Err("the failed export still holds staging buffers".into());
+    }
+    let reader = Reader::new()?;
+    let desc = source(&p, 79, &blocks)?;
+    reader.handle.register(desc.clone())?;
+    if reader.read(&desc)?.iter().any(|r| r.is_ok()) {
+        return Err("a block of the failed export was read".into());
+    }
+    drop(reader);
+    close(p, arena);
     Ok(())
 }

@@ -6,7 +6,8 @@ on D's).
 P: ``request_finished`` of a request that asks for a remote decode delays the free and returns
 the params D needs (kvx's own under ``"kvx"``: the namespace, the export id, each P rank's
 server, the block keys, the lease); P's worker exports the blocks at its next step and reports
-the request in ``finished_sending`` once D said done, the lease expired, or it was aborted.
+the request in ``finished_sending`` once D said done, the lease expired, or it was aborted (with
+a CUDA KV cache: once the blocks were copied into pinned host buffers, which the lease holds).
 
 D: a request carrying those params is offered its remote full blocks as an asynchronous load
 once P confirmed the lease (kvx-rdma's lease keeper renews it from the first lookup until the

@@ -221,7 +221,8 @@ class SchedulerSide:
         if self.disagg is not None and req_id not in self.loading:
             params = self.disagg.export(request, r.number, self._keys(r), block_ids)
             if params is not None:
-                # Freed once the export's lease ended (and its stores, if any, are done).
+                # Freed once the export's lease ended (a CUDA cache's: once copied into staging
+                # buffers), and its stores, if any, are done.
                 self.finished[req_id] = r.number
                 return True, params
         delay = self.native.request_finished(r.number)
