@@ -105,6 +105,13 @@ impl Exporter {
         r
     }
 
+    /// `request` will not be exported here (the engine refused it): its readers hear that its
+    /// lease ended (aborted) at once instead of waiting for it. No effect on a request exported
+    /// now.
+    pub fn refuse(&self, request: RequestId) {
+        self.table().refuse(request);
+    }
+
     /// The next released request (lease read, expired or aborted). Never blocks.
     pub fn poll_released(&self) -> Option<Released> {
         self.poll_released_at(Instant::now())

@@ -342,6 +342,19 @@ impl ExportTable {
         }
     }
 
+    /// `request` will not be exported here (the engine refused it): a reader asking for it
+    /// hears that its lease ended (aborted) at once, as for a released request, instead of
+    /// waiting for an export that never comes. No effect on a request exported now.
+    pub fn refuse(&mut self, request: RequestId) {
+        if self.entries.contains_key(&request) || self.recent.iter().any(|(r, _)| *r == request) {
+            return;
+        }
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((request, ReleaseReason::Aborted));
+    }
+
     fn unknown(&self, request: RequestId) -> Refusal {
         match self.recent.iter().rev().find(|(r, _)| *r == request) {
             Some((_, reason)) => ended(request, *reason),

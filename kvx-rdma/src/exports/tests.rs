@@ -182,3 +182,31 @@ fn bounds_unknown_and_abort() {
         Err(RdmaError::UnknownRequest(_))
     ));
 }
+
+/// A refused request: a reader hears its lease ended, not that it is unknown (it would wait
+/// for an export that never comes); a live export under the same id is left alone.
+#[test]
+fn a_refused_request_reads_as_ended() {
+    let t0 = Instant::now();
+    let mut t = ExportTable::new(8, 4096);
+    assert_eq!(
+        t.heartbeat(RequestId(5), t0).unwrap_err().0,
+        ErrorCode::UnknownRequest
+    );
+    t.refuse(RequestId(5));
+    assert_eq!(
+        t.heartbeat(RequestId(5), t0).unwrap_err().0,
+        ErrorCode::LeaseEnded
+    );
+    assert_eq!(
+        t.begin_read(RequestId(5), 0, 0, 4096, t0).unwrap_err().0,
+        ErrorCode::LeaseEnded
+    );
+    t.export(RequestId(6), &blocks(1), &cfg(30_000, 1)).unwrap();
+    t.ready(RequestId(6), t0).unwrap();
+    t.refuse(RequestId(6));
+    assert!(
+        t.begin_read(RequestId(6), 0, 0, 4096, t0).is_ok(),
+        "a live export stays"
+    );
+}
