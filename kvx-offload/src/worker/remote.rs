@@ -31,7 +31,8 @@ fn blocks_per_remote_task(blocks: usize) -> usize {
 
 /// Export `blocks` (engine blocks of the exporter's memory) as `job`'s export id and start its
 /// lease; false, with a warning, when the exporter refuses (an export under that id already,
-/// a block outside its memory): the request is then left to the driver's release alone.
+/// a block outside its memory): the request is then left to the driver's release alone, and
+/// its readers hear at once that there is nothing to read.
 pub(super) fn start_lease(
     exporter: &Exporter,
     job: &ExportJob,
@@ -48,6 +49,7 @@ pub(super) fn start_lease(
             // Not another export's id: that one stays as it is.
             if !matches!(e, kvx_rdma::RdmaError::AlreadyExported(_)) {
                 let _ = exporter.abort(id);
+                exporter.refuse(id);
             }
             warn!(request = %job.request, export = job.export, error = %e, "kvx: export refused");
             false

@@ -3,7 +3,7 @@
 //! once the copy is done (the request is reported in `finished_sending` then, not at the end of
 //! its lease); the buffers go back when the lease ends (all readers done, expiry or abort).
 
-use kvx_core::{Buf, BufferPool, Direction, EngineBlockId, OpBlock, PoolBuf};
+use kvx_core::{Buf, BufferPool, Direction, EngineBlockId, OpBlock, PoolBuf, RequestId};
 use kvx_core::{TaskId, TaskReport, TaskSpec};
 use rustc_hash::FxHashMap;
 use tracing::warn;
@@ -50,10 +50,18 @@ impl Staging {
     }
 }
 
+/// Tell readers of `job`'s export that it will not come (see `Exporter::refuse`).
+fn refuse(remote: Option<&super::RemotePart>, job: &ExportJob) {
+    if let Some(exporter) = remote.and_then(|r| r.exporter.as_ref()) {
+        exporter.refuse(RequestId(job.export));
+    }
+}
+
 impl WorkerSide {
     /// Stage `job`: copy its blocks out of engine memory into buffers of the staging pool, at
     /// once (the export starts when the copy is done, [`WorkerSide::on_staged`]). Too few free
-    /// buffers, or a copy the driver refuses: the export is refused (its reader recomputes).
+    /// buffers, or a copy the driver refuses: the export is refused, and its readers hear so at
+    /// once (they compute the prompt themselves).
     ///
     /// Not deferred like a store: the request finished in an earlier step, so the kernels that
     /// wrote its blocks are done before this step started (`EngineMemory::cuda`'s ordering).
@@ -61,7 +69,7 @@ impl WorkerSide {
         let Some(staging) = self.remote.as_mut().and_then(|r| r.staging.as_mut()) else {
             return;
         };
-        let free = staging.pool.available();
+        let (free, capacity) = (staging.pool.available(), staging.pool.capacity());
         let taken: Option<Vec<_>> = if free < job.blocks.len() {
             None
         } else {
@@ -77,12 +85,13 @@ impl WorkerSide {
                 .collect()
         };
         let Some(blocks) = taken else {
+            refuse(self.remote.as_ref(), &job);
             warn!(
                 request = %job.request,
                 export = job.export,
                 blocks = job.blocks.len(),
                 free,
-                capacity = staging.pool.capacity(),
+                capacity,
                 "kvx: export refused: too few free staging buffers (remote.export_blocks)"
             );
             return;
@@ -103,6 +112,7 @@ impl WorkerSide {
                 staging.copies.insert(task, job);
             }
             (Err(e), _) => {
+                refuse(self.remote.as_ref(), &job);
                 warn!(request = %job.request, export = job.export, error = %e, "kvx: export refused: its copy out of engine memory was not submitted");
             }
             (Ok(_), None) => {}
@@ -134,6 +144,7 @@ impl WorkerSide {
             return;
         };
         if !r.is_ok() {
+            exporter.refuse(RequestId(job.export));
             let error = r.blocks.iter().find_map(|b| b.result.clone().err());
             warn!(request = %job.request, export = job.export, state = ?r.state, ?error, "kvx: export refused: its copy out of engine memory failed");
             return;
@@ -142,6 +153,7 @@ impl WorkerSide {
         let mut blocks = Vec::with_capacity(r.blocks.len());
         for b in r.blocks {
             let Some(Buf::Owned(buf)) = b.buf else {
+                exporter.refuse(RequestId(job.export));
                 warn!(request = %job.request, export = job.export, "kvx: export refused: a staging buffer did not come back with its copy");
                 return;
             };
