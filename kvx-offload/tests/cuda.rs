@@ -117,6 +117,12 @@ fn main() {
             true,
             false,
         ),
+        (
+            "cuda_producer_reset_during_a_copy",
+            export::gpu_producer_reset_during_a_copy,
+            true,
+            false,
+        ),
     ];
     let fuse = kvx_fusefs::fuse_available();
     let opened = CudaDevice::open(0);

@@ -310,3 +310,52 @@ pub fn gpu_producer_copy_failure_refuses_the_export(gpu: &Gpu) -> Result<(), Fai
     close(p, arena);
     Ok(())
 }
+
+/// A reset while one export's copy is in flight (the stand-in's copies slowed to 300 ms) and
+/// another export is held: the first comes back in the reset's `delayed_free` (it was never
+/// reported), the held one's lease ends (a reader hears so), the reset's fence holds once the
+/// copy returned, and every staging buffer comes back.
+pub fn gpu_producer_reset_during_a_copy(gpu: &Gpu) -> Result<(), Failed> {
+    let s = gpu
+        .standin
+        .as_ref()
+        .ok_or("needs the stand-in's slow copies")?;
+    let arena = DeviceArena::new(&gpu.dev)?;
+    let mut p = producer(gpu, &arena)?;
+    let held = request_blocks(1, 2);
+    export(&mut p, &[(1, 77, &held)])?;
+    let mut sent = Vec::new();
+    if !step_until(&mut p, Duration::from_secs(5), |o| {
+        sent.extend_from_slice(&o.finished_sending);
+        sent.contains(&RequestId(1))
+    })? {
+        return Err("the first export's copy never finished".into());
+    }
+    s.set_copy_delay(gpu.dev.ordinal(), Duration::from_millis(300));
+    export(&mut p, &[(2, 78, &request_blocks(2, 2))])?;
+    let reset = p.worker.reset()?;
+    s.set_copy_delay(gpu.dev.ordinal(), Duration::ZERO);
+    if reset.fence.is_ready() {
+        return Err("the reset's fence held while the copy out of the device was in flight".into());
+    }
+    if reset.delayed_free != vec![RequestId(2)] {
+        return Err(format!(
+            "delayed_free {:?}: the request whose copy was in flight, and only it",
+            reset.delayed_free
+        )
+        .into());
+    }
+    if !reset.fence.wait(Instant::now() + Duration::from_secs(2)) {
+        return Err("the reset's fence did not hold once the copy returned".into());
+    }
+    if !until_nothing_in_flight(&mut p)? {
+        return Err("staging buffers still held after the reset".into());
+    }
+    let reader = Reader::new()?;
+    let desc = source(&p, 77, &held)?;
+    reader.handle.register(desc.clone())?;
+    refused_everywhere(&reader.read(&desc)?, "the export held at the reset")?;
+    drop(reader);
+    close(p, arena);
+    Ok(())
+}
