@@ -183,10 +183,13 @@ fn until_nothing_in_flight(p: &mut Offload) -> Result<bool, Failed> {
     Ok(p.worker.in_flight() == 0)
 }
 
-/// Every block of a refused export failed, and the reader heard its lease ended (so it does
-/// not wait for the export to come).
-fn refused_everywhere(read: &[Result<Vec<u8>, String>], what: &str) -> Result<(), Failed> {
-    for (i, r) in read.iter().enumerate() {
+/// A reader of `p`'s export `export` of `blocks` gets none of them, and hears that its lease
+/// ended (so it does not wait for the export to come).
+fn refused(p: &Offload, export: u64, blocks: &Blocks, what: &str) -> Result<(), Failed> {
+    let reader = Reader::new()?;
+    let desc = source(p, export, blocks)?;
+    reader.handle.register(desc.clone())?;
+    for (i, r) in reader.read(&desc)?.iter().enumerate() {
         match r {
             Ok(_) => return Err(format!("{what}: block {i} was read").into()),
             Err(e) if !e.contains("LeaseEnded") => {
@@ -263,10 +266,10 @@ pub fn gpu_producer_stages_exports_in_host_buffers(gpu: &Gpu) -> Result<(), Fail
             return Err(format!("exported block {i}: not the bytes the request had").into());
         }
     }
-    let refused = source(&p, 78, &too_big)?;
-    reader.handle.register(refused.clone())?;
-    refused_everywhere(
-        &reader.read(&refused)?,
+    refused(
+        &p,
+        78,
+        &too_big,
         "the export too big for the staging buffers",
     )?;
     reader.handle.done(desc.request)?;
@@ -302,11 +305,7 @@ pub fn gpu_producer_copy_failure_refuses_the_export(gpu: &Gpu) -> Result<(), Fai
     if !until_nothing_in_flight(&mut p)? {
         return Err("the failed export still holds staging buffers".into());
     }
-    let reader = Reader::new()?;
-    let desc = source(&p, 79, &blocks)?;
-    reader.handle.register(desc.clone())?;
-    refused_everywhere(&reader.read(&desc)?, "the export whose copy failed")?;
-    drop(reader);
+    refused(&p, 79, &blocks, "the export whose copy failed")?;
     close(p, arena);
     Ok(())
 }
@@ -351,11 +350,7 @@ pub fn gpu_producer_reset_during_a_copy(gpu: &Gpu) -> Result<(), Failed> {
     if !until_nothing_in_flight(&mut p)? {
         return Err("staging buffers still held after the reset".into());
     }
-    let reader = Reader::new()?;
-    let desc = source(&p, 77, &held)?;
-    reader.handle.register(desc.clone())?;
-    refused_everywhere(&reader.read(&desc)?, "the export held at the reset")?;
-    drop(reader);
+    refused(&p, 77, &held, "the export held at the reset")?;
     close(p, arena);
     Ok(())
 }

@@ -128,22 +128,13 @@ impl RawTcpCopy {
     /// One pass over every block on every connection at once; returns how long it took, from
     /// the moment the senders are told to start to the last byte read.
     fn pass(&mut self) -> std::io::Result<Duration> {
-        let gone = || std::io::Error::other("a raw-copy thread is gone");
         // Receivers first: no sender writes before every receiver is reading.
         for lane in &self.lanes {
-            lane.read
-                .as_ref()
-                .ok_or_else(gone)?
-                .send(())
-                .map_err(|_| gone())?;
+            tell(&lane.read)?;
         }
         let t0 = Instant::now();
         for lane in &self.lanes {
-            lane.write
-                .as_ref()
-                .ok_or_else(gone)?
-                .send(())
-                .map_err(|_| gone())?;
+            tell(&lane.write)?;
         }
         let mut first_error = None;
         for lane in &self.lanes {
@@ -178,6 +169,16 @@ impl RawTcpCopy {
         }
         Ok(t)
     }
+}
+
+/// Tell a lane's thread to do one pass; an error if the thread is gone.
+fn tell(thread: &Option<Sender<()>>) -> std::io::Result<()> {
+    let gone = || std::io::Error::other("a raw-copy thread is gone");
+    thread
+        .as_ref()
+        .ok_or_else(gone)?
+        .send(())
+        .map_err(|_| gone())
 }
 
 impl Drop for RawTcpCopy {
