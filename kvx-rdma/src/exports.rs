@@ -349,10 +349,15 @@ impl ExportTable {
         if self.entries.contains_key(&request) || self.recent.iter().any(|(r, _)| *r == request) {
             return;
         }
+        self.remember(request, ReleaseReason::Aborted);
+    }
+
+    /// Keep how `request` ended among the last [`RECENT`], for readers that ask after it.
+    fn remember(&mut self, request: RequestId, reason: ReleaseReason) {
         if self.recent.len() == RECENT {
             self.recent.pop_front();
         }
-        self.recent.push_back((request, ReleaseReason::Aborted));
+        self.recent.push_back((request, reason));
     }
 
     fn unknown(&self, request: RequestId) -> Refusal {
@@ -421,10 +426,7 @@ impl ExportTable {
                 ReleaseReason::Expired => self.stats.released_expired += 1,
                 ReleaseReason::Aborted => self.stats.released_aborted += 1,
             }
-            if self.recent.len() == RECENT {
-                self.recent.pop_front();
-            }
-            self.recent.push_back((request, reason));
+            self.remember(request, reason);
             self.fresh.push(Released {
                 request,
                 reason,

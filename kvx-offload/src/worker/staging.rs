@@ -104,18 +104,16 @@ impl WorkerSide {
             deadline: self.deadline(Direction::Store),
             deferred: false,
         });
-        match (
-            submitted,
-            self.remote.as_mut().and_then(|r| r.staging.as_mut()),
-        ) {
-            (Ok(task), Some(staging)) => {
-                staging.copies.insert(task, job);
+        match submitted {
+            Ok(task) => {
+                if let Some(staging) = self.remote.as_mut().and_then(|r| r.staging.as_mut()) {
+                    staging.copies.insert(task, job);
+                }
             }
-            (Err(e), _) => {
+            Err(e) => {
                 refuse(self.remote.as_ref(), &job);
                 warn!(request = %job.request, export = job.export, error = %e, "kvx: export refused: its copy out of engine memory was not submitted");
             }
-            (Ok(_), None) => {}
         }
     }
 
