@@ -17,12 +17,12 @@ use kvx_core::{
     Backend, BlockError, BlockKey, Buf, CompletionBoard, Direction, Notifier, Op, OpCompletion,
     OpId, PoolBuf, RequestId, SubmitError, SubmitErrorKind, WaitOutcome,
 };
-use tokio::runtime::{Handle, Runtime};
 use tokio::sync::watch;
 
 use crate::descriptor::{RemoteDescriptor, TransportKind};
 use crate::error::RdmaError;
 use crate::keeper::{Renewal, renew};
+use crate::shards::{ShardThreads, Shards};
 use crate::tcp::{TcpClientConfig, TcpTransport};
 use crate::transport::{CancelSource, CancelToken, ReadSlot, Transport};
 
@@ -33,7 +33,7 @@ pub struct ImporterConfig {
     pub reader: u32,
     /// Shared token to present to producers (default none).
     pub token: Option<String>,
-    /// Runtime worker threads (default 2).
+    /// Reading threads (default 2); each op is read by one of them, in turn.
     pub threads: usize,
     /// Renew the leases of registered requests every descriptor heartbeat interval (default on).
     pub heartbeats: bool,
@@ -115,14 +115,14 @@ impl Registry {
 }
 
 /// What the importer shares with its op tasks: settings, ops, registered descriptors,
-/// transports and the runtime they run on.
+/// transports and the threads they run on.
 struct ImporterState {
     cfg: ImporterConfig,
     /// Ops in flight (each with its cancel source) and finished ops.
     ops: CompletionBoard<CancelSource>,
     registry: Mutex<Registry>,
     transports: Vec<Arc<dyn Transport>>,
-    rt: Handle,
+    shards: Shards,
 }
 
 impl ImporterState {
@@ -135,7 +135,7 @@ impl ImporterState {
 pub struct Importer {
     name: String,
     state: Arc<ImporterState>,
-    rt: Option<Runtime>,
+    threads: ShardThreads,
 }
 
 /// A cloneable handle to register remote requests with an [`Importer`] (which the driver owns)
@@ -157,23 +157,19 @@ impl Importer {
         cfg: ImporterConfig,
         transports: Vec<Arc<dyn Transport>>,
     ) -> Result<Importer, RdmaError> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.threads.max(1))
-            .thread_name("kvx-rdma-importer")
-            .enable_all()
-            .build()
-            .map_err(|e| RdmaError::Runtime(format!("cannot start the importer runtime: {e}")))?;
+        let (shards, threads) = Shards::start("kvx-rdma-importer", cfg.threads)
+            .map_err(|e| RdmaError::Runtime(format!("cannot start the importer threads: {e}")))?;
         let state = Arc::new(ImporterState {
             cfg,
             ops: CompletionBoard::default(),
             registry: Mutex::new(Registry::default()),
             transports,
-            rt: rt.handle().clone(),
+            shards,
         });
         Ok(Importer {
             name: "rdma".into(),
             state,
-            rt: Some(rt),
+            threads,
         })
     }
 
@@ -231,7 +227,7 @@ impl ImporterHandle {
                     *lock(&lost) = Some(why);
                 }
             };
-            self.state.rt.spawn(renew(
+            self.state.shards.spawn(renew(
                 transport,
                 desc,
                 stop_rx,
@@ -287,7 +283,7 @@ impl ImporterHandle {
             .ok_or_else(|| RdmaError::TransportUnavailable(reg.desc.transport.to_string()))?;
         let (tx, rx) = std::sync::mpsc::channel();
         let desc = reg.desc.clone();
-        self.state.rt.spawn(async move {
+        self.state.shards.spawn(async move {
             let _ = tx.send(transport.done(&desc).await);
         });
         let wait = self.state.cfg.control_timeout + Duration::from_millis(500);
@@ -400,7 +396,7 @@ impl Backend for Importer {
             });
         }
         let state = self.state.clone();
-        self.state.rt.spawn(run_op(state, op, token));
+        self.state.shards.spawn(run_op(state, op, token));
         Ok(())
     }
 
@@ -422,9 +418,8 @@ impl Drop for Importer {
         for r in lock(&self.state.registry).descs.values() {
             let _ = r.stop.send(true);
         }
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
+        // Waits (at most 1 s) until no op task is left on the importer's threads.
+        self.threads.stop(Duration::from_secs(1));
     }
 }
 

@@ -75,6 +75,7 @@ mod exports;
 mod importer;
 mod keeper;
 mod memory;
+mod shards;
 mod tcp;
 mod transport;
 #[cfg(feature = "verbs")]

@@ -60,7 +60,8 @@ impl Default for TcpClientConfig {
 #[derive(Debug)]
 pub struct TcpTransport {
     cfg: TcpClientConfig,
-    idle: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
+    /// Idle connections, off any reactor: the thread that checks one out watches it.
+    idle: Mutex<HashMap<SocketAddr, Vec<std::net::TcpStream>>>,
     next_tag: AtomicU64,
 }
 
@@ -122,14 +123,18 @@ impl TcpTransport {
             })?
     }
 
-    /// A pooled connection to `addr` that is still open, or a new one.
+    /// A pooled connection to `addr` that is still open, or a new one; watched by the
+    /// calling thread's runtime.
     pub(crate) async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
         loop {
             let pooled = kvx_core::lock(&self.idle)
                 .get_mut(&addr)
                 .and_then(|v| v.pop());
             match pooled {
-                Some(s) if still_open(&s) => return Ok(s),
+                Some(s) if still_open(&s) => match TcpStream::from_std(s) {
+                    Ok(s) => return Ok(s),
+                    Err(_) => continue,
+                },
                 // Closed by the producer while idle (its idle timeout, a restart): dropped.
                 Some(_) => continue,
                 None => return self.connect(addr).await,
@@ -137,7 +142,10 @@ impl TcpTransport {
         }
     }
 
+    /// Pool an in-sync connection (up to `max_idle` per producer), taken off this thread's
+    /// reactor so that any thread may check it out.
     pub(crate) fn checkin(&self, addr: SocketAddr, s: TcpStream) {
+        let Ok(s) = s.into_std() else { return };
         let mut idle = kvx_core::lock(&self.idle);
         let v = idle.entry(addr).or_default();
         if v.len() < self.cfg.max_idle {
@@ -370,10 +378,10 @@ impl TcpTransport {
     }
 }
 
-/// Whether an idle, in-sync connection is still open: nothing to read on it yet. The end of
-/// the stream (the producer closed it) or stray bytes mean it cannot be used.
-fn still_open(s: &TcpStream) -> bool {
-    matches!(s.try_read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+/// Whether an idle, in-sync (non-blocking) connection is still open: nothing to read on it
+/// yet. The end of the stream (the producer closed it) or stray bytes mean it cannot be used.
+fn still_open(s: &std::net::TcpStream) -> bool {
+    matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 fn fail_rest(results: &mut [Option<Result<(), BlockError>>], from: usize, err: BlockError) {

@@ -11,7 +11,6 @@ use std::io::IoSlice;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::runtime::Runtime;
 use tokio::sync::{Semaphore, watch};
 use tokio::time::timeout;
 use tracing::{debug, warn};
@@ -20,6 +19,7 @@ use crate::descriptor::{RemoteDescriptor, TransportKind};
 use crate::error::RdmaError;
 use crate::exporter::Exporter;
 use crate::exports::Refusal;
+use crate::shards::{ShardThreads, Shards};
 use crate::wire::{self, ErrorCode, FrameError, MAX_HELLO, PROTOCOL_VERSION, Reply, Request};
 
 /// Settings of a [`TcpServer`].
@@ -45,7 +45,8 @@ pub struct ServerConfig {
     pub idle_timeout: Duration,
     /// Connections served at once; more are refused with `Busy` (default 1024).
     pub max_connections: usize,
-    /// Runtime worker threads (default 2).
+    /// Serving threads (default 2); each connection is served by one of them, in turn, from
+    /// its handshake to its end.
     pub threads: usize,
     /// Fault injection for tests and demos: wait this long before each data reply (default 0).
     pub pace: Duration,
@@ -87,7 +88,7 @@ struct Ctx {
 /// The producer's TCP server. Serves until dropped.
 pub struct TcpServer {
     addr: SocketAddr,
-    rt: Option<Runtime>,
+    threads: ShardThreads,
 }
 
 impl TcpServer {
@@ -103,12 +104,8 @@ impl TcpServer {
     ) -> Result<TcpServer, RdmaError> {
         // A data frame's length prefix is a u32 covering the type byte and the tag too.
         cfg.max_read = cfg.max_read.min(u64::from(u32::MAX) - 9);
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.threads.max(1))
-            .thread_name("kvx-rdma-server")
-            .enable_all()
-            .build()
-            .map_err(|e| RdmaError::Runtime(format!("cannot start the server runtime: {e}")))?;
+        let (shards, threads) = Shards::start("kvx-rdma-server", cfg.threads)
+            .map_err(|e| RdmaError::Runtime(format!("cannot start the server threads: {e}")))?;
         let listen = cfg.listen;
         let std_listener = std::net::TcpListener::bind(listen).map_err(|source| RdmaError::Io {
             what: "listening on",
@@ -122,19 +119,15 @@ impl TcpServer {
         };
         std_listener.set_nonblocking(true).map_err(io)?;
         let addr = std_listener.local_addr().map_err(io)?;
-        let listener = {
-            let _g = rt.enter();
-            TcpListener::from_std(std_listener).map_err(io)?
-        };
         let ctx = Arc::new(Ctx {
             exporter,
             cfg,
             side,
             next_conn: std::sync::atomic::AtomicU64::new(1),
         });
-        rt.spawn(reaper(ctx.exporter.clone()));
-        rt.spawn(accept_loop(listener, ctx));
-        Ok(TcpServer { addr, rt: Some(rt) })
+        shards.spawn_background(reaper(ctx.exporter.clone()));
+        shards.spawn_background(accept_loop(std_listener, shards.clone(), ctx));
+        Ok(TcpServer { addr, threads })
     }
 
     /// The address the server listens on (with the real port when `listen` asked for port 0).
@@ -160,14 +153,7 @@ impl Drop for TcpServer {
     /// Stops serving; outside a runtime, waits (at most 1 s) until no thread of the
     /// server can still be copying from the memory it serves, so that memory may be freed next.
     fn drop(&mut self) {
-        if let Some(rt) = self.rt.take() {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                // A runtime may not block inside another one.
-                rt.shutdown_background();
-            } else {
-                rt.shutdown_timeout(STOP_WAIT);
-            }
-        }
+        self.threads.stop(STOP_WAIT);
     }
 }
 
@@ -189,7 +175,15 @@ async fn reaper(exporter: Exporter) {
     }
 }
 
-async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
+/// Accept connections and hand each to the next serving thread, which serves it to its end.
+async fn accept_loop(listener: std::net::TcpListener, shards: Shards, ctx: Arc<Ctx>) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(error = %e, "kvx-rdma server: cannot watch the listening socket");
+            return;
+        }
+    };
     let slots = Arc::new(Semaphore::new(ctx.cfg.max_connections.max(1)));
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -203,8 +197,21 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
         let ctx = ctx.clone();
         match slots.clone().try_acquire_owned() {
             Ok(permit) => {
-                tokio::spawn(async move {
-                    serve(stream, peer, &ctx).await;
+                // Moved to its serving thread's reactor: only that thread is woken for it.
+                let stream = match stream.into_std() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        warn!(error = %e, %peer, "kvx-rdma server: cannot hand a connection over");
+                        continue;
+                    }
+                };
+                shards.spawn(async move {
+                    match TcpStream::from_std(stream) {
+                        Ok(stream) => serve(stream, peer, &ctx).await,
+                        Err(e) => {
+                            warn!(error = %e, %peer, "kvx-rdma server: cannot serve a connection")
+                        }
+                    }
                     drop(permit);
                 });
             }
