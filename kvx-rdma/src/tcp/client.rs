@@ -35,7 +35,10 @@ pub struct TcpClientConfig {
     /// Reads in flight on one connection: at least this many (default 8), and at least
     /// `window_bytes` worth.
     pub window: usize,
-    /// Bytes of reads in flight on one connection, at least (default 8 MiB).
+    /// Bytes of reads in flight on one connection, at least (default 32 MiB). Asking costs
+    /// nothing but the requests (replies land in the op's own buffers); with less in flight
+    /// than a loopback socket buffers (Linux grows it to tens of MiB), the producer runs out of
+    /// reads to answer and waits for the next batch.
     pub window_bytes: u64,
     /// Idle connections kept per producer (default 16: the 8 a long prompt's load reads over
     /// in kvx-offload, twice). Each counts against the producer's `max_connections`.
@@ -50,7 +53,7 @@ impl Default for TcpClientConfig {
             connect_timeout: Duration::from_secs(2),
             control_timeout: Duration::from_secs(2),
             window: 8,
-            window_bytes: 8 << 20,
+            window_bytes: 32 << 20,
             max_idle: 16,
         }
     }
