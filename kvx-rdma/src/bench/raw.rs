@@ -156,18 +156,8 @@ impl RawTcpCopy {
     /// One untimed pass (the warm-up, like kvx's untimed round), then a timed one; returns the
     /// timed pass's duration.
     pub fn measure(&mut self) -> std::io::Result<Duration> {
-        let w = self.pass()?;
-        let t = self.pass()?;
-        if std::env::var("KVX_LAT").is_ok() {
-            let x = self.pass()?;
-            eprintln!(
-                "raw warm {:.2} timed {:.2} extra {:.2}",
-                w.as_secs_f64() * 1e3,
-                t.as_secs_f64() * 1e3,
-                x.as_secs_f64() * 1e3
-            );
-        }
-        Ok(t)
+        self.pass()?;
+        self.pass()
     }
 }
 
