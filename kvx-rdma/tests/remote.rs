@@ -77,6 +77,10 @@ fn main() {
             "a_pooled_connection_the_producer_closed_is_not_used",
             bad_peer::a_pooled_connection_the_producer_closed_is_not_used,
         ),
+        trial(
+            "a_pooled_connection_closed_as_the_reads_go_out_is_replaced_once",
+            bad_peer::a_pooled_connection_closed_as_the_reads_go_out_is_replaced_once,
+        ),
     ];
     let netns = remote::netns::available();
     if let Err(reason) = &netns {

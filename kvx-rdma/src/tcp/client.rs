@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvx_core::BlockError;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::time::{timeout, timeout_at};
 
@@ -128,21 +128,43 @@ impl TcpTransport {
 
     /// A pooled connection to `addr` that is still open, or a new one; watched by the
     /// calling thread's runtime.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) async fn checkout(&self, addr: SocketAddr) -> Result<TcpStream, RdmaError> {
+        match self.pooled(addr) {
+            Some(s) => Ok(s),
+            None => self.connect(addr).await,
+        }
+    }
+
+    /// A pooled connection to `addr` that is still open, watched by the calling thread's
+    /// runtime; `None` when the pool has none.
+    fn pooled(&self, addr: SocketAddr) -> Option<TcpStream> {
         loop {
-            let pooled = kvx_core::lock(&self.idle)
-                .get_mut(&addr)
-                .and_then(|v| v.pop());
-            match pooled {
-                Some(s) if still_open(&s) => match TcpStream::from_std(s) {
-                    Ok(s) => return Ok(s),
-                    Err(_) => continue,
-                },
-                // Closed by the producer while idle (its idle timeout, a restart): dropped.
-                Some(_) => continue,
-                None => return self.connect(addr).await,
+            let s = kvx_core::lock(&self.idle).get_mut(&addr)?.pop()?;
+            // Closed by the producer while idle (its idle timeout, a restart): dropped.
+            if still_open(&s) {
+                if let Ok(s) = TcpStream::from_std(s) {
+                    return Some(s);
+                }
             }
         }
+    }
+
+    /// A connection to `addr` on which `request` went out and the first byte of its answer
+    /// came back. The pool is tried first; a pooled connection the producer closed before
+    /// answering (its idle timeout landing between the pool's check and the write) gives
+    /// way to one new connection. Nothing was answered on it, so nothing is done twice.
+    async fn send_first(
+        &self,
+        addr: SocketAddr,
+        request: &[u8],
+    ) -> Result<BufReader<TcpStream>, RdmaError> {
+        if let Some(s) = self.pooled(addr) {
+            if let Ok(s) = answered(addr, s, request).await {
+                return Ok(s);
+            }
+        }
+        answered(addr, self.connect(addr).await?, request).await
     }
 
     /// Pool an in-sync connection (up to `max_idle` per producer), taken off this thread's
@@ -194,7 +216,6 @@ impl TcpTransport {
         let addr = desc.addr;
         let what = if done { "done" } else { "heartbeat" };
         let fut = async {
-            let mut s = self.checkout(addr).await?;
             let tag = self.tags(1);
             let req = if done {
                 Request::Done {
@@ -207,19 +228,17 @@ impl TcpTransport {
                     request: desc.request.0,
                 }
             };
-            s.write_all(&req.encode())
-                .await
-                .map_err(|source| RdmaError::Io {
-                    what: "sending to",
-                    addr,
-                    source,
-                })?;
+            let mut s = self.send_first(addr, &req.encode()).await?;
             let reply = wire::read_reply_head(&mut s, 0)
                 .await
                 .map_err(|what| RdmaError::Protocol { addr, what })?;
+            // Only the reply was read: anything more means the connection is out of sync.
+            let in_sync = |s: BufReader<TcpStream>| s.buffer().is_empty().then(|| s.into_inner());
             match reply {
                 ReplyHead::Control(Reply::Ack { tag: t }) if t == tag => {
-                    self.checkin(addr, s);
+                    if let Some(s) = in_sync(s) {
+                        self.checkin(addr, s);
+                    }
                     Ok(())
                 }
                 ReplyHead::Control(Reply::Error {
@@ -228,7 +247,9 @@ impl TcpTransport {
                     message,
                 }) if t == tag || t == 0 => {
                     if t == tag && !code.is_fatal() {
-                        self.checkin(addr, s);
+                        if let Some(s) = in_sync(s) {
+                            self.checkin(addr, s);
+                        }
                     }
                     Err(RdmaError::Remote {
                         addr,
@@ -273,15 +294,6 @@ impl TcpTransport {
         if n == 0 {
             return None;
         }
-        let mut s = match self.checkout(addr).await {
-            // Reply heads come through a small buffer (one syscall each, with the payload's
-            // first bytes); payloads are read straight into the slots, past the buffer.
-            Ok(s) => BufReader::with_capacity(HEAD_BUFFER, s),
-            Err(e) => {
-                fail_rest(results, 0, BlockError::Io(e.to_string()));
-                return None;
-            }
-        };
         let base = self.tags(n);
         let read = |k: usize, index: u32| {
             Request::Read {
@@ -304,14 +316,15 @@ impl TcpTransport {
             batch.extend(read(sent, slots[wanted[sent]].index));
             sent += 1;
         }
-        if let Err(e) = s.write_all(&batch).await {
-            fail_rest(
-                results,
-                0,
-                BlockError::Io(format!("sending reads to {addr}: {e}")),
-            );
-            return None;
-        }
+        // Reply heads come through a small buffer (one syscall each, with the payload's first
+        // bytes); payloads are read straight into the slots, past the buffer.
+        let mut s = match self.send_first(addr, &batch).await {
+            Ok(s) => s,
+            Err(e) => {
+                fail_rest(results, 0, BlockError::Io(e.to_string()));
+                return None;
+            }
+        };
         for (k, &i) in wanted.iter().enumerate() {
             let tag = base + k as u64;
             let head = match wire::read_reply_head(&mut s, bytes).await {
@@ -378,6 +391,30 @@ impl TcpTransport {
         // Every reply was read whole, so the buffer is empty unless the producer sent more
         // than was asked for: such a connection is out of sync and not pooled.
         s.buffer().is_empty().then(|| s.into_inner())
+    }
+}
+
+/// Send `request` on `s` and wait for the first byte of the answer (left in the buffer).
+async fn answered(
+    addr: SocketAddr,
+    s: TcpStream,
+    request: &[u8],
+) -> Result<BufReader<TcpStream>, RdmaError> {
+    let io = |what, source| RdmaError::Io { what, addr, source };
+    let mut s = BufReader::with_capacity(HEAD_BUFFER, s);
+    s.write_all(request)
+        .await
+        .map_err(|e| io("sending to", e))?;
+    match s.fill_buf().await {
+        Ok([]) => Err(io(
+            "reading from",
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the connection closed before an answer",
+            ),
+        )),
+        Ok(_) => Ok(s),
+        Err(e) => Err(io("reading from", e)),
     }
 }
 

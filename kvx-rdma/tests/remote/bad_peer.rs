@@ -393,3 +393,166 @@ pub fn a_pooled_connection_the_producer_closed_is_not_used() {
         assert_eq!(engine[7], pattern(1, 7), "{load}: the bytes of block 1");
     }
 }
+
+/// What the [`CuttingProxy`] does to a request (a frame after the hello).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// Forward it.
+    Never,
+    /// Close the next connection that carries one, once, without forwarding it.
+    Once,
+    /// Close every connection that carries one, without forwarding it.
+    Always,
+}
+
+/// A TCP proxy in front of a producer that closes connections as requests arrive on them, as
+/// a producer's idle timeout closing a pooled connection just as a load's reads (or a done)
+/// go out on it would. Counts the connections it accepted.
+struct CuttingProxy {
+    addr: SocketAddr,
+    cut: std::sync::Arc<std::sync::Mutex<Cut>>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CuttingProxy {
+    fn start(producer: SocketAddr) -> CuttingProxy {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Mutex};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(Mutex::new(Cut::Never));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (cut2, accepted2) = (cut.clone(), accepted.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(mut client) = client else { return };
+                accepted2.fetch_add(1, Ordering::SeqCst);
+                let mut server = TcpStream::connect(producer).unwrap();
+                let (mut client_rx, mut server_tx) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                // Producer → client: bytes as they come.
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut server, &mut client);
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                });
+                // Client → producer: frame by frame, each read request checked first.
+                let cut = cut2.clone();
+                std::thread::spawn(move || {
+                    loop {
+                        let mut len = [0u8; 4];
+                        if client_rx.read_exact(&mut len).is_err() {
+                            break;
+                        }
+                        let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+                        if client_rx.read_exact(&mut body).is_err() {
+                            break;
+                        }
+                        if !matches!(Request::decode(&body), Ok(Request::Hello { .. })) {
+                            let mut c = cut.lock().unwrap();
+                            if *c != Cut::Never {
+                                if *c == Cut::Once {
+                                    *c = Cut::Never;
+                                }
+                                break;
+                            }
+                        }
+                        if server_tx.write_all(&len).is_err() || server_tx.write_all(&body).is_err()
+                        {
+                            break;
+                        }
+                    }
+                    let _ = client_rx.shutdown(std::net::Shutdown::Both);
+                    let _ = server_tx.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        CuttingProxy {
+            addr,
+            cut,
+            accepted,
+        }
+    }
+
+    fn cut(&self, c: Cut) {
+        *self.cut.lock().unwrap() = c;
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A pooled connection closed just as a load's reads go out on it (the producer's idle
+/// timeout landing between the pool's check and the write): the load goes on over one new
+/// connection and every block arrives. A producer that closes that one too fails the load at
+/// once, with no second retry. A done sent on such a connection is sent again on a new one.
+/// Before the retry, the first case failed every block with "early eof" and D recomputed what
+/// it could have read.
+pub fn a_pooled_connection_closed_as_the_reads_go_out_is_replaced_once() {
+    let mut p = Peer::producer(&[]);
+    let mut desc = p.export(1, 0, 2, 30_000, 1);
+    p.ready(1);
+    let proxy = CuttingProxy::start(desc.addr);
+    desc.addr = proxy.addr;
+    // No heartbeats: only the loads use connections.
+    let mut c = Consumer::new(0, BLOCK, 2, None, false);
+    c.handle.register(desc.clone()).unwrap();
+    let check_ok = |c: &Consumer, r: &kvx_core::TaskReport, what: &str| {
+        for (b, block) in r.blocks.iter().enumerate() {
+            assert!(
+                block.result.is_ok(),
+                "{what}: block {b}: {:?}",
+                block.result
+            );
+        }
+        let engine = c.arena.read_block(kvx_core::EngineBlockId(1)).unwrap();
+        assert_eq!(engine[7], pattern(1, 7), "{what}: the bytes of block 1");
+    };
+
+    let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
+    check_ok(&c, &r, "first load");
+    drop(r); // its staging buffers go back to the pool
+    assert_eq!(proxy.accepted(), 1);
+
+    proxy.cut(Cut::Once);
+    let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
+    check_ok(&c, &r, "the pooled connection closed under the reads");
+    drop(r);
+    assert_eq!(proxy.accepted(), 2, "exactly one new connection");
+
+    proxy.cut(Cut::Always);
+    let t0 = Instant::now();
+    let r = c.load(&desc.blocks, t0 + Duration::from_secs(5));
+    let took = t0.elapsed();
+    assert!(matches!(r.state, TaskState::Failed(_)), "{:?}", r.state);
+    for (b, block) in r.blocks.iter().enumerate() {
+        assert!(
+            matches!(&block.result, Err(BlockError::Io(m)) if m.contains("closed before an answer")),
+            "block {b}: {:?}",
+            block.result
+        );
+    }
+    assert_eq!(proxy.accepted(), 3, "one retry, not more");
+    assert!(
+        took < Duration::from_secs(1),
+        "failed after {took:?}, not at once"
+    );
+    drop(r);
+
+    proxy.cut(Cut::Never);
+    let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
+    check_ok(&c, &r, "after the cuts");
+    assert_eq!(proxy.accepted(), 4);
+    proxy.cut(Cut::Once);
+    c.handle.done(desc.request).unwrap();
+    assert_eq!(
+        proxy.accepted(),
+        5,
+        "the done went out again on a new connection"
+    );
+    // The producer heard it: the request is released as read.
+    assert_eq!(
+        p.wait_for("released", Duration::from_secs(2)),
+        "released 1 Read"
+    );
+}
