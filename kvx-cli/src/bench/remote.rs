@@ -108,8 +108,12 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
     let mut raw_copy = rig
         .raw_tcp_copy(args.depth)
         .map_err(|e| format!("raw TCP copy: {e}"))?;
+    let mut raw_tasks = rig
+        .raw_tcp_tasks(args.task_blocks, args.depth)
+        .map_err(|e| format!("raw TCP tasks: {e}"))?;
     let mut lat = Vec::new();
     let (mut kvx_t, mut raw_t, mut hot_t) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let mut tasks_t = Duration::ZERO;
     for _ in 0..args.rounds {
         round(&mut Vec::new())?;
         let t0 = std::time::Instant::now();
@@ -118,12 +122,16 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
         raw_t += raw_copy
             .measure()
             .map_err(|e| format!("raw TCP copy: {e}"))?;
+        tasks_t += raw_tasks
+            .measure()
+            .map_err(|e| format!("raw TCP tasks: {e}"))?;
         hot_t += raw_tcp_hot_copy((n * bs) as u64, bs).map_err(|e| format!("raw TCP copy: {e}"))?;
     }
     lat.sort();
     let read = gib_s(total, kvx_t);
     let raw = gib_s(total, raw_t);
     let hot = gib_s(total, hot_t);
+    let tasks = gib_s(total, tasks_t);
     let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     if args.json {
@@ -143,6 +151,9 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
             "ratio": read / raw,
             "raw_tcp_hot_gib_s": hot,
             "ratio_vs_hot": read / hot,
+            "raw_tcp_tasks_gib_s": tasks,
+            "ratio_vs_tasks": read / tasks,
+            "tasks_vs_raw": tasks / raw,
             "task_p50_ms": ms(p50),
             "task_p99_ms": ms(p99),
             "tasks": lat.len(),
@@ -171,6 +182,14 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
             "  (reference: cache-hot {} B buffer to buffer {hot:.2} GiB/s, ratio {:.2}x)",
             args.block_size,
             read / hot
+        );
+        println!(
+            "  (reference: the raw copy in request/response tasks of {} blocks, {} in flight, \
+             {tasks:.2} GiB/s = {:.2}x the raw copy; kvx {:.2}x of it)",
+            args.task_blocks,
+            raw_tasks.connections(),
+            tasks / raw,
+            read / tasks
         );
         println!(
             "  task latency    p50 {:.2} ms, p99 {:.2} ms over {} tasks",

@@ -17,8 +17,10 @@ use crate::importer::{Importer, ImporterConfig, ImporterHandle};
 use crate::tcp::{ServerConfig, TcpServer};
 
 mod raw;
+mod raw_tasks;
 
 pub use raw::{RawTcpCopy, raw_tcp_hot_copy};
+pub use raw_tasks::RawTcpTasks;
 
 /// Producer (engine arena, exporter, server) and consumer (importer in a driver) on loopback.
 pub struct LoopbackRig {
@@ -173,6 +175,23 @@ impl LoopbackRig {
         RawTcpCopy::start(
             self.arena.clone(),
             self.block_bytes,
+            connections,
+            self.staging,
+        )
+    }
+
+    /// A reference point: the same bytes over `connections` plain loopback TCP connections in
+    /// request/response tasks of `task_blocks` blocks, each connection's one at a time, into as
+    /// many destination buffers as the staging pool has; see [`RawTcpTasks`].
+    pub fn raw_tcp_tasks(
+        &self,
+        task_blocks: usize,
+        connections: usize,
+    ) -> std::io::Result<RawTcpTasks> {
+        RawTcpTasks::start(
+            self.arena.clone(),
+            self.block_bytes,
+            task_blocks,
             connections,
             self.staging,
         )
