@@ -258,7 +258,6 @@ impl OffloadBuilder {
                     token: r.token.clone(),
                     // The scheduler side's lease keeper renews the leases.
                     heartbeats: false,
-                    threads: 1,
                     ..kvx_rdma::ImporterConfig::default()
                 })
                 .map_err(|e| setup("remote importer")(e.to_string()))?;

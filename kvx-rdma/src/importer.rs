@@ -33,7 +33,8 @@ pub struct ImporterConfig {
     pub reader: u32,
     /// Shared token to present to producers (default none).
     pub token: Option<String>,
-    /// Reading threads (default 2); each op is read by one of them, in turn.
+    /// Reading threads (default: one per core, at most 8); each op is read by the least busy
+    /// one.
     pub threads: usize,
     /// Renew the leases of registered requests every descriptor heartbeat interval (default on).
     pub heartbeats: bool,
@@ -50,7 +51,7 @@ impl Default for ImporterConfig {
         ImporterConfig {
             reader: 0,
             token: None,
-            threads: 2,
+            threads: crate::shards::default_count(),
             heartbeats: true,
             max_ops: 4096,
             connect_timeout: Duration::from_secs(2),

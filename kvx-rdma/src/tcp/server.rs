@@ -45,8 +45,10 @@ pub struct ServerConfig {
     pub idle_timeout: Duration,
     /// Connections served at once; more are refused with `Busy` (default 1024).
     pub max_connections: usize,
-    /// Serving threads (default 2); each connection is served by one of them, in turn, from
-    /// its handshake to its end.
+    /// Serving threads (default: one per core, at most 8); each connection is served by the
+    /// least busy one, from its handshake to its end. On 2 cores, prefill → decode through the
+    /// connector read 3.5-4.6 GiB/s with 8 against 3.2-3.8 with 2, but the 8 busy threads
+    /// sometimes kept an engine thread of the same machine from its core for ~5 ms.
     pub threads: usize,
     /// Fault injection for tests and demos: wait this long before each data reply (default 0).
     pub pace: Duration,
@@ -64,7 +66,7 @@ impl Default for ServerConfig {
             write_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(600),
             max_connections: 1024,
-            threads: 2,
+            threads: crate::shards::default_count(),
             pace: Duration::ZERO,
         }
     }
