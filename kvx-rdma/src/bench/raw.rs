@@ -12,7 +12,7 @@ use kvx_core::AlignedBuf;
 
 /// How long a raw-copy thread or the caller waits for the other end before giving up with an
 /// error.
-const RAW_COPY_STALL: Duration = Duration::from_secs(30);
+pub(super) const RAW_COPY_STALL: Duration = Duration::from_secs(30);
 
 /// Blocking I/O with no delay and a read timeout of [`RAW_COPY_STALL`].
 fn configure(s: &TcpStream) -> std::io::Result<()> {
@@ -136,21 +136,7 @@ impl RawTcpCopy {
         for lane in &self.lanes {
             tell(&lane.write)?;
         }
-        let mut first_error = None;
-        for lane in &self.lanes {
-            let r = match lane.done.recv_timeout(RAW_COPY_STALL) {
-                Ok(r) => r,
-                Err(_) => Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "a raw-copy receiver did not finish its pass",
-                )),
-            };
-            if let Err(e) = r {
-                first_error.get_or_insert(e);
-            }
-        }
-        let took = t0.elapsed();
-        first_error.map_or(Ok(took), Err)
+        finish_pass(t0, self.lanes.iter().map(|l| &l.done), "raw-copy receiver")
     }
 
     /// One untimed pass (the warm-up, like kvx's untimed round), then a timed one; returns the
@@ -162,13 +148,36 @@ impl RawTcpCopy {
 }
 
 /// Tell a lane's thread to do one pass; an error if the thread is gone.
-fn tell(thread: &Option<Sender<()>>) -> std::io::Result<()> {
+pub(super) fn tell(thread: &Option<Sender<()>>) -> std::io::Result<()> {
     let gone = || std::io::Error::other("a raw-copy thread is gone");
     thread
         .as_ref()
         .ok_or_else(gone)?
         .send(())
         .map_err(|_| gone())
+}
+
+/// Wait for every reading thread's verdict on the pass started at `t0` (each at most
+/// [`RAW_COPY_STALL`]); the pass's duration, or the first error.
+pub(super) fn finish_pass<'a>(
+    t0: Instant,
+    verdicts: impl Iterator<Item = &'a Receiver<std::io::Result<()>>>,
+    who: &str,
+) -> std::io::Result<Duration> {
+    let mut first_error = None;
+    for done in verdicts {
+        let r = done.recv_timeout(RAW_COPY_STALL).unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("a {who} did not finish its pass"),
+            ))
+        });
+        if let Err(e) = r {
+            first_error.get_or_insert(e);
+        }
+    }
+    let took = t0.elapsed();
+    first_error.map_or(Ok(took), Err)
 }
 
 impl Drop for RawTcpCopy {

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::AlignedBuf;
 
-/// How long a thread or the caller waits for the other end before giving up with an error.
-const STALL: Duration = Duration::from_secs(30);
+use super::raw::{RAW_COPY_STALL as STALL, finish_pass, tell};
 
 /// `connections` loopback connections, each with a server thread that answers a request for
 /// blocks `first..first+count` by writing them straight from the engine memory, and a reader
@@ -143,28 +142,11 @@ impl RawTcpTasks {
     /// Every task of every connection, each connection's one at a time; returns how long it
     /// took from the start signal to the last byte read.
     fn pass(&mut self) -> std::io::Result<Duration> {
-        let gone = || std::io::Error::other("a raw-tasks reader is gone");
         let t0 = Instant::now();
         for r in &self.readers {
-            r.go.as_ref()
-                .ok_or_else(gone)?
-                .send(())
-                .map_err(|_| gone())?;
+            tell(&r.go)?;
         }
-        let mut first_error = None;
-        for r in &self.readers {
-            let v = r.done.recv_timeout(STALL).unwrap_or_else(|_| {
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "a raw-tasks reader did not finish its pass",
-                ))
-            });
-            if let Err(e) = v {
-                first_error.get_or_insert(e);
-            }
-        }
-        let took = t0.elapsed();
-        first_error.map_or(Ok(took), Err)
+        finish_pass(t0, self.readers.iter().map(|r| &r.done), "raw-tasks reader")
     }
 
     /// One untimed pass (the warm-up), then a timed one; returns the timed pass's duration.
