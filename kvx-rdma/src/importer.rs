@@ -136,7 +136,8 @@ impl ImporterState {
 pub struct Importer {
     name: String,
     state: Arc<ImporterState>,
-    threads: ShardThreads,
+    /// Held for its drop, which stops the threads.
+    _threads: ShardThreads,
 }
 
 /// A cloneable handle to register remote requests with an [`Importer`] (which the driver owns)
@@ -170,7 +171,7 @@ impl Importer {
         Ok(Importer {
             name: "rdma".into(),
             state,
-            threads,
+            _threads: threads,
         })
     }
 
@@ -419,8 +420,7 @@ impl Drop for Importer {
         for r in lock(&self.state.registry).descs.values() {
             let _ = r.stop.send(true);
         }
-        // Waits (at most 1 s) until no op task is left on the importer's threads.
-        self.threads.stop(Duration::from_secs(1));
+        // `_threads` drops next: it waits (at most 1 s) until no op task is left.
     }
 }
 

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, channel};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
@@ -54,7 +55,10 @@ pub(crate) struct ShardThreads {
     stop: watch::Sender<bool>,
     /// One message per thread that has dropped its runtime (and every task on it).
     stopped: Receiver<()>,
+    /// Threads that have not sent that message yet.
     count: usize,
+    /// The threads, so that a stop called on one of them does not wait for itself.
+    ids: Vec<ThreadId>,
 }
 
 impl Shards {
@@ -69,18 +73,28 @@ impl Shards {
             stop,
             stopped,
             count: 0,
+            ids: Vec::with_capacity(n),
         };
         for _ in 0..n {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
             let mut stop_rx = stop_rx.clone();
             let stopped_tx = stopped_tx.clone();
             let handle_tx = handle_tx.clone();
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(name.into())
                 .spawn(move || {
-                    let _ = handle_tx.send(rt.handle().clone());
+                    // Built here, so that it is dropped here too, whatever happens.
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            let _ = handle_tx.send(Err(e));
+                            let _ = stopped_tx.send(());
+                            return;
+                        }
+                    };
+                    let _ = handle_tx.send(Ok(rt.handle().clone()));
                     rt.block_on(async {
                         // Ends when told to stop or when the stop sender is gone.
                         let _ = stop_rx.wait_for(|stop| *stop).await;
@@ -89,10 +103,14 @@ impl Shards {
                     drop(rt);
                     let _ = stopped_tx.send(());
                 })?;
+            threads.ids.push(thread.thread().id());
             threads.count += 1;
         }
         drop(handle_tx);
-        let handles: Vec<Handle> = handle_rx.iter().take(n).collect();
+        let handles = handle_rx
+            .iter()
+            .take(n)
+            .collect::<std::io::Result<Vec<Handle>>>()?;
         if handles.len() < n {
             return Err(std::io::Error::other(
                 "a shard thread ended before it started",
@@ -137,12 +155,12 @@ impl Shards {
 }
 
 impl ShardThreads {
-    /// Tell every thread to stop and, unless called on a runtime thread (which must not
-    /// block), wait at most `wait` until each has dropped its runtime and so every task on it.
-    /// Returns whether all did.
-    pub(crate) fn stop(&mut self, wait: Duration) -> bool {
+    /// Tell every thread to stop and wait at most `wait` until each has dropped its runtime,
+    /// and so every task on it; returns whether all did. Called on one of these threads, it
+    /// cannot wait for itself and returns at once.
+    fn stop(&mut self, wait: Duration) -> bool {
         let _ = self.stop.send(true);
-        if Handle::try_current().is_ok() {
+        if self.ids.contains(&std::thread::current().id()) {
             return false;
         }
         let until = Instant::now() + wait;
@@ -157,11 +175,15 @@ impl ShardThreads {
     }
 }
 
+/// How long dropping [`ShardThreads`] waits for the threads: a reply or read in progress is a
+/// non-blocking call, so they stop within microseconds unless the machine is starved.
+const STOP_WAIT: Duration = Duration::from_secs(1);
+
 impl Drop for ShardThreads {
-    /// Stops the threads, waiting at most 1 s for them outside a runtime (see
-    /// [`ShardThreads::stop`]).
+    /// Stops the threads and waits (at most 1 s; not on one of them) until no task of theirs
+    /// is left: no thread can then still touch memory a task borrowed from its owner.
     fn drop(&mut self) {
-        self.stop(Duration::from_secs(1));
+        self.stop(STOP_WAIT);
     }
 }
 
@@ -233,7 +255,6 @@ mod tests {
             let _held = held;
             std::future::pending::<()>().await;
         });
-        std::thread::sleep(Duration::from_millis(20));
         assert_eq!(Arc::strong_count(&guard), 2);
         assert!(threads.stop(Duration::from_secs(5)));
         assert_eq!(Arc::strong_count(&guard), 1, "the pending task was dropped");

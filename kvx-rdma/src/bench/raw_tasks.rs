@@ -62,10 +62,11 @@ impl RawTcpTasks {
         for lane in 0..n {
             let mut client = TcpStream::connect(addr)?;
             let (mut server, _) = listener.accept()?;
-            for s in [&client, &server] {
-                s.set_nodelay(true)?;
-                s.set_read_timeout(Some(STALL))?;
-            }
+            client.set_nodelay(true)?;
+            client.set_read_timeout(Some(STALL))?;
+            // No read timeout: the server waits for the next request however long the other
+            // paths take between passes, and ends when the reader's end closes.
+            server.set_nodelay(true)?;
             let served = arena.clone();
             servers.push(
                 std::thread::Builder::new()

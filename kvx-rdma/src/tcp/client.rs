@@ -153,7 +153,9 @@ impl TcpTransport {
     /// A connection to `addr` on which `request` went out and the first byte of its answer
     /// came back. The pool is tried first; a pooled connection the producer closed before
     /// answering (its idle timeout landing between the pool's check and the write) gives
-    /// way to one new connection. Nothing was answered on it, so nothing is done twice.
+    /// way to one new connection. Reads sent again are harmless (each answer lands in its
+    /// slot once, on the connection that answers it); a heartbeat or done the producer did
+    /// handle before the close is refused the second time, and the caller sees that error.
     async fn send_first(
         &self,
         addr: SocketAddr,

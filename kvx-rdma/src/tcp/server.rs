@@ -87,10 +87,13 @@ struct Ctx {
     next_conn: std::sync::atomic::AtomicU64,
 }
 
-/// The producer's TCP server. Serves until dropped.
+/// The producer's TCP server. Serves until dropped; dropping it waits (at most 1 s, and not
+/// on one of its own threads) until no thread of the server can still be copying from the
+/// memory it serves, so that memory may be freed next.
 pub struct TcpServer {
     addr: SocketAddr,
-    threads: ShardThreads,
+    /// Held for its drop, which stops the threads.
+    _threads: ShardThreads,
 }
 
 impl TcpServer {
@@ -127,9 +130,34 @@ impl TcpServer {
             side,
             next_conn: std::sync::atomic::AtomicU64::new(1),
         });
+        // The listener is watched by the first thread; whether that worked is known before
+        // `start` returns, so a server that cannot accept is never handed out.
+        let (watching, watched) = std::sync::mpsc::channel();
         shards.spawn_background(reaper(ctx.exporter.clone()));
-        shards.spawn_background(accept_loop(std_listener, shards.clone(), ctx));
-        Ok(TcpServer { addr, threads })
+        shards.spawn_background({
+            let shards = shards.clone();
+            async move {
+                match TcpListener::from_std(std_listener) {
+                    Ok(listener) => {
+                        let _ = watching.send(Ok(()));
+                        accept_loop(listener, shards, ctx).await;
+                    }
+                    Err(e) => {
+                        let _ = watching.send(Err(e));
+                    }
+                }
+            }
+        });
+        match watched.recv_timeout(Duration::from_secs(5)) {
+            Ok(Ok(())) => Ok(TcpServer {
+                addr,
+                _threads: threads,
+            }),
+            Ok(Err(e)) => Err(io(e)),
+            Err(_) => Err(RdmaError::Runtime(
+                "the server's first thread did not start watching the listener within 5 s".into(),
+            )),
+        }
     }
 
     /// The address the server listens on (with the real port when `listen` asked for port 0).
@@ -144,18 +172,6 @@ impl TcpServer {
         request: RequestId,
     ) -> Result<RemoteDescriptor, RdmaError> {
         exporter.descriptor(request, self.addr, TransportKind::Tcp)
-    }
-}
-
-/// How long dropping a server waits for its threads to stop: a reply in progress is a
-/// non-blocking write, so they stop within microseconds unless the machine is starved.
-const STOP_WAIT: Duration = Duration::from_secs(1);
-
-impl Drop for TcpServer {
-    /// Stops serving; outside a runtime, waits (at most 1 s) until no thread of the
-    /// server can still be copying from the memory it serves, so that memory may be freed next.
-    fn drop(&mut self) {
-        self.threads.stop(STOP_WAIT);
     }
 }
 
@@ -177,15 +193,9 @@ async fn reaper(exporter: Exporter) {
     }
 }
 
-/// Accept connections and hand each to the next serving thread, which serves it to its end.
-async fn accept_loop(listener: std::net::TcpListener, shards: Shards, ctx: Arc<Ctx>) {
-    let listener = match TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => {
-            warn!(error = %e, "kvx-rdma server: cannot watch the listening socket");
-            return;
-        }
-    };
+/// Accept connections and hand each to the least busy serving thread, which serves it to its
+/// end.
+async fn accept_loop(listener: TcpListener, shards: Shards, ctx: Arc<Ctx>) {
     let slots = Arc::new(Semaphore::new(ctx.cfg.max_connections.max(1)));
     loop {
         let (stream, peer) = match listener.accept().await {
