@@ -258,6 +258,9 @@ impl OffloadBuilder {
                     token: r.token.clone(),
                     // The scheduler side's lease keeper renews the leases.
                     heartbeats: false,
+                    threads: r
+                        .threads
+                        .unwrap_or(kvx_rdma::ImporterConfig::default().threads),
                     ..kvx_rdma::ImporterConfig::default()
                 })
                 .map_err(|e| setup("remote importer")(e.to_string()))?;
@@ -277,6 +280,11 @@ impl OffloadBuilder {
                     kvx_rdma::ServerConfig {
                         listen,
                         token: cfg.remote.as_ref().and_then(|r| r.token.clone()),
+                        threads: cfg
+                            .remote
+                            .as_ref()
+                            .and_then(|r| r.threads)
+                            .unwrap_or(kvx_rdma::ServerConfig::default().threads),
                         ..kvx_rdma::ServerConfig::default()
                     },
                 )

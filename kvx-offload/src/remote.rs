@@ -23,6 +23,7 @@ use crate::error::OffloadError;
 /// heartbeat_ms = 10000       # producer: how often readers renew the lease
 /// load_ms = 10000            # consumer: a remote load's deadline
 /// export_blocks = 1024       # producer on a GPU: pinned host buffers exports are served from
+/// threads = 2                # serving / reading threads per worker (default: 1 per core, ≤ 8)
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -52,6 +53,10 @@ pub struct RemoteTierConfig {
     /// than this, or while leases hold the rest) is refused, and its reader computes the
     /// prompt itself.
     pub export_blocks: usize,
+    /// Serving threads of a producer's worker and reading threads of a consumer's (default
+    /// `None`: one per core, at most 8). Each connection or load task runs on one of them; on
+    /// a machine whose cores the engine's own threads need, fewer leave them their cores.
+    pub threads: Option<usize>,
 }
 
 impl Default for RemoteTierConfig {
@@ -65,6 +70,7 @@ impl Default for RemoteTierConfig {
             export_grace_ms: 2_000,
             token: None,
             export_blocks: 1024,
+            threads: None,
         }
     }
 }
@@ -99,6 +105,14 @@ impl RemoteTierConfig {
                     self.export_blocks
                 ),
             ));
+        }
+        if let Some(t) = self.threads {
+            if !(1..=64).contains(&t) {
+                return Err(OffloadError::config(
+                    "remote.threads",
+                    format!("must be between 1 and 64, got {t}"),
+                ));
+            }
         }
         if let Some(l) = self.listen {
             if l.port() == 0 {
@@ -323,6 +337,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("kv_transfer_params.kvx"), "{e}");
+    }
+
+    #[test]
+    fn a_thread_count_outside_1_to_64_names_the_field() {
+        for bad in [0, 65] {
+            let c: RemoteTierConfig =
+                serde_json::from_str(&format!(r#"{{"threads": {bad}}}"#)).unwrap();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("remote.threads") && e.contains(&bad.to_string()),
+                "{e}"
+            );
+        }
+        let c: RemoteTierConfig = serde_json::from_str(r#"{"threads": 3}"#).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.threads, Some(3));
+        assert_eq!(RemoteTierConfig::default().threads, None);
     }
 
     #[test]
