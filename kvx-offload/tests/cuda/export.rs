@@ -42,6 +42,15 @@ fn step_until(
     Ok(false)
 }
 
+/// Step until the worker reports `request` finished sending (at most 5 s); whether it did.
+fn reported_sent(kvx: &mut Offload, request: u64) -> Result<bool, Failed> {
+    let mut sent = Vec::new();
+    step_until(kvx, Duration::from_secs(5), |o| {
+        sent.extend_from_slice(&o.finished_sending);
+        sent.contains(&RequestId(request))
+    })
+}
+
 /// A reader of the producer's exports: kvx-rdma's importer in a driver of its own.
 struct Reader {
     driver: kvx_core::Driver,
@@ -293,11 +302,7 @@ pub fn gpu_producer_copy_failure_refuses_the_export(gpu: &Gpu) -> Result<(), Fai
     s.fail_after_copies(gpu.dev.ordinal(), Some(0));
     let blocks = request_blocks(3, 2);
     export(&mut p, &[(3, 79, &blocks)])?;
-    let mut sent = Vec::new();
-    let reported = step_until(&mut p, Duration::from_secs(5), |o| {
-        sent.extend_from_slice(&o.finished_sending);
-        sent.contains(&RequestId(3))
-    })?;
+    let reported = reported_sent(&mut p, 3)?;
     s.fail_after_copies(gpu.dev.ordinal(), None);
     if !reported {
         return Err("the request whose copy failed was never reported sent".into());
@@ -323,11 +328,7 @@ pub fn gpu_producer_reset_during_a_copy(gpu: &Gpu) -> Result<(), Failed> {
     let mut p = producer(gpu, &arena)?;
     let held = request_blocks(1, 2);
     export(&mut p, &[(1, 77, &held)])?;
-    let mut sent = Vec::new();
-    if !step_until(&mut p, Duration::from_secs(5), |o| {
-        sent.extend_from_slice(&o.finished_sending);
-        sent.contains(&RequestId(1))
-    })? {
+    if !reported_sent(&mut p, 1)? {
         return Err("the first export's copy never finished".into());
     }
     s.set_copy_delay(gpu.dev.ordinal(), Duration::from_millis(300));
