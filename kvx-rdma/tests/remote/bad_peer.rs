@@ -382,16 +382,21 @@ pub fn a_pooled_connection_the_producer_closed_is_not_used() {
             std::thread::sleep(idle * 3);
         }
         let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
-        for (b, block) in r.blocks.iter().enumerate() {
-            assert!(
-                block.result.is_ok(),
-                "{load}: block {b}: {:?}",
-                block.result
-            );
-        }
-        let engine = c.arena.read_block(kvx_core::EngineBlockId(1)).unwrap();
-        assert_eq!(engine[7], pattern(1, 7), "{load}: the bytes of block 1");
+        assert_loaded(&c, &r, load);
     }
+}
+
+/// Every block of `r` arrived, and engine block 1 holds the producer's block 1.
+fn assert_loaded(c: &Consumer, r: &kvx_core::TaskReport, what: &str) {
+    for (b, block) in r.blocks.iter().enumerate() {
+        assert!(
+            block.result.is_ok(),
+            "{what}: block {b}: {:?}",
+            block.result
+        );
+    }
+    let engine = c.arena.read_block(kvx_core::EngineBlockId(1)).unwrap();
+    assert_eq!(engine[7], pattern(1, 7), "{what}: the bytes of block 1");
 }
 
 /// What the [`CuttingProxy`] does to a request (a frame after the hello).
@@ -497,26 +502,15 @@ pub fn a_pooled_connection_closed_as_the_reads_go_out_is_replaced_once() {
     // No heartbeats: only the loads use connections.
     let mut c = Consumer::new(0, BLOCK, 2, None, false);
     c.handle.register(desc.clone()).unwrap();
-    let check_ok = |c: &Consumer, r: &kvx_core::TaskReport, what: &str| {
-        for (b, block) in r.blocks.iter().enumerate() {
-            assert!(
-                block.result.is_ok(),
-                "{what}: block {b}: {:?}",
-                block.result
-            );
-        }
-        let engine = c.arena.read_block(kvx_core::EngineBlockId(1)).unwrap();
-        assert_eq!(engine[7], pattern(1, 7), "{what}: the bytes of block 1");
-    };
 
     let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
-    check_ok(&c, &r, "first load");
+    assert_loaded(&c, &r, "first load");
     drop(r); // its staging buffers go back to the pool
     assert_eq!(proxy.accepted(), 1);
 
     proxy.cut(Cut::Once);
     let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
-    check_ok(&c, &r, "the pooled connection closed under the reads");
+    assert_loaded(&c, &r, "the pooled connection closed under the reads");
     drop(r);
     assert_eq!(proxy.accepted(), 2, "exactly one new connection");
 
@@ -541,7 +535,7 @@ pub fn a_pooled_connection_closed_as_the_reads_go_out_is_replaced_once() {
 
     proxy.cut(Cut::Never);
     let r = c.load(&desc.blocks, Instant::now() + Duration::from_secs(5));
-    check_ok(&c, &r, "after the cuts");
+    assert_loaded(&c, &r, "after the cuts");
     assert_eq!(proxy.accepted(), 4);
     proxy.cut(Cut::Once);
     c.handle.done(desc.request).unwrap();
