@@ -234,8 +234,6 @@ impl TcpTransport {
             let reply = wire::read_reply_head(&mut s, 0)
                 .await
                 .map_err(|what| RdmaError::Protocol { addr, what })?;
-            // Only the reply was read: anything more means the connection is out of sync.
-            let in_sync = |s: BufReader<TcpStream>| s.buffer().is_empty().then(|| s.into_inner());
             match reply {
                 ReplyHead::Control(Reply::Ack { tag: t }) if t == tag => {
                     if let Some(s) = in_sync(s) {
@@ -390,9 +388,7 @@ impl TcpTransport {
                 }
             }
         }
-        // Every reply was read whole, so the buffer is empty unless the producer sent more
-        // than was asked for: such a connection is out of sync and not pooled.
-        s.buffer().is_empty().then(|| s.into_inner())
+        in_sync(s)
     }
 }
 
@@ -418,6 +414,13 @@ async fn answered(
         Ok(_) => Ok(s),
         Err(e) => Err(io("reading from", e)),
     }
+}
+
+/// The connection under `s` once every reply on it was read whole: the buffer is empty unless
+/// the producer sent more than was asked for, and such a connection is out of sync and not
+/// pooled (`None`).
+fn in_sync(s: BufReader<TcpStream>) -> Option<TcpStream> {
+    s.buffer().is_empty().then(|| s.into_inner())
 }
 
 /// Whether an idle, in-sync (non-blocking) connection is still open: nothing to read on it
