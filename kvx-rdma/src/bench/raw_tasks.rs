@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::AlignedBuf;
 
-use super::raw::{RAW_COPY_STALL as STALL, finish_pass, tell};
+use super::raw::{RAW_COPY_STALL as STALL, finish_pass, tell, touched_buffers};
 
 /// `connections` loopback connections, each with a server thread that answers a request for
 /// blocks `first..first+count` by writing them straight from the engine memory, and a reader
@@ -97,12 +97,10 @@ impl RawTcpTasks {
             let (go, go_rx) = channel::<()>();
             let (done_tx, done) = channel();
             let arena = arena.clone();
+            let mut dest = touched_buffers(dests_each, block_bytes);
             let thread = std::thread::Builder::new()
                 .name("raw-tasks-read".into())
                 .spawn(move || {
-                    // Touched now, like the staging pool (allocated and zeroed up front).
-                    let mut dest: Vec<Vec<u8>> =
-                        (0..dests_each).map(|_| vec![1u8; block_bytes]).collect();
                     let mut next = 0;
                     while go_rx.recv().is_ok() {
                         let r = mine.iter().try_for_each(|&(first, count)| {
