@@ -103,7 +103,10 @@ pub use meta::{
     ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, RemoteLoadJob, StepMeta,
     StoreJob, WorkerOutput, WriteBackJob,
 };
-pub use remote::{MAX_REMOTE_BLOCKS, RemoteSource, RemoteTierConfig};
+pub use remote::{
+    MAX_REMOTE_BLOCKS, REMOTE_TASK_BLOCKS, REMOTE_TASKS, RemoteSource, RemoteTierConfig,
+    remote_task_blocks,
+};
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use tier::Tier;
 pub use worker::{

@@ -149,6 +149,20 @@ impl RemoteTierConfig {
     }
 }
 
+/// Blocks per task of a remote load, at least.
+pub const REMOTE_TASK_BLOCKS: usize = 16;
+
+/// Tasks of one remote load, at most: each reads on a connection of its own, and a long
+/// prompt's load would otherwise open more connections than the importer keeps pooled.
+pub const REMOTE_TASKS: usize = 8;
+
+/// Blocks per task when a consumer's remote load reads `blocks` blocks (all its tasks at
+/// once): [`REMOTE_TASK_BLOCKS`], or more when that would make more than [`REMOTE_TASKS`]
+/// tasks. `kvx bench remote` reads in this shape by default.
+pub fn remote_task_blocks(blocks: usize) -> usize {
+    REMOTE_TASK_BLOCKS.max(blocks.div_ceil(REMOTE_TASKS))
+}
+
 /// Most blocks one remote source may name (a 1 Mi-token prompt of 16-token blocks is 65 536).
 pub const MAX_REMOTE_BLOCKS: usize = 1 << 20;
 
@@ -409,6 +423,23 @@ mod tests {
                 prop_assert!(s.validate().is_ok());
                 prop_assert!(!s.producers.is_empty());
             }
+        }
+    }
+
+    /// A short load reads in tasks of 16 blocks; a long one in at most 8 tasks.
+    #[test]
+    fn a_load_reads_in_tasks_of_16_blocks_and_at_most_8_tasks() {
+        for (blocks, per_task, tasks) in [
+            (1, 16, 1),
+            (16, 16, 1),
+            (17, 16, 2),
+            (128, 16, 8),
+            (129, 17, 8),
+            (256, 32, 8),
+            (2049, 257, 8),
+        ] {
+            assert_eq!(remote_task_blocks(blocks), per_task, "{blocks} blocks");
+            assert_eq!(blocks.div_ceil(per_task), tasks, "{blocks} blocks");
         }
     }
 }

@@ -16,19 +16,6 @@ use super::{Staging, WorkerSide};
 use crate::error::OffloadError;
 use crate::meta::{ExportJob, JobId, RemoteLoadJob};
 
-/// Blocks per task of a remote load, at least.
-const REMOTE_TASK_BLOCKS: usize = 16;
-
-/// Tasks of one remote load, at most: each reads on a connection of its own, and a long
-/// prompt's load would otherwise open more connections than the importer keeps pooled.
-const REMOTE_TASKS: usize = 8;
-
-/// Blocks per task when a remote load reads `blocks` blocks: [`REMOTE_TASK_BLOCKS`], or more
-/// when that would make more than [`REMOTE_TASKS`] tasks.
-fn blocks_per_remote_task(blocks: usize) -> usize {
-    REMOTE_TASK_BLOCKS.max(blocks.div_ceil(REMOTE_TASKS))
-}
-
 /// Export `blocks` (engine blocks of the exporter's memory) as `job`'s export id and start its
 /// lease; false, with a warning, when the exporter refuses (an export under that id already,
 /// a block outside its memory): the request is then left to the driver's release alone, and
@@ -162,7 +149,7 @@ impl WorkerSide {
     }
 
     /// Start a load from a remote producer: register the source's descriptor for this rank
-    /// with the importer, then at most [`REMOTE_TASKS`] tasks reading into staging buffers and
+    /// with the importer, then at most [`crate::remote::REMOTE_TASKS`] tasks reading into staging buffers and
     /// copying into the engine's blocks. A block that cannot be read (no remote tier, a bad source, no buffer)
     /// fails at once; the load's verdict comes as any load's.
     pub(super) fn start_remote_load(&mut self, job: RemoteLoadJob) -> Result<(), OffloadError> {
@@ -232,7 +219,7 @@ impl WorkerSide {
             // Several tasks, so that reading some blocks overlaps copying others into engine
             // memory (one task would read all before copying any), each on a connection of
             // its own.
-            let per_task = blocks_per_remote_task(part.len());
+            let per_task = crate::remote::remote_task_blocks(part.len());
             let mut rest = part.into_iter().peekable();
             while rest.peek().is_some() {
                 let chunk: Vec<OpBlock> = rest.by_ref().take(per_task).collect();
@@ -276,27 +263,5 @@ impl WorkerSide {
         self.remote.as_ref().map_or(0, |r| {
             r.exported.len() + r.registered.len() + r.staging.as_ref().map_or(0, Staging::in_flight)
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A short load reads in tasks of 16 blocks; a long one in at most 8 tasks.
-    #[test]
-    fn a_load_reads_in_tasks_of_16_blocks_and_at_most_8_tasks() {
-        for (blocks, per_task, tasks) in [
-            (1, 16, 1),
-            (16, 16, 1),
-            (17, 16, 2),
-            (128, 16, 8),
-            (129, 17, 8),
-            (256, 32, 8),
-            (2049, 257, 8),
-        ] {
-            assert_eq!(blocks_per_remote_task(blocks), per_task, "{blocks} blocks");
-            assert_eq!(blocks.div_ceil(per_task), tasks, "{blocks} blocks");
-        }
     }
 }
