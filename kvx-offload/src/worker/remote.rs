@@ -149,9 +149,10 @@ impl WorkerSide {
     }
 
     /// Start a load from a remote producer: register the source's descriptor for this rank
-    /// with the importer, then at most [`crate::remote::REMOTE_TASKS`] tasks reading into staging buffers and
-    /// copying into the engine's blocks. A block that cannot be read (no remote tier, a bad source, no buffer)
-    /// fails at once; the load's verdict comes as any load's.
+    /// with the importer, then at most [`crate::remote::REMOTE_TASKS`] tasks reading into
+    /// staging buffers and copying into the engine's blocks. A block that cannot be read (no
+    /// remote tier, a bad source, no buffer) fails at once; the load's verdict comes as any
+    /// load's.
     pub(super) fn start_remote_load(&mut self, job: RemoteLoadJob) -> Result<(), OffloadError> {
         let source = job.source.clone();
         let blocks: Vec<LoadedBlock> = job
