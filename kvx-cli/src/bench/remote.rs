@@ -1,6 +1,8 @@
 //! `kvx bench remote [--block-size 1MiB] [--blocks N] [--json]`: a kvx-rdma producer and
 //! consumer over loopback TCP in this process, next to a plain socket copy of the same bytes
-//! over the same loopback, measured in the same run.
+//! over the same loopback, measured in the same run. Each round reads the blocks as a decode
+//! engine's remote load reads them (kvx-offload's split), unless `--task-blocks`/`--depth`
+//! say otherwise.
 
 use std::time::Duration;
 
@@ -16,16 +18,18 @@ pub struct RemoteArgs {
     /// Blocks exported (each round reads them all).
     #[arg(long, default_value_t = 256)]
     blocks: u32,
-    /// Blocks per task (one load task = one deadline).
-    #[arg(long, default_value_t = 16)]
-    task_blocks: usize,
+    /// Blocks per task (one load task = one deadline). Default: as kvx-offload splits a
+    /// decode's remote load of `--blocks` blocks (at least 16, at most 8 tasks; 32 for 256).
+    #[arg(long)]
+    task_blocks: Option<usize>,
     /// Load tasks in flight at once (each on its own connection; the raw copy then uses as
-    /// many connections).
-    #[arg(long, default_value_t = 1)]
-    depth: usize,
+    /// many connections). Default: as kvx-offload reads a load, all of a round's tasks at
+    /// once, at most 8.
+    #[arg(long)]
+    depth: Option<usize>,
     /// Timed rounds over all blocks (each after an untimed one). A round of 256 MiB takes
-    /// about 60 ms on a 2-core machine: 15 runs of 3 rounds gave ratios of 0.80x to 1.28x,
-    /// 8 runs of 10 rounds 0.84x to 0.94x.
+    /// 45-60 ms on a 2-core machine; with 16-block tasks one at a time, 15 runs of 3 rounds
+    /// gave ratios of 0.80x to 1.28x, 8 runs of 10 rounds 0.84x to 0.94x.
     #[arg(long, default_value_t = 10)]
     rounds: usize,
     /// Prefill → decode through kvx-offload's two sides (export, lease, remote load, done)
@@ -74,22 +78,35 @@ pub fn run(args: RemoteArgs) -> i32 {
     }
 }
 
+/// Blocks per task and tasks in flight: as given, else as kvx-offload reads a remote load of
+/// `blocks` blocks (its split, every task at once up to its limit).
+fn shape(blocks: u32, task_blocks: Option<usize>, depth: Option<usize>) -> (usize, usize) {
+    let task_blocks =
+        task_blocks.unwrap_or_else(|| kvx_offload::remote_task_blocks(blocks as usize));
+    let depth = depth.unwrap_or_else(|| {
+        (blocks as usize)
+            .div_ceil(task_blocks.max(1))
+            .clamp(1, kvx_offload::REMOTE_TASKS)
+    });
+    (task_blocks, depth)
+}
+
 fn measure(args: &RemoteArgs) -> Result<(), String> {
-    if args.blocks == 0 || args.task_blocks == 0 || args.rounds == 0 || args.depth == 0 {
+    let (task_blocks, depth) = shape(args.blocks, args.task_blocks, args.depth);
+    if args.blocks == 0 || task_blocks == 0 || args.rounds == 0 || depth == 0 {
         return Err("--blocks, --task-blocks, --depth and --rounds must be positive".into());
     }
     let bs = args.block_size as usize;
-    let rig = LoopbackRig::new(bs, args.blocks, args.task_blocks, args.depth)
-        .map_err(|e| e.to_string())?;
+    let rig = LoopbackRig::new(bs, args.blocks, task_blocks, depth).map_err(|e| e.to_string())?;
     let n = rig.blocks();
-    let tasks_per_round = n.div_ceil(args.task_blocks);
+    let tasks_per_round = n.div_ceil(task_blocks);
     // Keep `depth` tasks in flight: submit the next before waiting for the oldest.
     let round = |lat: &mut Vec<Duration>| -> Result<(), String> {
         let mut pending = std::collections::VecDeque::new();
         for t in 0..tasks_per_round {
-            let first = t * args.task_blocks;
-            let k = args.task_blocks.min(n - first);
-            if pending.len() == args.depth {
+            let first = t * task_blocks;
+            let k = task_blocks.min(n - first);
+            if pending.len() == depth {
                 lat.push(rig.wait_task(pending.pop_front().ok_or("no task")?)?);
             }
             pending.push_back(rig.submit_task(first, k)?);
@@ -106,10 +123,10 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
     // for the 100+ ms the other copies take, kvx's first round after read about 20% slower.
     // Both keep their threads and connections for the whole run.
     let mut raw_copy = rig
-        .raw_tcp_copy(args.depth)
+        .raw_tcp_copy(depth)
         .map_err(|e| format!("raw TCP copy: {e}"))?;
     let mut raw_tasks = rig
-        .raw_tcp_tasks(args.task_blocks, args.depth)
+        .raw_tcp_tasks(task_blocks, depth)
         .map_err(|e| format!("raw TCP tasks: {e}"))?;
     let mut lat = Vec::new();
     let (mut kvx_t, mut raw_t, mut hot_t) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
@@ -141,8 +158,8 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
             "addr": rig.addr().to_string(),
             "block_size": args.block_size,
             "blocks": n,
-            "task_blocks": args.task_blocks,
-            "depth": args.depth,
+            "task_blocks": task_blocks,
+            "depth": depth,
             "rounds": args.rounds,
             "bytes": total,
             "read_gib_s": read,
@@ -165,8 +182,8 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
              flight, {} rounds ({} MiB)",
             rig.addr(),
             args.block_size,
-            args.task_blocks,
-            args.depth,
+            task_blocks,
+            depth,
             args.rounds,
             total >> 20
         );
@@ -186,7 +203,7 @@ fn measure(args: &RemoteArgs) -> Result<(), String> {
         println!(
             "  (reference: the raw copy in request/response tasks of {} blocks, {} in flight, \
              {tasks:.2} GiB/s = {:.2}x the raw copy; kvx {:.2}x of it)",
-            args.task_blocks,
+            task_blocks,
             raw_tasks.connections(),
             tasks / raw,
             read / tasks
@@ -258,6 +275,19 @@ fn measure_pd(args: &RemoteArgs) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// By default a round reads as kvx-offload reads a decode's remote load of `--blocks`
+    /// blocks; what is given is kept.
+    #[test]
+    fn the_default_shape_is_the_engines_split_of_a_load() {
+        assert_eq!(shape(256, None, None), (32, 8));
+        assert_eq!(shape(64, None, None), (16, 4));
+        assert_eq!(shape(10, None, None), (16, 1));
+        assert_eq!(shape(4096, None, None), (512, 8));
+        assert_eq!(shape(256, Some(16), None), (16, 8));
+        assert_eq!(shape(256, Some(16), Some(1)), (16, 1));
+        assert_eq!(shape(256, None, Some(2)), (32, 2));
+    }
 
     #[test]
     fn sizes_parse_with_units() {
