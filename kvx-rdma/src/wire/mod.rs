@@ -23,7 +23,7 @@ pub(crate) const MAX_REPLY_FRAME: u32 = 64 * 1024;
 mod read;
 
 pub use read::{FrameError, ReplyHead, read_body, read_reply_head_limit};
-pub(crate) use read::{read_growing, read_len, read_reply_head};
+pub(crate) use read::{buffered_frame, read_growing, read_len, read_reply_head};
 
 const T_HELLO: u8 = 1;
 const T_READ: u8 = 2;

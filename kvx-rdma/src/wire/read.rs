@@ -70,6 +70,17 @@ pub(crate) async fn read_growing<R: AsyncRead + Unpin>(
     Ok(())
 }
 
+/// The body of the frame at the start of `buf` and the bytes it spans, when the whole frame
+/// is there and its length is 1 to `max`; `None` otherwise (read it from the stream then).
+pub(crate) fn buffered_frame(buf: &[u8], max: u32) -> Option<(&[u8], usize)> {
+    let len = u32::from_be_bytes(buf.get(..4)?.try_into().ok()?);
+    if len == 0 || len > max {
+        return None;
+    }
+    let end = 4 + len as usize;
+    Some((buf.get(4..end)?, end))
+}
+
 /// What a client finds at the head of a server frame.
 #[derive(Debug)]
 pub enum ReplyHead {
@@ -146,6 +157,38 @@ pub async fn read_reply_head_limit<R: AsyncRead + Unpin>(
 mod tests {
     use super::super::Request;
     use super::*;
+
+    /// Only a whole frame of an allowed length is taken from a buffer; a partial one, a
+    /// zero or oversized length prefix, or a short buffer is left for the stream reader.
+    #[test]
+    fn a_buffered_frame_is_taken_only_when_whole_and_within_bounds() {
+        let a = Request::Heartbeat { tag: 3, request: 4 }.encode();
+        let b = Request::Done { tag: 5, request: 6 }.encode();
+        let both = [a.clone(), b.clone()].concat();
+        let (body, used) = buffered_frame(&both, 64).unwrap();
+        assert_eq!(used, a.len());
+        assert_eq!(
+            Request::decode(body).unwrap(),
+            Request::Heartbeat { tag: 3, request: 4 }
+        );
+        let (body, used) = buffered_frame(&both[used..], 64).unwrap();
+        assert_eq!(used, b.len());
+        assert_eq!(
+            Request::decode(body).unwrap(),
+            Request::Done { tag: 5, request: 6 }
+        );
+        for cut in 0..a.len() {
+            assert!(buffered_frame(&a[..cut], 64).is_none(), "cut at {cut}");
+        }
+        assert!(
+            buffered_frame(&a, (a.len() - 5) as u32).is_none(),
+            "too large"
+        );
+        assert!(
+            buffered_frame(&[0, 0, 0, 0, 9], 64).is_none(),
+            "empty frame"
+        );
+    }
 
     #[tokio::test]
     async fn frame_reader_resumes_partial_reads_and_checks_lengths() {
