@@ -3,13 +3,14 @@
 //! stalls its own connection.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::RequestId;
 use std::io::IoSlice;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::timeout;
@@ -20,6 +21,7 @@ use crate::error::RdmaError;
 use crate::exporter::Exporter;
 use crate::exports::Refusal;
 use crate::shards::{ShardThreads, Shards};
+use crate::tcp::reads::{Read, serve_reads, take_buffered};
 use crate::wire::{self, ErrorCode, FrameError, MAX_HELLO, PROTOCOL_VERSION, Reply, Request};
 
 /// Settings of a [`TcpServer`].
@@ -80,9 +82,10 @@ pub(crate) trait SideChannel: Send + Sync {
     fn closed(&self, conn: u64);
 }
 
-struct Ctx {
-    exporter: Exporter,
-    cfg: ServerConfig,
+/// What every connection's task shares: the exports, the settings, the side channel.
+pub(super) struct Ctx {
+    pub(super) exporter: Exporter,
+    pub(super) cfg: ServerConfig,
     side: Option<Arc<dyn SideChannel>>,
     next_conn: std::sync::atomic::AtomicU64,
 }
@@ -243,7 +246,7 @@ async fn accept_loop(listener: TcpListener, shards: Shards, ctx: Arc<Ctx>) {
 
 /// Why a connection stops being served after a reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stop {
+pub(super) enum Stop {
     /// The write failed: the peer is gone.
     WriteFailed,
     /// The reply did not finish in time and was cut mid-frame: reset the connection.
@@ -264,7 +267,7 @@ async fn send<W: AsyncWrite + Unpin>(
 /// Write every slice before the deadline `deadline()` names, re-read after each wake-up:
 /// at that instant, or when `deadline()` says `None`, the reply is cut. `events` wakes the
 /// writer early when the deadline may have moved (a lease ended).
-async fn send_until<W: AsyncWrite + Unpin>(
+pub(super) async fn send_until<W: AsyncWrite + Unpin>(
     stream: &mut W,
     mut bufs: &mut [IoSlice<'_>],
     deadline: impl Fn() -> Option<Instant>,
@@ -468,13 +471,15 @@ async fn serve_conn(
                 let _ = send_error(stream, cfg, 0, ErrorCode::MalformedFrame, "second hello").await;
                 return None;
             }
-            Request::Read {
-                tag,
-                request,
-                block,
-                offset,
-                len,
-            } => serve_read(stream, ctx, tag, RequestId(request), block, offset, len).await,
+            Request::Read { .. } => {
+                let mut batch: Vec<Read> = Read::of(&req).into_iter().collect();
+                // Fault injection paces each reply: no batches then.
+                if cfg.pace.is_zero() {
+                    let used = take_buffered(rd.buffer(), cfg.max_frame, &mut batch);
+                    Pin::new(&mut rd).consume(used);
+                }
+                serve_reads(stream, ctx, &batch).await
+            }
             Request::Heartbeat { tag, request } => {
                 let r = ctx.exporter.heartbeat(RequestId(request));
                 answer(stream, cfg, tag, r).await
@@ -511,62 +516,6 @@ async fn answer<W: AsyncWrite + Unpin>(
         Ok(()) => send(stream, cfg, &Reply::Ack { tag }.encode()).await,
         Err((code, msg)) => send_error(stream, cfg, tag, code, &msg).await,
     }
-}
-
-async fn serve_read<W: AsyncWrite + Unpin>(
-    stream: &mut W,
-    ctx: &Ctx,
-    tag: u64,
-    request: RequestId,
-    block: u32,
-    offset: u64,
-    len: u64,
-) -> Result<(), Stop> {
-    let cfg = &ctx.cfg;
-    if len > cfg.max_read {
-        let msg = format!(
-            "read of {len} bytes exceeds the server's maximum of {}",
-            cfg.max_read
-        );
-        return send_error(stream, cfg, tag, ErrorCode::ReadTooLarge, &msg).await;
-    }
-    if !cfg.pace.is_zero() {
-        tokio::time::sleep(cfg.pace).await;
-    }
-    // Subscribed before the read is admitted, so no lease end after admission is missed.
-    let mut events = ctx.exporter.lease_events();
-    let pin = match ctx.exporter.begin_read(request, block, offset, len) {
-        Ok(p) => p,
-        Err((code, msg)) => return send_error(stream, cfg, tag, code, &msg).await,
-    };
-    let head = Reply::Data {
-        tag,
-        len: pin.len(),
-    }
-    .encode();
-    // The pin is held only while the bytes are written, and the engine hears of a release
-    // only after it drops. So the whole reply has one deadline: the write timeout from now,
-    // and never past the request's lease (re-read when it is renewed or ends). A reply that
-    // misses it is cut: the pin drops, the connection is reset, the reader's block fails.
-    // Head and segments go out together.
-    let hard = Instant::now() + cfg.write_timeout;
-    let exporter = &ctx.exporter;
-    let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&head))
-        .chain(pin.slices().map(IoSlice::new))
-        .collect();
-    let r = send_until(
-        stream,
-        &mut bufs,
-        || exporter.read_deadline(request).map(|lease| lease.min(hard)),
-        Some(&mut events),
-    )
-    .await;
-    drop(bufs);
-    drop(pin);
-    if r == Err(Stop::Cut) {
-        warn!(%request, block, len, "kvx-rdma server: reply cut at its deadline (write timeout or lease end)");
-    }
-    r
 }
 
 #[cfg(test)]

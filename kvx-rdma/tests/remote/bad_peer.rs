@@ -198,6 +198,36 @@ pub fn bad_peer_input() {
     let expect: Vec<u8> = (100..150).map(|j| pattern(2, j)).collect();
     assert_eq!(&body[9..], &expect[..]);
 
+    // Reads sent together are answered together, in order, a refused one with its error
+    // frame between the data frames; a heartbeat among them ends a batch, not the answers.
+    let batch: Vec<u8> = [
+        read_req(10, 1, 0, 0, 100),
+        read_req(11, 1, 99, 0, bb),
+        read_req(12, 1, 0, 0, u64::MAX),
+        read_req(13, 1, 3, 5, 20),
+        Request::Heartbeat {
+            tag: 14,
+            request: 999,
+        }
+        .encode(),
+        read_req(15, 1, 1, 0, 30),
+    ]
+    .concat();
+    s.write_all(&batch).unwrap();
+    let data = |s: &mut TcpStream, tag: u64, block: u32, from: usize, to: usize| {
+        let (ty, body) = frame(s).unwrap_or_else(|| panic!("no frame for tag {tag}"));
+        assert_eq!(ty, 0x82, "tag {tag}: {:?}", Reply::decode(&body));
+        assert_eq!(u64::from_be_bytes(body[1..9].try_into().unwrap()), tag);
+        let expect: Vec<u8> = (from..to).map(|j| pattern(block, j)).collect();
+        assert_eq!(&body[9..], &expect[..], "tag {tag}");
+    };
+    data(&mut s, 10, 0, 0, 100);
+    expect_error(&mut s, ErrorCode::OutOfBounds, "batched read out of bounds");
+    expect_error(&mut s, ErrorCode::ReadTooLarge, "batched huge read");
+    data(&mut s, 13, 3, 5, 25);
+    expect_error(&mut s, ErrorCode::UnknownRequest, "heartbeat in a batch");
+    data(&mut s, 15, 1, 0, 30);
+
     // Meanwhile a real consumer reads everything, in time, despite the stuck peers.
     let mut c = Consumer::new(0, BLOCK, 4, Some(TOKEN.into()), true);
     c.handle.register(desc.clone()).unwrap();
