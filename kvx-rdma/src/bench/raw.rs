@@ -1,7 +1,7 @@
 //! The physical paths kvx's remote reads are measured against: plain loopback TCP copies of
 //! the same bytes, with nothing but the kernel between the two ends.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -9,6 +9,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvx_core::AlignedBuf;
+
+use crate::tcp::{BATCH_BYTES, BATCH_READS};
 
 /// How long a raw-copy thread or the caller waits for the other end before giving up with an
 /// error.
@@ -22,8 +24,9 @@ fn configure(s: &TcpStream) -> std::io::Result<()> {
 
 /// The raw copy of a [`super::LoopbackRig`]'s engine memory: `connections` plain loopback TCP
 /// connections, block `i` on connection `i % connections`, each with a sender thread that
-/// writes its blocks straight from the engine memory and a receiver thread that reads them
-/// into its share of as many destination buffers as the rig's staging pool has, in turn.
+/// writes its blocks straight from the engine memory (several per vectored write, as kvx's
+/// server answers pipelined reads) and a receiver thread that reads them into its share of as
+/// many destination buffers as the rig's staging pool has, in turn.
 ///
 /// Connections, threads and buffers live as long as this value, as kvx's server, importer and
 /// pooled connections live as long as the rig: both paths sit idle while the other one runs,
@@ -76,13 +79,14 @@ impl RawTcpCopy {
                 .name("raw-copy-send".into())
                 .spawn(move || {
                     let mut s = tx_stream;
+                    let blocks: Vec<&[u8]> = to_send
+                        .iter()
+                        .map(|&b| &arena.as_slice()[b * block_bytes..(b + 1) * block_bytes])
+                        .collect();
                     while write_rx.recv().is_ok() {
-                        for &b in &to_send {
-                            let block = &arena.as_slice()[b * block_bytes..(b + 1) * block_bytes];
-                            if s.write_all(block).is_err() {
-                                // The receiver sees the connection end and reports it.
-                                return;
-                            }
+                        if write_batched(&mut s, &blocks).is_err() {
+                            // The receiver sees the connection end and reports it.
+                            return;
                         }
                     }
                 })?;
@@ -143,6 +147,31 @@ impl RawTcpCopy {
         self.pass()?;
         self.pass()
     }
+}
+
+/// Write `blocks` in order, as many per vectored write as kvx's server answers with one write
+/// (at most [`BATCH_READS`] blocks, no block joining once [`BATCH_BYTES`] are in): the raw
+/// copy pays the kernel no more per block than kvx does.
+fn write_batched(s: &mut TcpStream, blocks: &[&[u8]]) -> std::io::Result<()> {
+    let mut rest = blocks;
+    while !rest.is_empty() {
+        let mut n = 0;
+        let mut bytes = 0u64;
+        while n < rest.len() && n < BATCH_READS && bytes < BATCH_BYTES {
+            bytes += rest[n].len() as u64;
+            n += 1;
+        }
+        let mut slices: Vec<IoSlice<'_>> = rest[..n].iter().map(|b| IoSlice::new(b)).collect();
+        let mut bufs = &mut slices[..];
+        while !bufs.is_empty() {
+            match s.write_vectored(bufs)? {
+                0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                k => IoSlice::advance_slices(&mut bufs, k),
+            }
+        }
+        rest = &rest[n..];
+    }
+    Ok(())
 }
 
 /// `n` buffers of `bytes` bytes, each page written on the calling thread before this returns.
