@@ -2,6 +2,7 @@
 
 mod client;
 mod reads;
+mod send;
 mod server;
 
 pub use client::{TcpClientConfig, TcpTransport};

@@ -8,11 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::RequestId;
-use std::io::IoSlice;
 
-use tokio::io::{AsyncBufRead, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncWrite, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::Semaphore;
 use tokio::time::timeout;
 use tracing::{debug, warn};
 
@@ -22,6 +21,7 @@ use crate::exporter::Exporter;
 use crate::exports::Refusal;
 use crate::shards::{ShardThreads, Shards};
 use crate::tcp::reads::{Read, serve_reads, take_buffered};
+use crate::tcp::send::{Frame, Stop, send_until};
 use crate::wire::{self, ErrorCode, FrameError, MAX_HELLO, PROTOCOL_VERSION, Reply, Request};
 
 /// Settings of a [`TcpServer`].
@@ -41,7 +41,8 @@ pub struct ServerConfig {
     pub frame_timeout: Duration,
     /// Every byte of each reply must be written within this, or the reply is cut and the
     /// connection reset (default 5 s). A data reply is also cut when its request's lease ends,
-    /// so a slow reader never holds the engine's blocks past the lease.
+    /// so a slow reader never holds the engine's blocks past the lease. Replies to reads sent
+    /// together go out together, each timed from when the one before it was written.
     pub write_timeout: Duration,
     /// A connection with no frame for this long is closed (default 10 min).
     pub idle_timeout: Duration,
@@ -244,15 +245,6 @@ async fn accept_loop(listener: TcpListener, shards: Shards, ctx: Arc<Ctx>) {
     }
 }
 
-/// Why a connection stops being served after a reply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stop {
-    /// The write failed: the peer is gone.
-    WriteFailed,
-    /// The reply did not finish in time and was cut mid-frame: reset the connection.
-    Cut,
-}
-
 /// Write a control frame; it must be fully written within the write timeout.
 async fn send<W: AsyncWrite + Unpin>(
     stream: &mut W,
@@ -260,44 +252,7 @@ async fn send<W: AsyncWrite + Unpin>(
     bytes: &[u8],
 ) -> Result<(), Stop> {
     let until = Instant::now() + cfg.write_timeout;
-    let mut bufs = [IoSlice::new(bytes)];
-    send_until(stream, &mut bufs, || Some(until), None).await
-}
-
-/// Write every slice before the deadline `deadline()` names, re-read after each wake-up:
-/// at that instant, or when `deadline()` says `None`, the reply is cut. `events` wakes the
-/// writer early when the deadline may have moved (a lease ended).
-pub(super) async fn send_until<W: AsyncWrite + Unpin>(
-    stream: &mut W,
-    mut bufs: &mut [IoSlice<'_>],
-    deadline: impl Fn() -> Option<Instant>,
-    mut events: Option<&mut watch::Receiver<u64>>,
-) -> Result<(), Stop> {
-    while !bufs.is_empty() {
-        let Some(until) = deadline().filter(|d| *d > Instant::now()) else {
-            return Err(Stop::Cut);
-        };
-        let lease_event = async {
-            let alive = match events.as_mut() {
-                Some(rx) => rx.changed().await.is_ok(),
-                None => false,
-            };
-            if !alive {
-                std::future::pending::<()>().await;
-            }
-        };
-        let wrote = tokio::select! {
-            r = stream.write_vectored(bufs) => Some(r),
-            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(until)) => None,
-            _ = lease_event => None,
-        };
-        match wrote {
-            Some(Ok(n)) if n > 0 => IoSlice::advance_slices(&mut bufs, n),
-            Some(_) => return Err(Stop::WriteFailed),
-            None => {}
-        }
-    }
-    Ok(())
+    send_until(stream, &mut Frame::new(bytes, until), None).await
 }
 
 async fn send_error<W: AsyncWrite + Unpin>(

@@ -77,7 +77,7 @@ pub(crate) fn buffered_frame(buf: &[u8], max: u32) -> Option<(&[u8], usize)> {
     if len == 0 || len > max {
         return None;
     }
-    let end = 4 + len as usize;
+    let end = usize::try_from(len).ok()?.checked_add(4)?;
     Some((buf.get(4..end)?, end))
 }
 
