@@ -226,7 +226,6 @@ impl Exporter {
     }
 
     /// Check that `request` is readable now (lease active), without pinning anything.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn check_readable(&self, request: RequestId) -> Result<(), Refusal> {
         // No `after_change` here: callers may hold locks a release hook takes; releases this
         // tick settles are published by the next change or the server's reaper.

@@ -89,7 +89,9 @@ pub(super) fn take_buffered(buffered: &[u8], max_frame: u32, batch: &mut Vec<Rea
 /// Each reply keeps the deadline it had when reads were answered one by one: the write
 /// timeout from when its first byte could go out, and never past its request's lease. A pin
 /// drops as soon as its reply is written. A reply not started yet whose lease ends becomes
-/// the refusal a read would get now, and its pin drops, without cutting the others.
+/// the refusal a read would get now, and its pin drops, without cutting the others. Every
+/// read is admitted when the batch is taken: one refused then (its request not exported yet,
+/// say) is not tried again at its turn.
 pub(super) struct Replies<'a> {
     exporter: &'a Exporter,
     write_timeout: Duration,
@@ -156,32 +158,30 @@ impl<'a> Replies<'a> {
         self.frames[i].len() + self.pins[i].as_ref().map_or(0, |p| p.len() as usize)
     }
 
-    /// Replies that have not started, whose request's lease ended (or is past its expiry),
-    /// become refusals now.
-    fn revoke_ended(&mut self, now: Instant) {
+    /// The lease deadline of each request that a pinned reply, from the one being written
+    /// on, reads: one lookup per request.
+    fn leases(&self) -> Vec<(RequestId, Option<Instant>)> {
+        let mut leases: Vec<(RequestId, Option<Instant>)> = Vec::new();
+        for i in self.at..self.reads.len() {
+            let request = self.reads[i].request;
+            if self.pins[i].is_some() && !leases.iter().any(|(r, _)| *r == request) {
+                leases.push((request, self.exporter.read_deadline(request)));
+            }
+        }
+        leases
+    }
+
+    /// Replies that have not started, whose request's lease ended (or is past its expiry)
+    /// in `leases`, become refusals now.
+    fn revoke_ended(&mut self, leases: &[(RequestId, Option<Instant>)], now: Instant) {
         let first = if self.written == 0 {
             self.at
         } else {
             self.at + 1
         };
-        let mut ended: Vec<(RequestId, bool)> = Vec::new();
         for i in first..self.reads.len() {
-            if self.pins[i].is_none() {
-                continue;
-            }
             let request = self.reads[i].request;
-            let gone = match ended.iter().find(|(r, _)| *r == request) {
-                Some(&(_, gone)) => gone,
-                None => {
-                    let gone = self
-                        .exporter
-                        .read_deadline(request)
-                        .is_none_or(|lease| lease <= now);
-                    ended.push((request, gone));
-                    gone
-                }
-            };
-            if !gone {
+            if self.pins[i].is_none() || lease_of(leases, request).is_some_and(|l| l > now) {
                 continue;
             }
             // What a read of it gets now (`check_readable` refuses once the lease ended).
@@ -193,6 +193,17 @@ impl<'a> Replies<'a> {
     }
 }
 
+/// `request`'s lease deadline in `leases`.
+fn lease_of(leases: &[(RequestId, Option<Instant>)], request: RequestId) -> Option<Instant> {
+    leases
+        .iter()
+        .find(|(r, _)| *r == request)
+        .and_then(|(_, d)| *d)
+}
+
+/// Slices handed to one vectored write, at most (Linux's `UIO_MAXIOV`).
+const MAX_SLICES: usize = 1024;
+
 impl Outgoing for Replies<'_> {
     fn is_done(&self) -> bool {
         self.at == self.reads.len()
@@ -200,38 +211,39 @@ impl Outgoing for Replies<'_> {
 
     fn deadline(&mut self) -> Option<(Instant, Instant)> {
         let now = Instant::now();
-        self.revoke_ended(now);
+        let leases = self.leases();
+        self.revoke_ended(&leases, now);
         let mut cut = self.started + self.write_timeout;
         if self.pins.get(self.at).is_some_and(Option::is_some) {
-            cut = cut.min(self.exporter.read_deadline(self.reads[self.at].request)?);
+            cut = cut.min(lease_of(&leases, self.reads[self.at].request)?);
         }
         // Look again when a later reply's lease expires, to revoke it then.
         let wake = (self.at + 1..self.reads.len())
             .filter(|&i| self.pins[i].is_some())
-            .filter_map(|i| self.exporter.read_deadline(self.reads[i].request))
+            .filter_map(|i| lease_of(&leases, self.reads[i].request))
             .filter(|lease| *lease > now)
             .fold(cut, Instant::min);
         Some((cut, wake))
     }
 
     fn slices(&self) -> Vec<IoSlice<'_>> {
-        let mut v: Vec<IoSlice<'_>> = (self.at..self.reads.len())
-            .flat_map(|i| {
-                std::iter::once(IoSlice::new(&self.frames[i])).chain(
-                    self.pins[i]
-                        .iter()
-                        .flat_map(|p| p.slices().map(IoSlice::new)),
-                )
-            })
-            .collect();
-        let left = {
-            let mut rest = &mut v[..];
-            IoSlice::advance_slices(&mut rest, self.written);
-            rest.len()
-        };
-        let skipped = v.len() - left;
-        v.drain(..skipped);
-        v
+        let mut skip = self.written;
+        let mut out = Vec::new();
+        for i in self.at..self.reads.len() {
+            let frame = std::iter::once(&self.frames[i][..]);
+            for part in frame.chain(self.pins[i].iter().flat_map(PinnedRead::slices)) {
+                if skip >= part.len() {
+                    skip -= part.len();
+                    continue;
+                }
+                out.push(IoSlice::new(&part[skip..]));
+                skip = 0;
+                if out.len() == MAX_SLICES {
+                    return out;
+                }
+            }
+        }
+        out
     }
 
     fn advance(&mut self, mut n: usize) {
@@ -284,17 +296,26 @@ mod tests {
     use kvx_core::{BlockKey, EngineBlockId, HostArena};
     use kvx_policy::LeaseConfig;
 
+    /// Room for one timer tick and scheduling on a 2-core machine.
+    const TICK: Duration = Duration::from_millis(20);
+
     use super::*;
 
     const BLOCK: usize = 4096;
 
-    /// Requests 1 and 2 exported with two blocks each, leases started.
+    /// Requests 1 and 2 exported with two blocks each (engine blocks 0-1 and 2-3), leases
+    /// of 60 s started.
     fn exported(arena: &HostArena) -> Exporter {
+        exported_for(arena, [60_000, 60_000])
+    }
+
+    /// As [`exported`], with the leases' TTLs.
+    fn exported_for(arena: &HostArena, ttl_ms: [u64; 2]) -> Exporter {
         // SAFETY: every test keeps the arena alive until after the exporter is dropped, and
         // writes no block while it is exported.
         let exporter = unsafe { Exporter::new(arena.layout().clone()) }.unwrap();
-        let lease = LeaseConfig::with_ttl_ms(60_000);
         for r in [1u32, 2] {
+            let lease = LeaseConfig::with_ttl_ms(ttl_ms[r as usize - 1]);
             let blocks: Vec<_> = (0..2)
                 .map(|b| {
                     let key = BlockKey::chain(None, &[r as u8, b as u8]);
@@ -351,8 +372,15 @@ mod tests {
             second_cut > first_cut,
             "the second reply's write timeout starts later"
         );
-        // Two replies' worth in one write, and the rest.
-        r.advance(reply + 10);
+        std::thread::sleep(Duration::from_millis(2));
+        r.advance(10);
+        let (cut, _) = r.deadline().unwrap();
+        assert_eq!(
+            cut, second_cut,
+            "a partial write does not restart the reply's time"
+        );
+        // The rest of the second reply and the third's first bytes in one write, and the rest.
+        r.advance(reply);
         assert_eq!(exporter.stats().pins, 1);
         r.advance(reply - 10);
         assert!(r.is_done());
@@ -403,6 +431,127 @@ mod tests {
             0,
             "dropping the replies drops the last pin"
         );
+    }
+
+    /// A lease that expires under a batch wakes the writer at its expiry, and the reply not
+    /// started yet becomes a refusal then; a reply not started whose lease ended is revoked
+    /// even when it is the next one to be written.
+    #[test]
+    fn an_expiring_lease_wakes_the_writer_and_the_next_reply_is_revoked_not_cut() {
+        let arena = HostArena::contiguous(BLOCK, 4).unwrap();
+        let exporter = exported_for(&arena, [60_000, 150]);
+        let cfg = ServerConfig::default();
+        let reads = [whole(1, 1, 0), whole(2, 2, 0)];
+        let mut r = Replies::admit(&exporter, &cfg, &reads);
+        r.advance(10);
+        let t0 = Instant::now();
+        let (cut, wake) = r.deadline().unwrap();
+        assert!(wake < cut, "wakes before the write timeout");
+        assert!(
+            wake > t0 && wake <= t0 + Duration::from_millis(150),
+            "{wake:?}"
+        );
+        std::thread::sleep(wake.saturating_duration_since(Instant::now()) + TICK);
+        assert!(r.deadline().is_some(), "request 1's reply goes on");
+        assert_eq!(
+            exporter.stats().pins,
+            1,
+            "request 2's pin dropped at its expiry"
+        );
+        assert!(matches!(
+            Reply::decode(&r.frames[1][4..]),
+            Ok(Reply::Error { tag: 2, .. })
+        ));
+
+        // The next reply to be written, no byte of it out yet, is revoked, not cut.
+        let exporter = exported(&arena);
+        let reads = [whole(1, 2, 0), whole(2, 1, 0)];
+        let mut r = Replies::admit(&exporter, &cfg, &reads);
+        exporter.abort(RequestId(2)).unwrap();
+        assert!(r.deadline().is_some(), "not cut");
+        assert!(matches!(
+            Reply::decode(&r.frames[0][4..]),
+            Ok(Reply::Error { tag: 1, .. })
+        ));
+        assert_eq!(exporter.stats().pins, 1);
+    }
+
+    /// Writes of any size, ending anywhere, move the whole batch in order: heads, error
+    /// frames, and blocks of several segments (a per-layer layout) with reads at an offset.
+    #[test]
+    fn writes_of_any_size_move_every_reply_byte_exact_in_order() {
+        let mut arena = HostArena::per_layer(3, 1000, 4).unwrap();
+        for b in 0..4u32 {
+            let bytes: Vec<u8> = (0..3000)
+                .map(|j| ((b as usize * 31 + j * 7) % 251) as u8)
+                .collect();
+            arena.write_block(EngineBlockId(b), &bytes).unwrap();
+        }
+        let exporter = exported(&arena);
+        let cfg = ServerConfig::default();
+        let part = Read {
+            tag: 2,
+            request: RequestId(1),
+            block: 1,
+            offset: 1500,
+            len: 1000,
+        };
+        let reads = [
+            Read {
+                len: 3000,
+                ..whole(1, 1, 0)
+            },
+            part,
+            whole(3, 1, 9),
+            Read {
+                len: 3000,
+                ..whole(4, 2, 1)
+            },
+        ];
+        let mut r = Replies::admit(&exporter, &cfg, &reads);
+        let mut out = Vec::new();
+        for k in [1usize, 7, 999, 4096, 13].into_iter().cycle() {
+            if r.is_done() {
+                break;
+            }
+            let mut took = 0;
+            for s in r.slices() {
+                let n = s.len().min(k - took);
+                out.extend_from_slice(&s[..n]);
+                took += n;
+                if took == k {
+                    break;
+                }
+            }
+            r.advance(took);
+        }
+        assert_eq!(exporter.stats().pins, 0);
+        // Parse what went out.
+        let mut at = 0;
+        let mut next = || {
+            let len = u32::from_be_bytes(out[at..at + 4].try_into().unwrap()) as usize;
+            let body = out[at + 4..at + 4 + len].to_vec();
+            at += 4 + len;
+            body
+        };
+        let block = |b: u32| arena.read_block(EngineBlockId(b)).unwrap();
+        let data = |body: Vec<u8>, tag: u64, want: &[u8]| {
+            assert_eq!(body[0], wire::T_DATA);
+            assert_eq!(u64::from_be_bytes(body[1..9].try_into().unwrap()), tag);
+            assert_eq!(&body[9..], want, "tag {tag}");
+        };
+        data(next(), 1, &block(0));
+        data(next(), 2, &block(1)[1500..2500]);
+        assert!(matches!(
+            Reply::decode(&next()),
+            Ok(Reply::Error {
+                tag: 3,
+                code: ErrorCode::OutOfBounds,
+                ..
+            })
+        ));
+        data(next(), 4, &block(3));
+        assert_eq!(at, out.len(), "nothing more went out");
     }
 
     /// A read the lease refuses at admission, and one larger than the server serves, are
