@@ -554,6 +554,48 @@ mod tests {
         assert_eq!(at, out.len(), "nothing more went out");
     }
 
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever a peer sends, the batch parser never panics, never takes more than it
+        /// was given, takes whole frames only (each one a read that decodes alone), and
+        /// stops at the first byte it leaves for the serving loop.
+        #[test]
+        fn the_batch_parser_takes_whole_reads_only_from_any_bytes(
+            frames in prop::collection::vec(
+                prop_oneof![
+                    (any::<u64>(), 0u64..(BATCH_BYTES / 4))
+                        .prop_map(|(t, len)| read(t, len).encode()),
+                    prop::collection::vec(any::<u8>(), 0..40),
+                ],
+                0..80,
+            ),
+            max_frame in 1u32..8192,
+        ) {
+            let bytes: Vec<u8> = frames.concat();
+            let mut batch = Vec::new();
+            let used = take_buffered(&bytes, max_frame, &mut batch);
+            prop_assert!(used <= bytes.len());
+            prop_assert!(batch.len() <= BATCH_READS);
+            // Re-walk the taken bytes: exactly `batch`, frame by frame.
+            let mut at = 0;
+            for r in &batch {
+                let (body, n) = wire::buffered_frame(&bytes[at..used], max_frame).unwrap();
+                let decoded = Request::decode(body).unwrap();
+                prop_assert_eq!(Read::of(&decoded), Some(*r));
+                at += n;
+            }
+            prop_assert_eq!(at, used);
+            // Below the limits, what follows is not a whole read.
+            let taken = batch.iter().fold(0u64, |b, r| b.saturating_add(r.len));
+            if batch.len() < BATCH_READS && taken < BATCH_BYTES {
+                let next = wire::buffered_frame(&bytes[used..], max_frame)
+                    .and_then(|(body, _)| Request::decode(body).ok());
+                prop_assert_eq!(next.as_ref().and_then(Read::of), None);
+            }
+        }
+    }
+
     /// A read the lease refuses at admission, and one larger than the server serves, are
     /// error frames in their place; they hold no pin.
     #[test]
