@@ -2,6 +2,7 @@
 
 mod client;
 mod reads;
+mod replies;
 mod send;
 mod server;
 

@@ -20,7 +20,8 @@ use crate::error::RdmaError;
 use crate::exporter::Exporter;
 use crate::exports::Refusal;
 use crate::shards::{ShardThreads, Shards};
-use crate::tcp::reads::{Read, serve_reads, take_buffered};
+use crate::tcp::reads::{Read, take_buffered};
+use crate::tcp::replies::serve_reads;
 use crate::tcp::send::{Frame, Stop, send_until};
 use crate::wire::{self, ErrorCode, FrameError, MAX_HELLO, PROTOCOL_VERSION, Reply, Request};
 
