@@ -149,9 +149,9 @@ impl RawTcpCopy {
     }
 }
 
-/// Write `blocks` in order, as many per vectored write as kvx's server answers with one write
-/// (at most [`BATCH_READS`] blocks, no block joining once [`BATCH_BYTES`] are in): the raw
-/// copy pays the kernel no more per block than kvx does.
+/// Write `blocks` in order, handing each vectored write as many blocks as kvx's server answers
+/// together (at most [`BATCH_READS`] blocks, no block joining once [`BATCH_BYTES`] are in):
+/// the raw copy pays the kernel no more per block than kvx does.
 fn write_batched(s: &mut TcpStream, blocks: &[&[u8]]) -> std::io::Result<()> {
     let mut rest = blocks;
     while !rest.is_empty() {
