@@ -12,6 +12,8 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::time::Duration;
 
+use crate::loaded::{symbol, with_driver};
+
 /// The stand-in, found loaded in this process as the CUDA driver library.
 #[derive(Clone, Copy)]
 pub struct Standin {
@@ -24,34 +26,15 @@ pub struct Standin {
     batch: extern "C" fn(c_int),
 }
 
-/// The names cudarc loads the driver by (the first ones it tries on Linux).
-const LIBRARY_NAMES: [&CStr; 2] = [c"libcuda.so", c"libcuda.so.1"];
-
 impl Standin {
     /// The stand-in, when the `libcuda` loaded in this process is it; `None` on a real driver
     /// or when no driver library is loaded (open a `CudaDevice` first).
     pub fn loaded() -> Option<Standin> {
-        LIBRARY_NAMES.iter().find_map(|name| {
-            // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded (it loads
-            // nothing, runs no constructor); the name is NUL-terminated.
-            let lib = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-            if lib.is_null() {
-                return None;
-            }
-            let found = Standin::from_library(lib);
-            // SAFETY: balances the reference RTLD_NOLOAD took; the library stays loaded (cudarc
-            // holds it), so the function pointers stay valid.
-            unsafe { libc::dlclose(lib) };
-            found
-        })
+        with_driver(Standin::from_library)
     }
 
     fn from_library(lib: *mut c_void) -> Option<Standin> {
-        let sym = |name: &CStr| {
-            // SAFETY: `lib` is a live handle; looking a symbol up calls nothing.
-            let p = unsafe { libc::dlsym(lib, name.as_ptr()) };
-            (!p.is_null()).then_some(p)
-        };
+        let sym = |name: &CStr| symbol(lib, name);
         let (reset, delay, stalled, fail_after, register_limit, copies, batch) = (
             sym(c"kvx_standin_reset")?,
             sym(c"kvx_standin_set_copy_delay_us")?,

@@ -8,13 +8,13 @@
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUmemcpyAttributes,
-    CUresult, CUstream, cuuint64_t,
+    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUhostFn,
+    CUmemcpyAttributes, CUresult, CUstream, cuuint64_t,
 };
 
 use crate::memory::{Place, register_host, unregister_host};
-use crate::registry::{Handle, driver};
-use crate::stream::{Copy, EventState, StreamShared};
+use crate::registry::{Handle, LEGACY_STREAM, driver};
+use crate::stream::{Copy, EventState, HostCall, StreamShared};
 use crate::{DEVICES, DRIVER_VERSION};
 
 /// `Result` → `CUresult`.
@@ -147,6 +147,20 @@ pub extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
     answer(d.check_init().and_then(|()| d.set_current(handle_of(ctx))))
 }
 
+/// The calling thread's current context (null when none is).
+///
+/// # Safety
+/// `ctx` is null or valid for one write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut CUcontext) -> CUresult {
+    let d = driver();
+    // SAFETY: forwarded from the caller.
+    answer(
+        d.check_init()
+            .and_then(|()| unsafe { put(ctx, d.current_handle() as CUcontext) }),
+    )
+}
+
 /// Wait for every stream of the current context.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
@@ -191,9 +205,43 @@ pub extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
 pub extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
     answer(
         driver()
-            .stream(handle_of(stream))
+            .stream_or_default(handle_of(stream))
             .and_then(|s| s.synchronize()),
     )
+}
+
+/// Make `stream` run nothing queued after this call until `event`'s latest record (as of this
+/// call) was reached; returns at once. Flags must be 0. The event may be of another context.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWaitEvent(stream: CUstream, event: CUevent, flags: c_uint) -> CUresult {
+    let d = driver();
+    answer((|| {
+        if flags != 0 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let ev = d.event(handle_of(event))?;
+        let s = d.stream_or_default(handle_of(stream))?;
+        s.ctx.check()?;
+        s.wait_event(&ev)
+    })())
+}
+
+/// Queue `f(user_data)` on `stream`: it runs on the stream's thread when the stream gets
+/// there, and the stream runs nothing else until it returns (a slow "kernel" for tests).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc(
+    stream: CUstream,
+    f: CUhostFn,
+    user_data: *mut c_void,
+) -> CUresult {
+    answer((|| {
+        let f = f.ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let s = async_stream(stream)?;
+        s.host(HostCall {
+            f,
+            data: user_data as usize,
+        })
+    })())
 }
 
 /// Create an event of the current context.
@@ -228,7 +276,7 @@ pub extern "C" fn cuEventRecord(event: CUevent, stream: CUstream) -> CUresult {
     let d = driver();
     answer((|| {
         let ev = d.event(handle_of(event))?;
-        let s = d.stream(handle_of(stream))?;
+        let s = d.stream_or_default(handle_of(stream))?;
         if !std::sync::Arc::ptr_eq(&ev.ctx, &s.ctx) {
             return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
         }
@@ -358,11 +406,12 @@ pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, len: usize
     }))
 }
 
-/// The stream of an async call, checked to belong to the current context.
+/// The stream of an async call (0 or `CU_STREAM_LEGACY`: the default stream), checked to
+/// belong to the current context.
 fn async_stream(stream: CUstream) -> Result<std::sync::Arc<StreamShared>, CUresult> {
     let d = driver();
     let ctx = d.current()?;
-    let s = d.stream(handle_of(stream))?;
+    let s = d.stream_or_default(handle_of(stream))?;
     if !std::sync::Arc::ptr_eq(&s.ctx, &ctx) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
     }
@@ -437,6 +486,10 @@ pub unsafe extern "C" fn cu_memcpy_batch_async(
     stream: CUstream,
 ) -> CUresult {
     answer((|| {
+        // As on a GPU, the batch copy needs a created stream, not the legacy default one.
+        if [0, LEGACY_STREAM].contains(&handle_of(stream)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
         let s = async_stream(stream)?;
         if count == 0
             || num_attrs == 0

@@ -39,6 +39,8 @@ pub(crate) struct Context {
     pub(crate) device: &'static Device,
     pub(crate) allocs: DeviceAllocs,
     streams: Mutex<Vec<Weak<StreamShared>>>,
+    /// The default stream (handle 0 or `CU_STREAM_LEGACY`), made on first use.
+    default_stream: Mutex<Option<Arc<StreamShared>>>,
     /// 0, or the CUresult every later call on this context returns.
     sticky: AtomicU32,
 }
@@ -73,6 +75,19 @@ impl Context {
             .filter_map(Weak::upgrade)
             .collect()
     }
+
+    /// The context's default stream, started on first use. It is a stream like the others:
+    /// the stand-in does not make it synchronise with other streams as CUDA's legacy stream
+    /// does with blocking ones (kvx's streams are non-blocking, so nothing here relies on it).
+    fn default_stream(self: &Arc<Self>) -> Result<Arc<StreamShared>, CUresult> {
+        let mut slot = lock(&self.default_stream);
+        if let Some(s) = &*slot {
+            return Ok(s.clone());
+        }
+        let s = StreamShared::spawn(self.clone())?;
+        *slot = Some(s.clone());
+        Ok(s)
+    }
 }
 
 /// What a handle stands for.
@@ -92,6 +107,9 @@ pub(crate) struct Driver {
     /// Whether `cuGetProcAddress` hands out `cuMemcpyBatchAsync`.
     pub(crate) batch_copy: AtomicBool,
 }
+
+/// `CU_STREAM_LEGACY`: the legacy default stream, by its reserved handle value.
+pub(crate) const LEGACY_STREAM: usize = 0x1;
 
 thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(0) };
@@ -160,6 +178,7 @@ impl Driver {
             device: dev,
             allocs: DeviceAllocs::default(),
             streams: Mutex::new(Vec::new()),
+            default_stream: Mutex::new(None),
             sticky: AtomicU32::new(0),
         });
         lock(&self.contexts).insert(ctx.handle, ctx.clone());
@@ -179,6 +198,8 @@ impl Driver {
             && let Some(ctx) = p.ctx.take()
         {
             lock(&self.contexts).remove(&ctx.handle);
+            // The default stream holds the context: let go of it so both can be freed.
+            lock(&ctx.default_stream).take();
             for s in ctx.streams() {
                 s.close();
             }
@@ -219,7 +240,12 @@ impl Driver {
     /// The calling thread's current context, even one with a sticky error (for teardown).
     pub(crate) fn current_even_failed(&self) -> Result<Arc<Context>, CUresult> {
         self.check_init()?;
-        self.context(CURRENT.with(Cell::get))
+        self.context(self.current_handle())
+    }
+
+    /// The handle of the calling thread's current context (0: none).
+    pub(crate) fn current_handle(&self) -> usize {
+        CURRENT.with(Cell::get)
     }
 
     pub(crate) fn insert(&self, h: Handle) -> usize {
@@ -237,6 +263,15 @@ impl Driver {
             Some(Handle::Stream(s)) => Ok(s.clone()),
             _ => Err(CUresult::CUDA_ERROR_INVALID_HANDLE),
         }
+    }
+
+    /// A stream by handle, where 0 and `CU_STREAM_LEGACY` name the current context's
+    /// default stream.
+    pub(crate) fn stream_or_default(&self, handle: usize) -> Result<Arc<StreamShared>, CUresult> {
+        if handle == 0 || handle == LEGACY_STREAM {
+            return self.current()?.default_stream();
+        }
+        self.stream(handle)
     }
 
     pub(crate) fn event(&self, handle: usize) -> Result<Arc<EventState>, CUresult> {

@@ -407,3 +407,189 @@ fn the_batch_copy_runs_every_entry_in_order() {
     assert_eq!(kvx_standin_copies(ord), 3, "one copy per entry");
     assert!(out.0.iter().all(|&x| x == 0xA));
 }
+
+/// A host function that sleeps for `data` milliseconds: a slow "kernel".
+extern "C" fn sleep_ms(data: *mut c_void) {
+    std::thread::sleep(Duration::from_millis(data as u64));
+}
+
+/// A host function that adds one to the `AtomicU64` at `data`.
+extern "C" fn bump(data: *mut c_void) {
+    // SAFETY: the tests pass a pointer to an AtomicU64 that outlives the stream's work.
+    let counter = unsafe { &*(data as *const std::sync::atomic::AtomicU64) };
+    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Queue a sleep of `ms` on `s`.
+fn launch_sleep(s: CUstream, ms: u64) {
+    assert_eq!(cuLaunchHostFunc(s, Some(sleep_ms), ms as *mut c_void), OK);
+}
+
+#[test]
+fn a_wait_holds_a_stream_until_another_streams_record() {
+    let ord = 10;
+    open(ord);
+    let (engine, copier, unordered) = (stream(), stream(), stream());
+    let (forward, copied, early) = (event(), event(), event());
+    let dev = alloc(4096);
+    let (mut before, mut after) = (Pinned::new(4096, 0x11), Pinned::new(4096, 0x22));
+    let (mut out, mut out_early) = (Pinned::new(4096, 0), Pinned::new(4096, 0));
+    assert_eq!(cuMemcpyHtoD_v2(dev, before.ptr(), 4096), OK);
+    // The "forward": busy for 200 ms, then it writes the final bytes.
+    let t0 = Instant::now();
+    launch_sleep(engine, 200);
+    assert_eq!(cuMemcpyHtoDAsync_v2(dev, after.ptr(), 4096, engine), OK);
+    assert_eq!(cuEventRecord(forward, engine), OK);
+    assert_eq!(cuStreamWaitEvent(copier, forward, 0), OK);
+    let queued = t0.elapsed();
+    assert!(
+        queued < Duration::from_millis(50),
+        "queueing waited: {queued:?}"
+    );
+    assert_eq!(cuMemcpyDtoHAsync_v2(out.ptr(), dev, 4096, copier), OK);
+    assert_eq!(cuEventRecord(copied, copier), OK);
+    // A stream that does not wait reads the block at once: streams are not ordered otherwise.
+    assert_eq!(
+        cuMemcpyDtoHAsync_v2(out_early.ptr(), dev, 4096, unordered),
+        OK
+    );
+    assert_eq!(cuEventRecord(early, unordered), OK);
+    assert_eq!(cuEventSynchronize(early), OK);
+    assert!(
+        t0.elapsed() < Duration::from_millis(200),
+        "the unordered copy waited"
+    );
+    assert!(
+        out_early.0.iter().all(|&x| x == 0x11),
+        "it read the bytes before the forward"
+    );
+    assert_eq!(cuEventQuery(copied), CUresult::CUDA_ERROR_NOT_READY);
+    assert_eq!(cuEventSynchronize(copied), OK);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(200),
+        "the ordered copy ran before the forward's record: {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        out.0.iter().all(|&x| x == 0x22),
+        "it read the forward's bytes"
+    );
+}
+
+#[test]
+fn a_wait_captures_the_record_made_before_it() {
+    let ord = 11;
+    open(ord);
+    let (slow, waiter, idle) = (stream(), stream(), stream());
+    let (ev, done) = (event(), event());
+    let t0 = Instant::now();
+    launch_sleep(slow, 200);
+    assert_eq!(cuEventRecord(ev, slow), OK);
+    assert_eq!(cuStreamWaitEvent(waiter, ev, 0), OK);
+    assert_eq!(cuEventRecord(done, waiter), OK);
+    // Recording the event again, on an idle stream, does not release the wait queued before.
+    assert_eq!(cuEventRecord(ev, idle), OK);
+    assert_eq!(
+        cuEventSynchronize(ev),
+        OK,
+        "the new record completes at once"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        cuEventQuery(done),
+        CUresult::CUDA_ERROR_NOT_READY,
+        "the wait was released by a later record"
+    );
+    assert_eq!(cuEventSynchronize(done), OK);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(200),
+        "{:?}",
+        t0.elapsed()
+    );
+    // A wait queued now captures the idle stream's record: nothing to wait for.
+    launch_sleep(slow, 200);
+    let t1 = Instant::now();
+    assert_eq!(cuStreamWaitEvent(waiter, ev, 0), OK);
+    assert_eq!(cuEventRecord(done, waiter), OK);
+    assert_eq!(cuEventSynchronize(done), OK);
+    assert!(
+        t1.elapsed() < Duration::from_millis(150),
+        "{:?}",
+        t1.elapsed()
+    );
+    assert_eq!(cuStreamSynchronize(slow), OK);
+}
+
+#[test]
+fn host_functions_the_default_stream_and_bad_arguments() {
+    let ord = 12;
+    let ctx = open(ord);
+    let mut current: CUcontext = std::ptr::null_mut();
+    // SAFETY: `current` is a live local.
+    assert_eq!(unsafe { cuCtxGetCurrent(&mut current) }, OK);
+    assert_eq!(current, ctx);
+    let counter = std::sync::atomic::AtomicU64::new(0);
+    let arg = &counter as *const std::sync::atomic::AtomicU64 as *mut c_void;
+    let dev = alloc(64);
+    let mut src = Pinned::new(64, 0x33);
+    // The default stream (0) runs host functions and copies in order.
+    launch_sleep(std::ptr::null_mut(), 50);
+    assert_eq!(cuLaunchHostFunc(std::ptr::null_mut(), Some(bump), arg), OK);
+    assert_eq!(
+        cuMemcpyHtoDAsync_v2(dev, src.ptr(), 64, std::ptr::null_mut()),
+        OK
+    );
+    assert_eq!(
+        counter.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the host function ran at submit"
+    );
+    assert_eq!(cuStreamSynchronize(std::ptr::null_mut()), OK);
+    assert_eq!(counter.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(read_back(dev, 64), vec![0x33; 64]);
+    // A record on the default stream orders another stream after it.
+    let (ev, s) = (event(), stream());
+    launch_sleep(std::ptr::null_mut(), 100);
+    assert_eq!(cuEventRecord(ev, std::ptr::null_mut()), OK);
+    assert_eq!(cuStreamWaitEvent(s, ev, 0), OK);
+    assert_eq!(cuLaunchHostFunc(s, Some(bump), arg), OK);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        counter.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "ran before the wait"
+    );
+    assert_eq!(cuStreamSynchronize(s), OK);
+    assert_eq!(counter.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // A never-recorded event is nothing to wait for.
+    let (fresh, fresh_s) = (event(), stream());
+    assert_eq!(cuStreamWaitEvent(fresh_s, fresh, 0), OK);
+    assert_eq!(cuStreamSynchronize(fresh_s), OK);
+    let bad = CUresult::CUDA_ERROR_INVALID_VALUE;
+    assert_eq!(cuLaunchHostFunc(s, None, std::ptr::null_mut()), bad);
+    assert_eq!(cuStreamWaitEvent(s, ev, 1), bad, "only flags 0");
+    assert_eq!(
+        cuStreamWaitEvent(0xdead_0000 as CUstream, ev, 0),
+        CUresult::CUDA_ERROR_INVALID_HANDLE
+    );
+    assert_eq!(
+        cuStreamWaitEvent(s, 0xdead_0000 as CUevent, 0),
+        CUresult::CUDA_ERROR_INVALID_HANDLE
+    );
+    let host = src.ptr() as CUdeviceptr;
+    let (r, _) = batch(std::ptr::null_mut(), &[(dev, host, 64)]);
+    assert_eq!(r, bad, "the batch copy needs a created stream");
+    // SAFETY: a null out-pointer is refused, not written.
+    assert_eq!(unsafe { cuCtxGetCurrent(std::ptr::null_mut()) }, bad);
+    let other = std::thread::spawn(|| {
+        let mut c: CUcontext = 0x10 as CUcontext;
+        // SAFETY: `c` is a live local.
+        let r = unsafe { cuCtxGetCurrent(&mut c) };
+        (r, c.is_null())
+    });
+    assert_eq!(
+        other.join().unwrap(),
+        (OK, true),
+        "no context is current there"
+    );
+}

@@ -1,11 +1,15 @@
 //! Streams and events: each stream is a thread that runs its commands later, in order.
 //!
 //! `submit` only queues; the stream's thread waits while its device is stalled, sleeps the
-//! per-copy delay, and runs copies and event records one after another. An event completes
-//! when the thread reaches its record; waiting for an event or a stream sleeps until then.
-//! Once the context has a sticky error the thread runs no more copies, but still reaches every
-//! record, so waiters wake and see the error.
+//! per-copy delay, and runs copies, host functions, waits and event marks one after another.
+//! An event's record is a mark in its stream's queue: the event is complete once the stream's
+//! thread passed that mark. A wait (`cuStreamWaitEvent`) captures the event's latest mark at
+//! the call, as on a GPU: the waiting stream's thread runs nothing after the wait until the
+//! marked stream passed the mark, whatever the event is recorded on later. Once the context has
+//! a sticky error the thread runs no more copies or host functions, but still passes every
+//! mark and wait, so waiters wake and see the error.
 
+use std::ffi::c_void;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -24,12 +28,23 @@ pub(crate) struct Copy {
     pub(crate) len: usize,
 }
 
-enum Command {
-    Copy(Copy),
-    Record(Arc<EventState>, u64),
+/// A host function and its argument (`cuLaunchHostFunc`), run on the stream's thread.
+pub(crate) struct HostCall {
+    pub(crate) f: unsafe extern "C" fn(*mut c_void),
+    /// The caller's `userData`, passed back untouched.
+    pub(crate) data: usize,
 }
 
-/// Commands queued and finished, for `cuStreamSynchronize`.
+enum Command {
+    Copy(Copy),
+    Host(HostCall),
+    /// Passed when everything queued before it ran: an event's record.
+    Mark,
+    /// Wait until `0` passed its first `1` commands.
+    Wait(Arc<StreamShared>, u64),
+}
+
+/// Commands queued and finished, for `cuStreamSynchronize`, marks and waits.
 #[derive(Default)]
 struct Progress {
     queued: u64,
@@ -63,38 +78,65 @@ impl StreamShared {
         Ok(s)
     }
 
-    fn push(&self, c: Command) -> Result<(), CUresult> {
+    /// Queue `c`; its position in the stream (1 for the first command ever queued).
+    fn push(&self, c: Command) -> Result<u64, CUresult> {
         let tx = lock(&self.tx);
         let tx = tx.as_ref().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-        lock(&self.progress).queued += 1;
-        tx.send(c).map_err(|_| CUresult::CUDA_ERROR_INVALID_HANDLE)
+        let position = {
+            let mut p = lock(&self.progress);
+            p.queued += 1;
+            p.queued
+        };
+        tx.send(c)
+            .map_err(|_| CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+        Ok(position)
     }
 
     /// Queue copies (one command each, so the delay and the fault count apply per copy).
     pub(crate) fn copy(&self, copies: Vec<Copy>) -> Result<(), CUresult> {
         copies
             .into_iter()
-            .try_for_each(|c| self.push(Command::Copy(c)))
+            .try_for_each(|c| self.push(Command::Copy(c)).map(drop))
+    }
+
+    /// Queue a host function (`cuLaunchHostFunc`): it runs when the stream gets there, and the
+    /// stream runs nothing else until it returns.
+    pub(crate) fn host(&self, call: HostCall) -> Result<(), CUresult> {
+        self.push(Command::Host(call)).map(drop)
     }
 
     /// Queue the record of `ev`: it completes when the stream gets there.
-    pub(crate) fn record(&self, ev: &Arc<EventState>) -> Result<(), CUresult> {
-        let generation = {
-            let mut st = lock(&ev.state);
-            st.recorded += 1;
-            st.recorded
+    pub(crate) fn record(self: &Arc<Self>, ev: &EventState) -> Result<(), CUresult> {
+        let position = self.push(Command::Mark)?;
+        *lock(&ev.latest) = Some((self.clone(), position));
+        Ok(())
+    }
+
+    /// Queue a wait for `ev`'s latest record as it is now (none: nothing to wait for).
+    pub(crate) fn wait_event(&self, ev: &EventState) -> Result<(), CUresult> {
+        let Some((marked, position)) = lock(&ev.latest).clone() else {
+            return Ok(());
         };
-        self.push(Command::Record(ev.clone(), generation))
+        self.push(Command::Wait(marked, position)).map(drop)
+    }
+
+    /// Whether the stream's thread ran its first `position` commands.
+    fn passed(&self, position: u64) -> bool {
+        lock(&self.progress).done >= position
+    }
+
+    /// Sleep until the stream's thread ran its first `position` commands.
+    fn wait_passed(&self, position: u64) {
+        let mut p = lock(&self.progress);
+        while p.done < position {
+            p = wait(&self.advanced, p);
+        }
     }
 
     /// Wait until everything queued so far ran; the context's sticky error, if any.
     pub(crate) fn synchronize(&self) -> Result<(), CUresult> {
-        let mut p = lock(&self.progress);
-        let target = p.queued;
-        while p.done < target {
-            p = wait(&self.advanced, p);
-        }
-        drop(p);
+        let target = lock(&self.progress).queued;
+        self.wait_passed(target);
         self.ctx.check()
     }
 
@@ -116,7 +158,16 @@ impl StreamShared {
                         self.ctx.poison();
                     }
                 }
-                Command::Record(ev, generation) => ev.reached(generation),
+                Command::Host(call) => {
+                    if self.ctx.check().is_ok() {
+                        // SAFETY: the function and its argument are what the caller of
+                        // cuLaunchHostFunc passed, to be called once on a thread of the driver
+                        // with that argument (libcuda's contract).
+                        unsafe { (call.f)(call.data as *mut c_void) };
+                    }
+                }
+                Command::Mark => {}
+                Command::Wait(marked, position) => marked.wait_passed(position),
             }
             lock(&self.progress).done += 1;
             self.advanced.notify_all();
@@ -124,50 +175,33 @@ impl StreamShared {
     }
 }
 
-/// Records made and reached.
-#[derive(Default)]
-struct Marks {
-    recorded: u64,
-    reached: u64,
-}
-
-/// An event: complete when its stream reached its latest record (or never recorded).
+/// An event: complete when the stream of its latest record passed it (or never recorded).
 pub(crate) struct EventState {
     pub(crate) ctx: Arc<Context>,
-    state: Mutex<Marks>,
-    done: Condvar,
+    /// The stream of the latest record and the record's position in it.
+    latest: Mutex<Option<(Arc<StreamShared>, u64)>>,
 }
 
 impl EventState {
     pub(crate) fn new(ctx: Arc<Context>) -> Arc<EventState> {
         Arc::new(EventState {
             ctx,
-            state: Mutex::new(Marks::default()),
-            done: Condvar::new(),
+            latest: Mutex::new(None),
         })
-    }
-
-    fn reached(&self, generation: u64) {
-        let mut st = lock(&self.state);
-        st.reached = st.reached.max(generation);
-        drop(st);
-        self.done.notify_all();
     }
 
     /// `cuEventSynchronize`: wait for the latest record; then the context's sticky error.
     pub(crate) fn synchronize(&self) -> Result<(), CUresult> {
-        let mut st = lock(&self.state);
-        let target = st.recorded;
-        while st.reached < target {
-            st = wait(&self.done, st);
+        if let Some((stream, position)) = lock(&self.latest).clone() {
+            stream.wait_passed(position);
         }
-        drop(st);
         self.ctx.check()
     }
 
     /// `cuEventQuery`'s answer: has the stream reached the latest record?
     pub(crate) fn is_complete(&self) -> bool {
-        let st = lock(&self.state);
-        st.reached >= st.recorded
+        lock(&self.latest)
+            .as_ref()
+            .is_none_or(|(stream, position)| stream.passed(*position))
     }
 }
