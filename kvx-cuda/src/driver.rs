@@ -29,10 +29,12 @@ pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
     "cuCtxSynchronize",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamWaitEvent",
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
@@ -250,6 +252,25 @@ impl Ctx {
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw) })
     }
 
+    /// Make this context current on the calling thread until the guard drops, which makes the
+    /// context that was current before current again: for calls on a thread that is not
+    /// kvx's (an engine's), whose current context is left as it was. One `cuCtxGetCurrent`,
+    /// plus two `cuCtxSetCurrent` when another context was current.
+    pub(crate) fn bind_for_call(&self) -> Result<BoundForCall, CudaError> {
+        let mut before: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: module rule; `before` is a live local.
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut before)
+        })?;
+        if before == self.raw {
+            return Ok(BoundForCall { restore: None });
+        }
+        self.bind()?;
+        Ok(BoundForCall {
+            restore: Some(before),
+        })
+    }
+
     /// Wait for all work in the context (used after synchronous helpers whose DMA may lag).
     pub(crate) fn synchronize(&self) -> Result<(), CudaError> {
         self.bind()?;
@@ -280,6 +301,26 @@ impl Ctx {
     /// The 12.8 `cuMemcpyBatchAsync`, when the driver has it.
     pub(crate) fn batch_fn(&self) -> Option<BatchFn> {
         self.batch_copy
+    }
+}
+
+/// What [`Ctx::bind_for_call`] hands back: puts the earlier current context back on drop.
+pub(crate) struct BoundForCall {
+    /// The context current before (possibly none), when it was not this one.
+    restore: Option<sys::CUcontext>,
+}
+
+impl Drop for BoundForCall {
+    fn drop(&mut self) {
+        if let Some(before) = self.restore {
+            // SAFETY: module rule (a guard exists only after `Ctx::open`); `before` was current
+            // on this thread when the guard was made (null: none was), and the caller keeps it
+            // alive meanwhile, as it did before.
+            let r = unsafe { sys::cuCtxSetCurrent(before) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                tracing::warn!(result = ?r, "cuCtxSetCurrent could not restore the caller's context");
+            }
+        }
     }
 }
 

@@ -78,15 +78,19 @@
 //!
 //! # Ordering against the engine's writes
 //!
-//! The backend's streams are its own: nothing orders a store's device→host copy after the
-//! engine's kernels that wrote the block, or a load's host→device copy before the kernels that
-//! read it. kvx relies on the **step boundary** instead: kvx-offload queues a store when the
-//! engine saves blocks and submits it at the start of the *next* step, and reports a load
-//! finished only after its event completed. So the engine must have finished the kernels of a
-//! step (its stream synchronized: vLLM does when the step's sampled tokens reach the host)
-//! before it starts the next step, and must not read loaded blocks before the load is
-//! reported. An engine that overlaps steps (asynchronous scheduling) must synchronize its
-//! stream, or wait for an event recorded on it, before calling the worker's `start_step`.
+//! The backend's streams are its own: by themselves, nothing orders a store's device→host
+//! copy after the engine's kernels that wrote the block, or a load's host→device copy after
+//! the kernels that still use the block. kvx-offload queues a store when the engine saves
+//! blocks and submits it at the start of the *next* step, and reports a load finished only
+//! after its event completed. That step boundary is a CPU one: it orders the copies on the
+//! device only when the engine synchronised its stream before the next step.
+//!
+//! An engine whose CPU runs ahead of its GPU (vLLM's asynchronous scheduling) orders them
+//! with an [`EngineOrder`] ([`CudaBackend::engine_order`]): at the start of each step, before
+//! anything of that step may submit a copy, [`EngineOrder::order_after`] with the engine's
+//! current stream records an event there and makes every copy stream of the backend wait for
+//! it on the device (one `cuEventRecord` and `2 × copy_streams` `cuStreamWaitEvent`s; the CPU
+//! waits for nothing). The engine still reads loaded blocks only once the load is reported.
 //!
 //! # Trying it without a GPU
 //!
@@ -108,6 +112,7 @@ mod config;
 mod device;
 mod driver;
 mod error;
+mod order;
 mod pinned;
 mod plan;
 mod stream;
@@ -117,4 +122,5 @@ pub use config::{BatchMode, CudaBackendConfig, DEFAULT_COMPLETION_POLL};
 pub use device::{CudaDevice, DeviceMem};
 pub use driver::cuda_available;
 pub use error::CudaError;
+pub use order::EngineOrder;
 pub use pinned::{DEFAULT_PIN_CHUNK, PAGE_SIZE, PinnedPool};

@@ -39,6 +39,17 @@ impl Stream {
         Ok(Stream { ctx, raw })
     }
 
+    /// Make the stream run nothing queued after this call until `event`'s latest record (as
+    /// of this call) completed (`cuStreamWaitEvent`): queued on the device, never waited for
+    /// here.
+    pub(crate) fn wait_for(&self, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: both handles are live (the event may be recorded on another context's
+        // stream, which the driver allows).
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.raw, event.raw, 0)
+        })
+    }
+
     /// Block the calling thread until all work queued on the stream finished.
     pub(crate) fn synchronize(&self) -> Result<(), CudaError> {
         self.ctx.bind()?;
@@ -89,6 +100,20 @@ impl Event {
         // SAFETY: both handles are live and belong to the same (bound) context.
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream.raw)
+        })
+    }
+
+    /// Record the event after everything queued so far on a stream that is not kvx's (an
+    /// engine's, by its raw handle).
+    ///
+    /// # Safety
+    /// `stream` is `0` (the legacy default stream), `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`,
+    /// or a live stream of this event's context, and stays live for the call: the driver does
+    /// not check a handle before it uses it.
+    pub(crate) unsafe fn record_on_raw(&self, stream: sys::CUstream) -> Result<(), CudaError> {
+        // SAFETY: a live event; the stream is the caller's promise.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream)
         })
     }
 

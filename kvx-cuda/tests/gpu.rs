@@ -15,6 +15,8 @@ mod backend_trials;
 mod driver_trials;
 #[path = "gpu/fixture.rs"]
 mod fixture;
+#[path = "gpu/order_trials.rs"]
+mod order_trials;
 #[path = "gpu/standin_trials.rs"]
 mod standin_trials;
 
@@ -27,6 +29,7 @@ use fixture::{Gpu, ensure};
 use kvx_cuda::{CudaDevice, CudaError, cuda_available};
 use kvx_cuda_standin::control::Standin;
 use libtest_mimic::{Arguments, Failed, Trial};
+use order_trials::order_after_engine_stream;
 use standin_trials::{
     driver_without_batch_copy, pinned_pool_in_chunks, sticky_error_fails_ops_not_the_process,
 };
@@ -59,6 +62,7 @@ fn main() {
             "preempt_fence_flushes_inflight_store",
             preempt_fence_flushes_inflight_store,
         ),
+        ("order_after_engine_stream", order_after_engine_stream),
     ];
     let standin_tests: Vec<(&'static str, GpuTest)> = vec![
         ("driver_without_batch_copy", driver_without_batch_copy),

@@ -42,6 +42,7 @@ use crate::config::{BatchMode, CudaBackendConfig};
 use crate::device::CudaDevice;
 use crate::driver::Ctx;
 use crate::error::CudaError;
+use crate::order::EngineOrder;
 use crate::pinned::{PinnedPool, PinnedRanges};
 use crate::plan;
 use crate::stream::{self, CopyDir, Event, Stream};
@@ -73,8 +74,10 @@ impl CudaBackend {
     /// valid for reads and writes for as long as this backend lives (it drains its copies when
     /// dropped), and the caller must not read or write a block while an op naming it is
     /// outstanding: wait for the task's report or a fence, as with kvx-core's `HostBackend`.
-    /// The engine must also have finished the kernels that wrote a block before storing it
-    /// (the backend's streams do not order against the engine's streams).
+    /// The engine's kernels that write a block must also come before the op that stores it,
+    /// and those that touch a block being loaded before or after the load (the backend's
+    /// streams do not order against the engine's by themselves): have them finished, or order
+    /// the backend after them with [`CudaBackend::engine_order`].
     pub unsafe fn new(
         device: &CudaDevice,
         layout: KvLayout,
@@ -149,6 +152,13 @@ impl CudaBackend {
     /// The engine layout this backend serves.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The handle that orders this backend's copies after the engine's CUDA stream, each step
+    /// (see [`EngineOrder::order_after`]); take it before the backend moves into a driver.
+    pub fn engine_order(&self) -> Result<EngineOrder, CudaError> {
+        let streams = self.streams.iter().flatten().cloned().collect();
+        EngineOrder::new(self.ctx().clone(), streams)
     }
 
     /// Whether ops are submitted with one batched call (config allows it and the driver has it).
