@@ -83,6 +83,7 @@ mod config;
 mod error;
 mod eviction;
 mod file_hook;
+mod hold_back;
 mod manager;
 mod meta;
 mod remote;
@@ -97,6 +98,7 @@ pub use config::{FileTierConfig, OffloadConfig};
 pub use error::OffloadError;
 pub use eviction::EvictionKind;
 pub use file_hook::{FileTierHook, FileTierProbe};
+pub use hold_back::{LoadHoldBack, ReleasedLoads};
 pub use kvx_posix::{IoEngine, Listing, ProbeAnswer, Shard, SharedMount};
 pub use manager::{Lookup, OffloadManager, StoreDecision, WriteBack};
 pub use meta::{

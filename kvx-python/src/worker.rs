@@ -2,13 +2,12 @@
 //! kvx-offload's `OffloadBuilder` over the engine's KV tensors (host memory, or a CUDA device
 //! through kvx-cuda), a host tier and an optional file tier (kvx-posix).
 
-use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvx_core::{EngineBlockId, KvLayout, lock};
-use kvx_offload::{JobPart, OffloadBuilder, OffloadRuntime, StepStarted};
+use kvx_offload::{LoadHoldBack, OffloadBuilder, OffloadRuntime, StepStarted};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -23,21 +22,8 @@ struct Running {
     worker: kvx_offload::WorkerSide,
     runtime: OffloadRuntime,
     store_timeout: Duration,
-    /// Engine blocks of each request's load in flight.
-    loading: HashMap<u64, Vec<u32>>,
-    /// Engine blocks a cut-short copy may still write (kvx's `blocks_in_use`).
-    in_use: HashSet<u32>,
-    /// Ended loads held back until none of their blocks is in use.
-    parked: Vec<Parked>,
-}
-
-/// A load that ended, reported once no copy can write its blocks any more.
-struct Parked {
-    req: u64,
-    blocks: Vec<u32>,
-    invalid: Vec<u32>,
-    /// Reported to the engine in finished_recving (false: abandoned, an ended load only).
-    to_engine: bool,
+    /// Ended loads (local and remote) held back until no copy can write their blocks.
+    hold_back: LoadHoldBack,
 }
 
 /// The worker side over the engine's KV tensors.
@@ -127,9 +113,7 @@ impl WorkerSide {
                 worker: built.worker,
                 runtime: built.runtime,
                 store_timeout,
-                loading: HashMap::new(),
-                in_use: HashSet::new(),
-                parked: Vec::new(),
+                hold_back: LoadHoldBack::new(),
             })),
             tensors: Mutex::new(owners),
             layout,
@@ -144,10 +128,7 @@ impl WorkerSide {
         let meta = codec::decode_meta(meta).map_err(kvx_err)?;
         py.detach(|| {
             self.with(|r| {
-                for l in &meta.loads {
-                    r.loading
-                        .insert(l.request.0, l.blocks.iter().map(|b| b.engine.0).collect());
-                }
+                r.hold_back.step_started(&meta);
                 match r.worker.start_step(meta) {
                     Ok(StepStarted::Clear) => Ok(()),
                     // The forward may overwrite the preempted requests' blocks right after
@@ -202,46 +183,10 @@ impl WorkerSide {
     /// What finished since the last call (never blocks). A load whose blocks a cut-short copy
     /// may still write is held back (with its invalid blocks) until kvx releases them.
     fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Finished<'py>> {
-        let (out, recving, invalid, ended) = self.with(|r| {
+        let (out, released) = self.with(|r| {
             let out = r.worker.get_finished().map_err(kvx_err)?;
-            r.in_use.extend(out.blocks_in_use.iter().map(|b| b.0));
-            for b in &out.blocks_released {
-                r.in_use.remove(&b.0);
-            }
-            let reported: HashSet<u64> = out.finished_recving.iter().map(|q| q.0).collect();
-            let mut unclaimed: HashSet<u32> = out.invalid_blocks.iter().map(|b| b.0).collect();
-            for j in out.jobs.iter().filter(|j| j.part == JobPart::Load) {
-                let req = j.request.0;
-                let blocks = r.loading.remove(&req).unwrap_or_default();
-                let inv: Vec<u32> = blocks
-                    .iter()
-                    .copied()
-                    .filter(|b| unclaimed.remove(b))
-                    .collect();
-                r.parked.push(Parked {
-                    req,
-                    blocks,
-                    invalid: inv,
-                    to_engine: reported.contains(&req),
-                });
-            }
-            // Invalid blocks of no known load (none expected) go out at once.
-            let mut invalid: Vec<u32> = unclaimed.into_iter().collect();
-            let (mut recving, mut ended) = (Vec::new(), Vec::new());
-            let in_use = &r.in_use;
-            r.parked.retain(|p| {
-                if p.blocks.iter().any(|b| in_use.contains(b)) {
-                    return true;
-                }
-                if p.to_engine {
-                    recving.push(p.req);
-                    invalid.extend_from_slice(&p.invalid);
-                } else {
-                    ended.push(p.req);
-                }
-                false
-            });
-            Ok((out, recving, invalid, ended))
+            let released = r.hold_back.take(&out);
+            Ok((out, released))
         })?;
         let jobs = if out.jobs.is_empty() {
             Vec::new()
@@ -250,16 +195,16 @@ impl WorkerSide {
         };
         Ok((
             out.finished_sending.iter().map(|r| r.0).collect(),
-            recving,
-            invalid,
+            released.finished_recving.iter().map(|r| r.0).collect(),
+            released.invalid_blocks.iter().map(|b| b.0).collect(),
             PyBytes::new(py, &jobs),
-            ended,
+            released.ended.iter().map(|r| r.0).collect(),
         ))
     }
 
     /// Jobs and requests in flight here, and loads held back (0 when idle).
     fn in_flight(&self) -> PyResult<usize> {
-        self.with(|r| Ok(r.worker.in_flight() + r.parked.len() + r.loading.len()))
+        self.with(|r| Ok(r.worker.in_flight() + r.hold_back.len()))
     }
 
     /// True when the driver's tracker holds no task, request, timer or zombie.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from types import ModuleType
@@ -115,6 +116,69 @@ def test_a_cuda_kv_cache_on_the_standin_stores_and_loads_back_byte_exact(standin
     back = (ctypes.c_int16 * ELEMS)()
     assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
     check_moved(list(data), list(back))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blocks(
+    standin: ctypes.CDLL,
+) -> None:
+    """A decode engine's remote load into stand-in device memory whose copy hangs past the load
+    deadline: the load's verdict is in, but the request is held back from finished_recving (vLLM
+    would free or reuse its blocks at once) until the stalled copy has really ended; then it
+    comes out once, with both blocks invalid."""
+    # The producer: CPU engine memory, two blocks exported under a lease.
+    p_cfg = json.dumps({"host_blocks": 4, "remote": {"listen": f"127.0.0.1:{free_port()}", "lease_ttl_ms": 60000}})
+    p_mem = (ctypes.c_int16 * ELEMS)(*[pattern(i) for i in range(ELEMS)])
+    p_desc = ("layer0", ctypes.addressof(p_mem), SHAPE, STRIDES, 2, "cpu")
+    p_sched = SchedulerSide(p_cfg, BLOCK)
+    producer = WorkerSide(p_cfg, BLOCK, [p_desc], [p_mem], NUM_BLOCKS)
+    # The consumer: stand-in device memory, a short remote-load deadline.
+    d_cfg = json.dumps({"host_blocks": 4, "remote": {"load_ms": 300}})
+    ptr = ctypes.c_uint64()
+    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
+    d_sched = SchedulerSide(d_cfg, BLOCK)
+    d_desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
+    consumer = WorkerSide(d_cfg, BLOCK, [d_desc], [], NUM_BLOCKS)
+    try:
+        keys = block_keys(b"hold-back", [b"block0", b"block1"])
+        source = p_sched.export_finished(1, 1, "hold-back", keys, [0, 1])
+        producer.start_step(p_sched.build_meta([])[0])
+        d_sched.remote_load(2, source, 0, [5, 6])
+        step, loads, _ = d_sched.build_meta([])
+        assert loads == [2]
+        # Every copy into the device hangs from now on.
+        assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
+        consumer.start_step(step)
+        # Well past the deadline (300 ms) plus its verdict: the load ended, yet its blocks may
+        # still be written by the stalled copy, so vLLM must not hear of it.
+        held_until = time.monotonic() + 1.5
+        while time.monotonic() < held_until:
+            _, recving, invalid, _, ended = consumer.get_finished()
+            assert 2 not in recving and 2 not in ended, "reported while a copy may still write its blocks"
+            assert invalid == [], "its invalid blocks are reported with it, not before"
+            time.sleep(0.01)
+        assert consumer.in_flight() > 0
+        assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0) == 0
+        end = time.monotonic() + 10
+        seen: list[int] = []
+        bad: list[int] = []
+        while 2 not in seen:
+            assert time.monotonic() < end, "the load was never reported after the copy ended"
+            _, recving, invalid, _, _ = consumer.get_finished()
+            seen += recving
+            bad += invalid
+            time.sleep(0.01)
+        assert seen == [2], "reported exactly once"
+        assert sorted(bad) == [5, 6], "the cut-short load's blocks are invalid"
+    finally:
+        standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0)
+        consumer.close()
+        producer.close()
 
 
 def torch_with_a_gpu() -> ModuleType | None:
