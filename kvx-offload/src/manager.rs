@@ -340,6 +340,26 @@ impl OffloadManager {
         }
     }
 
+    /// Forget every block of every tier (a cache reset): none is offered again. Returns the
+    /// host-tier and file-tier blocks to drop now; blocks a load still reads, or a store still
+    /// writes, follow in [`OffloadManager::take_dropped`] once it ended.
+    pub fn forget_all(&mut self) -> (Vec<BlockKey>, Vec<BlockKey>) {
+        let host = self.host.forget_all();
+        let file = self.file.as_mut().map_or_else(Vec::new, |f| f.forget_all());
+        (host, file)
+    }
+
+    /// Blocks forgotten by [`OffloadManager::forget_all`] that left the index since the last
+    /// call (host tier, file tier): drop them.
+    pub fn take_dropped(&mut self) -> (Vec<BlockKey>, Vec<BlockKey>) {
+        let host = self.host.take_dropped();
+        let file = self
+            .file
+            .as_mut()
+            .map_or_else(Vec::new, |f| f.take_dropped());
+        (host, file)
+    }
+
     /// Forget in-flight stores, pins and promotions (after a reset).
     pub fn reset_in_flight(&mut self) {
         self.host.reset_in_flight();

@@ -22,6 +22,9 @@ pub enum Tier {
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     stored: bool,
+    /// Forgotten by [`TierIndex::forget_all`]: never offered again, gone once no load pins it
+    /// and its store (if any) ended.
+    doomed: bool,
     pins: u32,
     /// When the block became stored here (or when its store began, while `!stored`).
     since: Instant,
@@ -34,6 +37,7 @@ impl Entry {
         let now = Instant::now();
         Entry {
             stored: false,
+            doomed: false,
             pins: 0,
             since: now,
             used: now,
@@ -59,6 +63,9 @@ pub(crate) struct TierIndex {
     /// With [`TierIndex::record_evictions`]: blocks evicted since the last
     /// [`TierIndex::take_evicted`], with their last use.
     evicted_log: Option<Vec<(BlockKey, Instant)>>,
+    /// Doomed blocks whose data exists and that just left the index (their last pin ended, or
+    /// their store completed): the tier must drop them ([`TierIndex::take_dropped`]).
+    dropped: Vec<BlockKey>,
 }
 
 impl TierIndex {
@@ -70,6 +77,7 @@ impl TierIndex {
             entries: FxHashMap::default(),
             order: new_order(kind, capacity),
             evicted_log: None,
+            dropped: Vec::new(),
         }
     }
 
@@ -83,14 +91,18 @@ impl TierIndex {
         self.entries.len()
     }
 
-    /// True when `key` is fully stored here.
+    /// True when `key` is fully stored here (and not forgotten).
     pub(crate) fn is_stored(&self, key: BlockKey) -> bool {
-        self.entries.get(&key).is_some_and(|e| e.stored)
+        self.entries
+            .get(&key)
+            .is_some_and(|e| e.stored && !e.doomed)
     }
 
-    /// True when a store of `key` into this tier is in flight.
+    /// True when a store of `key` into this tier is in flight (and not forgotten).
     pub(crate) fn is_storing(&self, key: BlockKey) -> bool {
-        self.entries.get(&key).is_some_and(|e| !e.stored)
+        self.entries
+            .get(&key)
+            .is_some_and(|e| !e.stored && !e.doomed)
     }
 
     /// Total pins (0 when no load is in flight).
@@ -117,7 +129,10 @@ impl TierIndex {
             let entries = &self.entries;
             let protected = &seen;
             let v = self.order.victims(need, &|k| {
-                !protected.contains(&k) && entries.get(&k).is_some_and(|e| e.stored && e.pins == 0)
+                !protected.contains(&k)
+                    && entries
+                        .get(&k)
+                        .is_some_and(|e| e.stored && !e.doomed && e.pins == 0)
             });
             if v.len() < need {
                 return Err(OffloadError::NoRoom {
@@ -143,13 +158,19 @@ impl TierIndex {
     }
 
     /// A store of `keys` ended: they become visible on success, vanish on failure. Keys that
-    /// are not being stored (e.g. after a reset) are ignored.
+    /// are not being stored (e.g. after a reset) are ignored; a forgotten key's store leaves
+    /// the index either way (and, if it succeeded, is to be dropped).
     pub(crate) fn complete_store(&mut self, keys: &[BlockKey], success: bool) {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k)
                 && !e.stored
             {
-                if success {
+                if e.doomed {
+                    self.entries.remove(k);
+                    if success {
+                        self.dropped.push(*k);
+                    }
+                } else if success {
                     e.stored = true;
                     e.since = Instant::now();
                     e.used = e.since;
@@ -168,18 +189,53 @@ impl TierIndex {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins += 1;
                 e.used = Instant::now();
-                self.order.touch(*k);
+                if !e.doomed {
+                    self.order.touch(*k);
+                }
             }
         }
     }
 
-    /// Release pins taken by `pin`.
+    /// Release pins taken by `pin`. A forgotten stored block whose last pin ends leaves the
+    /// index (to be dropped).
     pub(crate) fn unpin(&mut self, keys: &[BlockKey]) {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins = e.pins.saturating_sub(1);
+                if e.doomed && e.stored && e.pins == 0 {
+                    self.entries.remove(k);
+                    self.dropped.push(*k);
+                }
             }
         }
+    }
+
+    /// Forget every block (a cache reset): none is offered again. Stored blocks no load pins
+    /// leave the index now and are returned (drop them); pinned ones leave when their last pin
+    /// ends, and blocks being stored when their store ends ([`TierIndex::take_dropped`]).
+    /// Until then they keep their room, and a new store of the same key is skipped.
+    pub(crate) fn forget_all(&mut self) -> Vec<BlockKey> {
+        let mut gone = std::mem::take(&mut self.dropped);
+        for (k, e) in self.entries.iter_mut() {
+            if e.stored && !e.doomed {
+                self.order.remove(*k);
+            }
+            e.doomed = true;
+        }
+        self.entries.retain(|k, e| {
+            let keep = !e.stored || e.pins > 0;
+            if !keep {
+                gone.push(*k);
+            }
+            keep
+        });
+        gone
+    }
+
+    /// Forgotten blocks that left the index since the last call (see
+    /// [`TierIndex::forget_all`]): drop them.
+    pub(crate) fn take_dropped(&mut self) -> Vec<BlockKey> {
+        std::mem::take(&mut self.dropped)
     }
 
     /// Mark keys recently used.
@@ -188,6 +244,7 @@ impl TierIndex {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k)
                 && e.stored
+                && !e.doomed
             {
                 e.used = now;
                 self.order.touch(*k);
@@ -212,7 +269,7 @@ impl TierIndex {
     /// Blocks being stored or still pinned by another load stay.
     pub(crate) fn remove(&mut self, key: BlockKey) -> bool {
         match self.entries.get(&key) {
-            Some(e) if e.stored && e.pins == 0 => {
+            Some(e) if e.stored && !e.doomed && e.pins == 0 => {
                 self.entries.remove(&key);
                 self.order.remove(key);
                 true
@@ -253,7 +310,7 @@ impl TierIndex {
             .entries
             .iter()
             .filter(|(k, e)| {
-                e.stored && e.pins == 0 && e.since < listed_at && !present.contains(*k)
+                e.stored && !e.doomed && e.pins == 0 && e.since < listed_at && !present.contains(*k)
             })
             .map(|(k, _)| *k)
             .collect();
@@ -264,18 +321,25 @@ impl TierIndex {
         gone
     }
 
-    /// Every stored key.
+    /// Every stored key (not forgotten).
     pub(crate) fn stored_keys(&self) -> Vec<BlockKey> {
         self.entries
             .iter()
-            .filter(|(_, e)| e.stored)
+            .filter(|(_, e)| e.stored && !e.doomed)
             .map(|(k, _)| *k)
             .collect()
     }
 
-    /// Forget in-flight stores and pins (after a reset); stored blocks stay.
+    /// Forget in-flight stores and pins (after a reset); stored blocks stay, but forgotten
+    /// ones leave (to be dropped).
     pub(crate) fn reset_in_flight(&mut self) {
-        self.entries.retain(|_, e| e.stored);
+        let dropped = &mut self.dropped;
+        self.entries.retain(|k, e| {
+            if e.stored && e.doomed {
+                dropped.push(*k);
+            }
+            e.stored && !e.doomed
+        });
         for e in self.entries.values_mut() {
             e.pins = 0;
         }

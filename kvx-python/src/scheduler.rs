@@ -93,6 +93,14 @@ impl SchedulerSide {
             .is_some())
     }
 
+    /// Forget every block the tiers hold (vLLM's `reset_prefix_cache(reset_connector=True)`):
+    /// no lookup offers one again; the next step's metadata drops them from the workers' host
+    /// tiers and removes their files, and blocks a load or store in flight still touches follow
+    /// once it ended. Requests in flight go on.
+    fn reset_cache(&self) {
+        lock(&self.inner).reset_cache();
+    }
+
     /// The engine preempted a request.
     fn request_preempted(&self, req: u64) {
         lock(&self.inner).request_preempted(RequestId(req));

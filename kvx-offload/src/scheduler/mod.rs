@@ -383,6 +383,9 @@ impl SchedulerSide {
         self.drop_idle(Instant::now());
         self.forget_unlisted();
         self.start_write_back();
+        let (host, file) = self.mgr.take_dropped();
+        self.meta.evict_host.extend(host);
+        self.meta.evict_file.extend(file);
         let mut m = std::mem::take(&mut self.meta);
         m.submit_stores_now = self.reqs.values().all(|r| r.finished);
         m
@@ -481,6 +484,19 @@ impl SchedulerSide {
                 }
             }
         }
+    }
+
+    /// Forget every block the tiers hold (the engine reset its prefix cache, e.g. because the
+    /// model's weights changed): no lookup offers one again, the next [`StepMeta`] drops them
+    /// from the host tier and removes their files (on a shared mount: forgets them), and blocks
+    /// a load or store in flight still touches follow once it ended. Requests and their jobs
+    /// go on; a store planned before the reset stores nothing that is ever offered.
+    pub fn reset_cache(&mut self) {
+        let (host, file) = self.mgr.forget_all();
+        self.meta.evict_host.extend(host);
+        self.meta.evict_file.extend(file);
+        self.lookups.clear();
+        self.write_back_pending.clear();
     }
 
     /// Forget every job in flight (their late results will be ignored); keep stored blocks.

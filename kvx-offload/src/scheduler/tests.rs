@@ -255,3 +255,113 @@ fn a_missing_file_is_forgotten_and_a_corrupt_one_removed() {
     assert!(!s.manager().is_stored(Tier::File, k(3)));
     assert!(s.manager().is_stored(Tier::File, k(1)));
 }
+
+/// The worker's report that load `job` of `request` loaded every one of `keys`.
+fn load_done(job: crate::meta::JobId, request: RequestId, keys: &[BlockKey]) -> WorkerOutput {
+    WorkerOutput {
+        finished_recving: vec![request],
+        jobs: vec![crate::meta::JobResult {
+            job,
+            request,
+            part: JobPart::Load,
+            ok: keys.to_vec(),
+            failed: vec![],
+            promoted: vec![],
+        }],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn reset_cache_offers_nothing_held_before_and_drops_it() {
+    let keys = [k(1), k(2)];
+    let mut s = with_stored(&keys);
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(1), &keys, 0),
+        Some(32)
+    );
+    s.reset_cache();
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(2), &keys, 0),
+        Some(0)
+    );
+    let mut dropped = s.build_meta().evict_host;
+    dropped.sort();
+    assert_eq!(dropped, keys, "the worker drops the host tier's buffers");
+    assert_eq!(s.manager().blocks(Tier::Host), 0);
+    // The tier works as before for what is stored after the reset.
+    let job = s
+        .save_blocks(RequestId(3), &[(k(1), EngineBlockId(4))])
+        .unwrap();
+    s.request_finished(RequestId(3));
+    s.update_from_worker(&host_store_done(job, RequestId(3), &[k(1)]));
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(4), &keys, 0),
+        Some(16)
+    );
+}
+
+#[test]
+fn reset_cache_forgets_a_store_in_flight_and_drops_it_when_it_lands() {
+    let mut s = sched(Duration::from_secs(600));
+    let job = s
+        .save_blocks(RequestId(1), &[(k(7), EngineBlockId(0))])
+        .unwrap();
+    let meta = s.build_meta();
+    assert_eq!(meta.stores.len(), 1);
+    s.reset_cache();
+    assert!(
+        s.build_meta().evict_host.is_empty(),
+        "nothing to drop before it lands"
+    );
+    // A new store of the same key while the old one runs is skipped (its room is taken).
+    assert_eq!(
+        s.save_blocks(RequestId(2), &[(k(7), EngineBlockId(1))]),
+        None
+    );
+    s.update_from_worker(&host_store_done(job, RequestId(1), &[k(7)]));
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(3), &[k(7)], 0),
+        Some(0)
+    );
+    assert_eq!(
+        s.build_meta().evict_host,
+        vec![k(7)],
+        "dropped once it landed"
+    );
+    assert!(s.manager().is_quiet());
+    // The request's lifecycle went on: it finishes without a delayed free.
+    assert!(!s.request_finished(RequestId(1)));
+}
+
+#[test]
+fn reset_cache_keeps_a_block_a_load_reads_until_the_load_ends() {
+    let keys = [k(5)];
+    let mut s = with_stored(&keys);
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(1), &keys, 0),
+        Some(16)
+    );
+    let job = s
+        .update_state_after_alloc(RequestId(1), &[EngineBlockId(3)])
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.build_meta().loads.len(), 1);
+    s.reset_cache();
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(2), &keys, 0),
+        Some(0)
+    );
+    assert!(
+        s.build_meta().evict_host.is_empty(),
+        "the load still reads it"
+    );
+    s.update_from_worker(&load_done(job, RequestId(1), &keys));
+    assert_eq!(
+        s.build_meta().evict_host,
+        keys,
+        "dropped once the load ended"
+    );
+    assert!(s.manager().is_quiet());
+    assert_eq!(s.manager().blocks(Tier::Host), 0);
+}

@@ -71,6 +71,47 @@ def test_file_tier_hit_after_restart(tmp_path, io_engine):
         e.close()
 
 
+def test_reset_prefix_cache_with_the_connector_serves_nothing_held_before(tmp_path):
+    # vLLM's reset_prefix_cache(reset_connector=True) (LLM.reset_prefix_cache, or the engine's
+    # pause with clear_cache): kvx forgets its host tier and its file tier, and removes the
+    # files, so a restart adopts none of them either.
+    d = file_dir(tmp_path)
+    p = prompt(3, 4 * BLOCK + 7)
+    extra = {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384}}
+    e = Engine(tmp_path, extra)
+    try:
+        e.add("a", p)
+        e.run()
+        assert len(list(d.rglob("*.kvb"))) == 4
+        assert e.scheduler.reset_prefix_cache(reset_connector=True)
+        e.add("b", p)
+        e.run()
+        st = e.conn.stats()
+        assert st["hit_tokens"] == 0, st
+        assert e.recv_reported == set()
+        # b's own blocks were stored again after the reset; wait until the files of the old
+        # ones are gone and the new ones written (same keys: same prompt).
+        e.run(timeout=10, until=lambda: e.worker._worker.native.file_blocks() == 4)
+        assert e.worker.stats()["host_blocks"] == 4
+    finally:
+        e.close()
+    # With nothing stored after the reset, a reset empties the file tier on disk.
+    e = Engine(tmp_path, extra)
+    try:
+        assert e.scheduler.reset_prefix_cache(reset_connector=True)
+        e.run(timeout=10, until=lambda: not any(d.rglob("*.kvb")))
+        assert not any(d.rglob("*.kvb")), sorted(d.rglob("*"))
+    finally:
+        e.close()
+    e = Engine(tmp_path, extra)
+    try:
+        e.add("c", p)
+        e.run()
+        assert e.conn.stats()["hit_tokens"] == 0
+    finally:
+        e.close()
+
+
 def corrupt_one_block(tmp_path, d, p, index):
     """Store ``p`` in the file tier, then flip a payload byte of block ``index``'s file."""
     e = Engine(tmp_path, {"host_blocks": 32, "file": {"roots": [str(d)], "blocks": 16384}})

@@ -229,6 +229,11 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
+    def reset_cache(self) -> bool:
+        # LLM.reset_prefix_cache(reset_connector=True): vLLM asks the scheduler's connector only;
+        # the workers learn it from the next step's metadata.
+        return self._scheduler_side().reset_cache()
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 

@@ -237,6 +237,13 @@ class SchedulerSide:
             del self.names[r.number]
         return delay, None
 
+    def reset_cache(self) -> bool:
+        """Serve nothing held before: kvx forgets every block of its tiers (the workers drop
+        them from their host tiers and remove their files at the next step). Requests in flight
+        go on."""
+        self.native.reset_cache()
+        return True
+
     def _release(self, req_id: str) -> None:
         """A finished request was reported for the last time: forget its number."""
         number = self.finished.pop(req_id, None)
