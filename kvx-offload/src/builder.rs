@@ -48,16 +48,19 @@ impl EngineMemory {
     /// buffers are pinned and registered with the device (in chunks, `kvx_cuda::
     /// DEFAULT_PIN_CHUNK`; a refused chunk fails `build` with an error naming its size).
     ///
-    /// Ordering: kvx's copies do not wait for the engine's CUDA stream. They are ordered by the
-    /// step boundary: stores of the blocks saved in a step are submitted at the start of the
-    /// next `start_step`, so the engine must have finished that step's kernels (synchronized
-    /// its stream) before calling it, and reads loaded blocks only once the load is reported.
+    /// Ordering: kvx copies on streams of its own. Stores of the blocks saved in a step are
+    /// submitted at the start of the next `start_step`; they come after the kernels that wrote
+    /// the blocks when the engine synchronised its stream before that call, or called
+    /// [`WorkerSide::order_after_engine_stream`] with its stream first (no CPU wait: for an
+    /// engine whose CPU runs a step ahead, vLLM's asynchronous scheduling). The engine reads
+    /// loaded blocks only once the load is reported.
     ///
     /// # Safety
     /// As for `kvx_cuda::CudaBackend::new`: every region of `layout` is device memory of
     /// `device`, valid until the runtime shuts down; the engine does not touch a block while an
-    /// op on it is outstanding, and has finished the kernels that wrote a block before the
-    /// `start_step` that submits its store.
+    /// op on it is outstanding, and the kernels that write a block come before the
+    /// `start_step` that submits its store (finished, or ordered before it by
+    /// `order_after_engine_stream`).
     #[cfg(feature = "cuda")]
     pub unsafe fn cuda(device: &kvx_cuda::CudaDevice, layout: KvLayout) -> EngineMemory {
         EngineMemory {
@@ -159,6 +162,8 @@ impl OffloadBuilder {
         let mut b = DriverBuilder::new(driver_cfg);
         #[cfg(feature = "cuda")]
         let mut pinned = Vec::new();
+        #[cfg(feature = "cuda")]
+        let mut engine_order = None;
         // A GPU engine's exports are staged in host buffers the server reads from.
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut staging = None;
@@ -210,6 +215,10 @@ impl OffloadBuilder {
                     )
                 }
                 .map_err(|e| setup("CUDA backend")(e.to_string()))?;
+                engine_order = Some(
+                    gpu.engine_order()
+                        .map_err(|e| setup("CUDA backend")(e.to_string()))?,
+                );
                 let p = gpu
                     .pinned_pool(cfg.pool_buffers(blocks), bytes)
                     .map_err(|e| setup("pinned pool")(e.to_string()))?;
@@ -321,6 +330,10 @@ impl OffloadBuilder {
                 preempt_wait: Duration::from_millis(cfg.preempt_wait_ms),
             },
         )?;
+        #[cfg(feature = "cuda")]
+        if let Some(order) = engine_order {
+            worker.set_engine_order(order);
+        }
         if let (Some(r), Some((handle, backend))) = (&cfg.remote, importer) {
             worker.set_remote(RemotePart::new(
                 exporter,

@@ -6,7 +6,8 @@
 //! They run on a GPU, or on the CPU stand-in for the CUDA driver (`scripts/cuda-standin.sh
 //! cargo test -p kvx-offload --features cuda --test cuda`, as CI does), where each trial has a
 //! device of its own and the engine copies are slowed with the stand-in's delay knob. The
-//! scenarios that need slow copies to be conclusive run only there. Where neither is present
+//! scenarios that need slow copies to be conclusive run only there. The stores and loads
+//! ordered after a forward still pending on the engine's stream (`cuda/order.rs`) run on both. Where neither is present
 //! each trial prints one `skip:` line and counts as ignored (`KVX_CUDA_REQUIRE_GPU=1` makes
 //! that a failure).
 
@@ -15,6 +16,8 @@ mod common;
 mod engine;
 #[path = "cuda/export.rs"]
 mod export;
+#[path = "cuda/order.rs"]
+mod order;
 #[path = "cuda/scenarios.rs"]
 mod scenarios;
 
@@ -121,6 +124,18 @@ fn main() {
             "cuda_producer_reset_during_a_copy",
             export::gpu_producer_reset_during_a_copy,
             true,
+            false,
+        ),
+        (
+            "cuda_store_after_a_pending_forward",
+            order::store_after_a_pending_forward,
+            false,
+            false,
+        ),
+        (
+            "cuda_load_after_a_pending_forward",
+            order::load_after_a_pending_forward,
+            false,
             false,
         ),
     ];

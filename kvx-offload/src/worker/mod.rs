@@ -1,6 +1,8 @@
 //! The worker half of the connector: turns step metadata into kvx-core tasks on the driver,
 //! holds the host tier's buffers, and reports what finished.
 
+#[cfg(feature = "cuda")]
+mod engine_order;
 mod host_tier;
 mod load;
 mod preempt;
@@ -152,6 +154,9 @@ pub struct WorkerSide {
     held: Vec<(FenceHandle, Vec<EngineBlockId>)>,
     /// The remote tier (exports and remote loads), if configured.
     remote: Option<RemotePart>,
+    /// Orders copies after the engine's CUDA stream (CUDA engine memory only).
+    #[cfg(feature = "cuda")]
+    engine_order: Option<kvx_cuda::EngineOrder>,
     out: WorkerOutput,
 }
 
@@ -190,6 +195,8 @@ impl WorkerSide {
             finishing: FxHashSet::default(),
             held: Vec::new(),
             remote: None,
+            #[cfg(feature = "cuda")]
+            engine_order: None,
             out: WorkerOutput::default(),
         })
     }
