@@ -3,7 +3,10 @@
 # kvx-cuda tests, kvx-offload's CUDA-engine scenarios, the `kvx` CLI and the criterion bench,
 # runs the CPU and GPU tests (GPU trials must run: KVX_CUDA_REQUIRE_GPU=1 turns a skip into a
 # failure; only the trials that need the CPU stand-in's knobs skip on a GPU), `kvx bench cuda`
-# and the criterion bench, and prints a short results table last. Without a GPU, the same
+# and the criterion bench, and prints a short results table last. Among the GPU trials: stores
+# and loads ordered after a forward still pending on the engine's own stream (EngineOrder,
+# WorkerSide::order_after_engine_stream; the forward is a sleeping cuLaunchHostFunc, then its
+# write). Without a GPU, the same
 # tests run on the stand-in: scripts/cuda-standin.sh (as CI does).
 #
 #   scripts/gpu-check.sh              build and run here (needs cargo and the crates)
