@@ -1,7 +1,8 @@
 //! Engine memory from tensors: a description of each KV cache tensor (data pointer, shape,
 //! strides, element size, device) becomes one kvx-core [`KvLayout`], and the engine memory over
-//! it: host memory for `cpu` tensors, kvx-cuda for `cuda:N` tensors (all on one device). The
-//! only unsafe code of the crate is here.
+//! it: host memory for `cpu` tensors, kvx-cuda for `cuda:N` tensors (all on one device), and
+//! the ordering of its copies after the engine's CUDA stream. The only unsafe code of the crate
+//! is here.
 
 use kvx_core::{KvLayout, MemoryKind, TensorLayoutError, TensorView};
 use kvx_offload::EngineMemory;
@@ -100,8 +101,26 @@ pub unsafe fn engine_memory(layout: KvLayout) -> Result<EngineMemory, String> {
         .map_err(|e| format!("CUDA KV cache on device {ordinal}: {e}"))?;
     // SAFETY: as for the host case above: the tensors are device memory of `device` (vLLM
     // allocated them there), alive until the runtime is dropped, and touched by kvx only inside
-    // tasks the engine asked for. Copies are ordered after the engine's kernels by the step
-    // boundary: vLLM synchronizes its stream when a step's sampled tokens reach the host, before
-    // the next step's `start_step` submits the stores (see `EngineMemory::cuda`).
+    // tasks the engine asked for. Copies are ordered after the engine's kernels on the device:
+    // kvx.vllm calls `order_after_engine_stream` with torch's current stream before each step's
+    // first call that may submit a copy (also under vLLM's asynchronous scheduling, where the
+    // CPU runs a step ahead of the GPU), and synchronizes that stream if the call fails.
     Ok(unsafe { EngineMemory::cuda(&device, layout) })
+}
+
+/// Make every copy of engine memory that `worker` submits from now on come, on the device,
+/// after the work the engine queued so far on its CUDA `stream` (a no-op for host memory; see
+/// `kvx_offload::WorkerSide::order_after_engine_stream`). Never waits for the device.
+///
+/// # Safety
+/// `stream` is a live CUDA stream handle of the engine memory's device (or 0, 1, 2: the
+/// legacy, legacy and per-thread default streams), such as PyTorch's
+/// `torch.cuda.current_stream(device).cuda_stream`.
+pub unsafe fn order_after_engine_stream(
+    worker: &kvx_offload::WorkerSide,
+    stream: usize,
+) -> Result<(), String> {
+    // SAFETY: the handle is the caller's promise (kvx.vllm passes torch's current stream of
+    // the KV cache's device, which torch keeps alive).
+    unsafe { worker.order_after_engine_stream(stream) }.map_err(|e| e.to_string())
 }

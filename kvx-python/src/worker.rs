@@ -150,6 +150,21 @@ impl WorkerSide {
         })
     }
 
+    /// Order every copy of engine memory this side submits from now on after the work the
+    /// engine queued so far on its CUDA stream `stream` (`torch.cuda.current_stream(device)
+    /// .cuda_stream` of the KV cache's device): call it at the start of each step, before any
+    /// call that may submit a copy (`fence_blocks`, `start_step`, `fence_engine`). Never waits
+    /// for the device; nothing to do for a CPU KV cache. A `KvxError` if the driver refused
+    /// (then synchronize the stream before the step). The handle must be a live stream of the
+    /// KV cache's device.
+    fn order_after_engine_stream(&self, stream: usize) -> PyResult<()> {
+        self.with(|r| {
+            // SAFETY: the documented contract of this method: kvx.vllm passes torch's current
+            // stream of the KV cache's device.
+            unsafe { memory::order_after_engine_stream(&r.worker, stream) }.map_err(kvx_err)
+        })
+    }
+
     /// Flush the stores queued on engine `blocks` and wait, at most the store deadline, until
     /// no copy touches them any more. For blocks the engine freed while a store of them may
     /// still be queued (sliding-window blocks that left the window) and hands to another use

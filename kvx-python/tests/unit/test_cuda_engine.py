@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import socket
 import time
@@ -116,6 +117,78 @@ def test_a_cuda_kv_cache_on_the_standin_stores_and_loads_back_byte_exact(standin
     back = (ctypes.c_int16 * ELEMS)()
     assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
     check_moved(list(data), list(back))
+
+
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+FORWARD_S = 0.3  # how long the engine's "forward" keeps its stream busy
+BOUND_S = 0.001 + 0.050  # one tick + the project's allowance: calls that never wait
+
+
+def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: ctypes.CDLL) -> None:
+    """vLLM's asynchronous scheduling on a GPU: the next step starts on the CPU while the
+    forward that wrote the stored blocks still runs on the engine's stream. With the step
+    ordered after that stream, the store copies the forward's bytes, not what the blocks held
+    before, and neither call waits for the forward."""
+    standin.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    standin.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
+    ptr = ctypes.c_uint64()
+    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
+    stale = (ctypes.c_int16 * ELEMS)(*([-1] * ELEMS))
+    assert standin.cuMemcpyHtoD_v2(ptr.value, ctypes.addressof(stale), ELEMS * 2) == 0
+    # The forward's bytes, from page-aligned registered host memory (an async copy's source).
+    page = mmap.mmap(-1, ELEMS * 2)
+    fresh = (ctypes.c_int16 * ELEMS).from_buffer(page)
+    fresh[:] = [pattern(i) for i in range(ELEMS)]
+    assert standin.cuMemHostRegister_v2(ctypes.c_void_p(ctypes.addressof(fresh)), ctypes.c_size_t(ELEMS * 2), 0) == 0
+    stream = ctypes.c_void_p()
+    assert standin.cuStreamCreate(ctypes.byref(stream), 0) == 0
+    forward = HOST_FN(lambda _: time.sleep(FORWARD_S))
+    sched = SchedulerSide(SMALL, BLOCK)
+    desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
+    worker = WorkerSide(SMALL, BLOCK, [desc], [], NUM_BLOCKS)
+    try:
+        keys = block_keys(b"ordered", [b"block0", b"block1"])
+        # Step N: the store of blocks 0 and 1 is queued; then its forward is queued on the
+        # engine's stream (busy for FORWARD_S, then it writes the blocks' final bytes).
+        assert sched.save_blocks(1, keys, [0, 1])
+        worker.order_after_engine_stream(stream.value or 0)
+        worker.start_step(sched.build_meta([])[0])
+        assert standin.cuLaunchHostFunc(stream, forward, None) == 0
+        assert standin.cuMemcpyHtoDAsync_v2(ptr.value, ctypes.addressof(fresh), ELEMS * 2, stream) == 0
+        # Step N+1 starts at once (the CPU does not wait for the forward): the store goes out.
+        t0 = time.monotonic()
+        worker.order_after_engine_stream(stream.value or 0)
+        worker.start_step(sched.build_meta([])[0])
+        took = time.monotonic() - t0
+        assert took <= BOUND_S, f"ordering and starting the step took {took * 1000:.1f} ms"
+        end = time.monotonic() + 10
+        while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
+            assert time.monotonic() < end, "the store never reached the host tier"
+            worker.start_step(sched.build_meta([])[0])
+            jobs = worker.get_finished()[3]
+            if jobs:
+                sched.update_from_worker(jobs)
+            time.sleep(0.001)
+        assert time.monotonic() - t0 >= FORWARD_S * 0.9, "the store ended before the forward did"
+        # Load the stored blocks back into blocks 5 and 6: they hold the forward's bytes.
+        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
+        sched.update_state_after_alloc(2, [5, 6])
+        done: list[int] = []
+        while 2 not in done:
+            assert time.monotonic() < end, "the load never finished"
+            worker.start_step(sched.build_meta([])[0])
+            done += worker.get_finished()[1]
+            time.sleep(0.001)
+        back = (ctypes.c_int16 * ELEMS)()
+        assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
+        check_moved(list(fresh), list(back))
+    finally:
+        worker.close()
+        standin.cuStreamSynchronize(stream)
+        standin.cuStreamDestroy_v2(stream)
+        standin.cuMemHostUnregister(ctypes.c_void_p(ctypes.addressof(fresh)))
+        del fresh
+        page.close()
 
 
 def free_port() -> int:

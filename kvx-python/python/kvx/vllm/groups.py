@@ -372,6 +372,7 @@ class HybridWorkerSide(WorkerSide):
             return
         if isinstance(meta, HybridConnectorMetadata):
             if meta.fence and self.native is not None:
+                self.order_after_engine(meta)
                 # Before start_step queues this step's stores (a fence flushes queued stores).
                 try:
                     self.native.fence_blocks(meta.fence)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from kvx import _native
 from kvx._native import FenceNotHeldError, KvxError
@@ -47,6 +48,9 @@ class WorkerSide:
         self._kv_caches: dict = {}
         self._described: list[tuple] = []
         self.registered = False
+        # The KV cache's CUDA device (None for a CPU cache), and the step last ordered after it.
+        self._cuda: Any = None
+        self._ordered: KvxConnectorMetadata | None = None
         timeouts = json.loads(_native.parse_config(config, block_size))["timeouts"]
         self._fence_ms = int(max(timeouts["load_ms"], timeouts["store_ms"])) + 1000
 
@@ -58,6 +62,8 @@ class WorkerSide:
             shard=self.shard,
         )
         self._kv_caches, self._described, self.registered = dict(kv_caches), described, True
+        first = next(iter(kv_caches.values()), None)
+        self._cuda = first.device if first is not None and first.is_cuda else None
 
     def unregister(self) -> None:
         """Before sleep: end every kvx copy into or out of the KV cache (queued stores are
@@ -67,6 +73,7 @@ class WorkerSide:
         Idempotent."""
         if self.native is None or not self.registered:
             return
+        self._order_after_engine()
         if not self.native.fence_engine(self._fence_ms):
             logger.error("kvx: copies into the KV cache did not end within %d ms before sleep", self._fence_ms)
         self.registered = False
@@ -89,6 +96,29 @@ class WorkerSide:
                 )
         self.registered = True
 
+    def order_after_engine(self, meta: KvxConnectorMetadata) -> None:
+        """Once per step, before its first call that may submit a copy: every kvx copy of a CUDA
+        KV cache from now on comes, on the GPU, after the work queued so far on torch's current
+        stream (the previous step's forward, also when vLLM's asynchronous scheduling runs the
+        CPU a step ahead). Nothing waits on the CPU; a driver that refuses is logged and the
+        stream synchronized instead."""
+        if self._ordered is meta:
+            return
+        self._ordered = meta
+        self._order_after_engine()
+
+    def _order_after_engine(self) -> None:
+        if self._cuda is None or self.native is None:
+            return
+        import torch
+
+        stream = torch.cuda.current_stream(self._cuda)
+        try:
+            self.native.order_after_engine_stream(stream.cuda_stream)
+        except KvxError as e:
+            logger.error("kvx: copies not ordered after the engine's stream (%s): synchronizing it", e)
+            stream.synchronize()
+
     def start(self, meta: KvxConnectorMetadata) -> None:
         """Start this step once (from whichever of vLLM's per-step calls comes first)."""
         if self._started is meta:
@@ -98,6 +128,7 @@ class WorkerSide:
         self._started = meta
         if self.native is None:
             raise KvxError("KvxConnector: register_kv_caches was not called before the first step")
+        self.order_after_engine(meta)
         self.names.update(meta.loads)
         self.names.update(meta.delayed)
         self.loading.update(meta.loads)
