@@ -1,0 +1,137 @@
+"""The test's end of an engine process (engine_main.py): start it, send commands, read results.
+
+Every engine process of the suite gets the same environment: no model hub, and
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so that an engine with a KV connector (for which vLLM
+reserves one more core) and one without run their forward passes on the same number of
+threads, the same arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+# ci.sh: nothing here may skip.
+REQUIRED = os.environ.get("KVX_ENGINE_REQUIRED") == "1"
+START_TIMEOUT_S = 300.0
+COMMAND_TIMEOUT_S = 300.0
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    # The KV cache size is the engine's argument, not the legacy variable.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
+def skip_or_fail(reason: str) -> None:
+    """A check that cannot run here: one skip line, or a failure where nothing may skip."""
+    import pytest
+
+    if REQUIRED:
+        pytest.fail(f"{reason} (KVX_ENGINE_REQUIRED=1: nothing may skip)")
+    print(f"skip: {reason}")
+    pytest.skip(reason)
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+class Engine:
+    """One engine process; ``start`` returns at once, ``ready`` waits for the engine."""
+
+    def __init__(self, name: str, tmp: Path, cfg: dict):
+        self.name = name
+        self.log = tmp / f"{name}.log"
+        self.began = time.monotonic()
+        self.started_s: float | None = None
+        self.stopped_s: float | None = None
+        self._log = open(self.log, "w")
+        self.p = subprocess.Popen(
+            [sys.executable, str(HERE / "engine_main.py"), json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=engine_env(),
+            cwd=str(tmp),
+            start_new_session=True,
+        )
+        self._ready = False
+
+    def _read(self, timeout: float) -> dict:
+        import select
+
+        assert self.p.stdout is not None
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.name}: no answer in {timeout}s\n{log_tail(self.log)}")
+            r, _, _ = select.select([self.p.stdout], [], [], min(left, 1.0))
+            if r:
+                line = self.p.stdout.readline()
+                if not line:
+                    code = self.p.wait()
+                    raise AssertionError(f"{self.name}: exited {code}\n{log_tail(self.log)}")
+                out = json.loads(line)
+                if not out.get("ok"):
+                    raise AssertionError(f"{self.name}: {out.get('error')}\n{log_tail(self.log)}")
+                return out
+
+    def ready(self) -> Engine:
+        if not self._ready:
+            out = self._read(START_TIMEOUT_S)
+            self.started_s = time.monotonic() - self.began
+            self._ready = True
+            print(f"engine {self.name}: ready in {self.started_s:.1f}s (LLM() {out['started_s']:.1f}s)")
+        return self
+
+    def send(self, do: str, **kw: Any) -> dict:
+        self.ready()
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"do": do, **kw}) + "\n")
+        self.p.stdin.flush()
+        return self._read(COMMAND_TIMEOUT_S)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list | None = None) -> dict:
+        return self.send("generate", prompts=prompts, max_tokens=max_tokens, params=params)
+
+    def stop(self) -> None:
+        """Stop the engine (vLLM's engine-core shutdown) and wait for the process."""
+        if self.p.poll() is None:
+            try:
+                out = self.send("stop")
+                self.stopped_s = out.get("stopped_s")
+                self.p.wait(timeout=60)
+            finally:
+                self.kill()
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL this engine's process group (its engine core and worker too)."""
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait()
