@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import model
 import prompts
-from engine import REQUIRED, Engine
+from engine import REQUIRED, Engine, wait_stopped
 
 
 def unavailable() -> str | None:
@@ -48,13 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         i.add_marker(pytest.mark.skip(reason=f"tests/engine: {why}"))
 
 
-JOBS = int(os.environ.get("KVX_ENGINE_JOBS", "3"))
+JOBS = int(os.environ.get("KVX_ENGINE_JOBS", "2"))
 
 
 class Scenarios:
     """Runs the reference and each selected test module's ``scenario(tmp, model_dir)`` (its
     engine processes and their phases) in threads, at most ``JOBS`` (``KVX_ENGINE_JOBS``,
-    default 3) at once, from the first test on: engine start-ups (tens of seconds each here,
+    default 2) at once, from the first test on: engine start-ups (tens of seconds each here,
     mostly imports) overlap. A test waits for its module's scenario and asserts on what it
     returned."""
 
@@ -116,14 +116,18 @@ def reference_scenario(tmp: Path, model_dir: str) -> dict[str, list[list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def scenarios(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
+def scenarios(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenarios]:
     tmp = tmp_path_factory.mktemp("engine")
     model_dir = str(model.make(tmp / "model"))
     here = Path(__file__).parent
     modules = {
         i.module for i in request.session.items if hasattr(i.module, "scenario") and here in Path(str(i.fspath)).parents
     }
-    return Scenarios(tmp, model_dir, sorted(modules, key=lambda m: m.__name__))
+    s = Scenarios(tmp, model_dir, sorted(modules, key=lambda m: m.__name__))
+    yield s
+    for name in s.done:
+        s.done[name].wait(SCENARIO_TIMEOUT_S)
+    wait_stopped()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from typing import Any
 import settings
 from engine import HERE, engine_env, log_tail
 
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 120.0
 # /metrics counter -> this suite's name (the engine_main.py names).
 COUNTERS = {
