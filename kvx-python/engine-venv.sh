@@ -97,12 +97,19 @@ PY
 fi
 "$venv/bin/python" -c 'import pytest' 2>/dev/null || "$venv/bin/python" -m pip install --quiet pytest
 
-# vLLM's CPU platform, its compiled ops, and the model stack the tests use.
-(cd / && "$venv/bin/python" -c '
+# vLLM's CPU platform, its compiled ops, and the model stack the tests use; importing what an
+# engine process imports also compiles those modules once (pip installed with --no-compile).
+# vLLM's inspection of the Llama class goes into the venv's own vLLM cache directory, where the
+# tests' engines (tests/engine/engine.py) find it.
+(cd / && VLLM_CACHE_ROOT="$venv/kvx-vllm-cache" "$venv/bin/python" -c '
 import vllm, vllm._C, tokenizers, safetensors
+import vllm.entrypoints.llm, vllm.entrypoints.openai.api_server, vllm.v1.engine.core
+import vllm.v1.worker.cpu_worker, vllm.model_executor.models.llama
+from vllm.model_executor.models.registry import _LazyRegisteredModel
 from vllm.platforms import current_platform
 name = type(current_platform).__name__
 assert name == "CpuPlatform", name
+_LazyRegisteredModel("vllm.model_executor.models.llama", "LlamaForCausalLM").inspect_model_cls()
 print("engine-venv.sh: vllm", vllm.__version__, "on", name)' 2>/dev/null) || {
     echo "engine-venv.sh: vLLM on CPU does not import from $venv:" >&2
     (cd / && "$venv/bin/python" -c "import vllm, vllm._C; from vllm.platforms import current_platform as p; print(p)") >&2
