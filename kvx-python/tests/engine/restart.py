@@ -31,6 +31,33 @@ def kvx_config(root: Path) -> dict:
     }
 
 
+# vLLM's API server stops its engine client in an executor thread (launcher.py,
+# run_in_executor(engine_client.shutdown)): the client's cleanup cancels the task reading the
+# engine core's output socket from that thread (core_client.py, close_sockets_and_tasks), and
+# only afterwards AsyncLLM.shutdown cancels output_handler. When the event loop runs in between,
+# the cancelled reader queues an EngineDeadError and output_handler logs it. That race is
+# vLLM's own, with or without a connector (seen here without one, and kvx runs no code in the
+# API server process): it is told apart by its traceback, which holds only vLLM's output path.
+SHUTDOWN_RACE = ("AsyncLLM output_handler failed.", "in get_output_async", "EngineDeadError")
+
+
+def dead_errors(output: str) -> dict[str, int]:
+    """EngineDeadErrors the server printed: those of vLLM's shutdown race, and any other."""
+    lines = output.splitlines()
+    handler, reader = (sum(1 for line in lines if mark in line) for mark in SHUTDOWN_RACE[:2])
+    dead = sum(1 for line in lines if f"{SHUTDOWN_RACE[2]}:" in line)
+    race = min(handler, reader, dead)
+    return {"race": race, "other": dead - race}
+
+
+def kvx_failures(output: str) -> list[str]:
+    """Lines that say kvx failed: a traceback frame in kvx's package, an error of its logger, a
+    fatal engine core or a worker that died."""
+    marks = ("/kvx/", "kvx._native", "KvxError", "FenceNotHeldError", "encountered a fatal error",
+             "died unexpectedly", "panicked")
+    return [line for line in output.splitlines() if any(m in line for m in marks)]
+
+
 def stop(s: Server, root: Path, sig: signal.Signals, group: bool) -> dict[str, Any]:
     """Signal the server; how it exited, and what its file tier holds then."""
     before = len(block_files(root))
@@ -38,7 +65,8 @@ def stop(s: Server, root: Path, sig: signal.Signals, group: bool) -> dict[str, A
     return {
         "code": r["code"],
         "seconds": r["seconds"],
-        "dead_error": "EngineDeadError" in r["output"],
+        "dead_errors": dead_errors(r["output"]),
+        "kvx_failures": kvx_failures(r["output"]),
         "tracebacks": r["output"].count("Traceback"),
         "files_at_signal": before,
         "files_after": len(block_files(root)),
@@ -76,10 +104,12 @@ def stop_and_restart(
 
 
 def check_clean(stop: dict, what: str) -> None:
-    """Exited within the bound, no EngineDeadError printed, no temporary file visible."""
+    """Exited within the bound, no EngineDeadError but vLLM's own shutdown race, nothing of kvx
+    failed, no temporary file visible."""
     print(f"{what}: {stop}")
     assert stop["code"] is not None and stop["seconds"] <= EXIT_BOUND_S, stop
-    assert not stop["dead_error"], stop
+    assert stop["dead_errors"]["other"] == 0, stop
+    assert stop["kvx_failures"] == [], stop
     assert stop["unexpected"] == [], stop
 
 
