@@ -56,6 +56,9 @@ impl PosixStore {
                 r.job_returned(&mut job, spares, &self.state.counters.recycled);
             }
             if job.action() == FileOp::Remove {
+                if job.nonce().is_none() {
+                    self.state.key_order.remove_ended(job.core.key);
+                }
                 if let Err(e) = &job.core.result {
                     tracing::warn!(key = %job.core.key, error = %e, "posix: remove failed");
                 }
@@ -69,6 +72,17 @@ impl PosixStore {
                 self.dirs
                     .insert((job.core.root, Self::prefix(job.core.key)));
             }
+            let key = job.core.key;
+            let mut ticket = st
+                .slots
+                .get_mut(job.core.index)
+                .and_then(|s| s.ticket.take());
+            let order = &self.state.key_order;
+            // Into the index, unless a remove of the key overtook the job (see `key_order`).
+            let mut index_unless_overtaken = || match ticket.take() {
+                Some(t) => order.job_ended(key, t, Some(&self.state.index)),
+                None => true,
+            };
             let mut result = std::mem::replace(&mut job.core.result, Ok(()));
             if job.action() == FileOp::Load && result.is_ok() {
                 result = job.check_payload();
@@ -85,14 +99,20 @@ impl PosixStore {
                             BlockError::TimedOut
                         });
                         c.undone.fetch_add(1, Ordering::Relaxed);
-                        self.state.unlink(job.core.key, job.nonce());
+                        self.state.remove_own(key, job.nonce());
+                    } else if index_unless_overtaken() {
+                        // The remove may have run after the rename (the file is gone) or
+                        // before it (the file must go): the block is not stored either way.
+                        result = Err(BlockError::Unavailable(
+                            "a remove of this block overtook its store".into(),
+                        ));
+                        self.state.remove_own(key, job.nonce());
                     } else {
                         c.stored.fetch_add(1, Ordering::Relaxed);
-                        self.state.index.insert(job.core.key);
                     }
                 }
                 (FileOp::Load, Ok(())) => {
-                    self.state.index.insert(job.core.key);
+                    index_unless_overtaken();
                     if let Some(t) = &self.state.touch {
                         t.touch(&job.block_path(), crate::shared_mount::touch::Stamp::Now);
                     }
@@ -126,6 +146,9 @@ impl PosixStore {
                 }
                 _ => {}
             }
+            if let Some(t) = ticket {
+                order.job_ended(key, t, None);
+            }
             let Some(slot) = st.slots.get_mut(job.core.index) else {
                 continue;
             };
@@ -149,7 +172,9 @@ impl PosixStore {
             for &root in &st.roots {
                 let mut failed = late;
                 let mut only_cancelled = true;
-                for s in st.slots.iter().filter(|s| s.root == root) {
+                // A block failed before any I/O (a remove of it in flight, a full queue) says
+                // nothing about the root.
+                for s in st.slots.iter().filter(|s| s.root == root && s.did_io) {
                     match &s.result {
                         Some(Err(BlockError::Io(_) | BlockError::TimedOut)) => failed = true,
                         Some(Err(BlockError::Cancelled)) => {}

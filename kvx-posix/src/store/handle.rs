@@ -82,6 +82,8 @@ pub(crate) struct StoreState {
     pub(crate) probes: Option<ProbeTable>,
     /// The touch lane, on a shared mount with `touch_on_load`.
     pub(crate) touch: Option<TouchLane>,
+    /// Removes in flight per key, against the loads and stores of the same key.
+    pub(crate) key_order: crate::store::key_order::KeyOrder,
     /// Spare files for stores (see `PosixConfig::spare_files`).
     pub(crate) spares: Option<crate::spare::Spares>,
     /// What the newest collector pass found on the mount.
@@ -97,10 +99,29 @@ impl StoreState {
         }
     }
 
-    /// Unlink `key`'s file in the background, on the engine's maintenance lane (a cache
-    /// entry: losing it only costs a reload), or recycle it as a spare file (see
-    /// `crate::spare`). With `nonce`, only the file that write made (never recycled).
-    pub(crate) fn unlink(&self, key: BlockKey, nonce: Option<u64>) {
+    /// Forget `key` at once and unlink its file in the background, on the engine's
+    /// maintenance lane (a cache entry: losing it only costs a reload), or recycle it as a
+    /// spare file (see `crate::spare`); true if the index held it. Counted in
+    /// [`StoreState::key_order`] first, so no load or store of `key` in flight puts it back
+    /// in the index and no store of `key` starts until the remove is over.
+    pub(crate) fn remove(&self, key: BlockKey) -> bool {
+        self.key_order.remove_started(key);
+        let had = self.index.remove(key);
+        self.submit_remove(key, None);
+        had
+    }
+
+    /// Remove `key`'s file in the background only if it is the one the write with `nonce`
+    /// made (the undo of a store that must not stay visible); never recycled, never counted
+    /// in [`StoreState::key_order`] (it never takes another write's file).
+    /// (`nonce` is `None` only for a job that wrote nothing: then nothing is removed.)
+    pub(crate) fn remove_own(&self, key: BlockKey, nonce: Option<u64>) {
+        if nonce.is_some() {
+            self.submit_remove(key, nonce);
+        }
+    }
+
+    fn submit_remove(&self, key: BlockKey, nonce: Option<u64>) {
         let mut job = Box::new(BlockJob::new(
             OpId(0),
             0,
@@ -123,6 +144,9 @@ impl StoreState {
             tracing::error!(%key, reason = %r.reason, "posix: cannot remove a block");
             if let (Some(_), Some(s)) = (r.job.take_recycle(), &self.spares) {
                 s.release(r.job.core.root);
+            }
+            if nonce.is_none() {
+                self.key_order.remove_ended(key);
             }
         }
     }
@@ -240,9 +264,7 @@ impl PosixHandle {
     /// Forget `key` at once and unlink its file through the engine (never blocks); true if the
     /// store held it.
     pub fn remove(&self, key: BlockKey) -> bool {
-        let had = self.state.index.remove(key);
-        self.state.unlink(key, None);
-        had
+        self.state.remove(key)
     }
 
     /// Where `key`'s block file lives.

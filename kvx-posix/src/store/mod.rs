@@ -4,6 +4,7 @@ mod completion;
 pub(crate) mod handle;
 pub(crate) mod health;
 pub(crate) mod index;
+pub(crate) mod key_order;
 pub(crate) mod root_check;
 mod setup;
 mod submit;
@@ -28,6 +29,10 @@ struct BlockSlot {
     root: usize,
     buf: Option<Buf>,
     result: Option<Result<(), BlockError>>,
+    /// What the block's job saw of its key's removes when it started.
+    ticket: Option<key_order::Ticket>,
+    /// The engine took the block's job: its outcome tells the root's breaker something.
+    did_io: bool,
 }
 
 struct OpState {

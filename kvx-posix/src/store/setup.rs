@@ -107,6 +107,7 @@ impl PosixStore {
                     .clone()
                     .map(crate::shared_mount::probe_cache::ProbeTable::new),
                 touch,
+                key_order: Default::default(),
                 spares,
                 listing: std::sync::Mutex::new(None),
             }),

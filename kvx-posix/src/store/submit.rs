@@ -77,6 +77,8 @@ impl PosixStore {
                 root,
                 buf: None,
                 result: None,
+                ticket: None,
+                did_io: false,
             };
             let refuse = if admission.get(&root) == Some(&Admission::Rejected) {
                 self.state.counters.rejected.fetch_add(1, Ordering::Relaxed);
@@ -89,7 +91,22 @@ impl PosixStore {
                     "a load needs an owned destination buffer".into(),
                 ))
             } else {
-                None
+                let order = &self.state.key_order;
+                match op.dir {
+                    Direction::Load => {
+                        slot.ticket = Some(order.load_started(b.key));
+                        None
+                    }
+                    Direction::Store => match order.store_started(b.key) {
+                        Some(t) => {
+                            slot.ticket = Some(t);
+                            None
+                        }
+                        None => Some(BlockError::Unavailable(
+                            "a remove of this block is still in flight".into(),
+                        )),
+                    },
+                }
             };
             if let Some(e) = refuse {
                 slot.buf = Some(b.buf);
@@ -143,12 +160,16 @@ impl PosixStore {
             match self.state.io_engine.submit(job) {
                 Ok(()) => {
                     st.pending += 1;
+                    st.slots[index].did_io = true;
                     if let (Some(r), Direction::Load) = (&mut self.recycling, st.op.dir) {
                         r.load_started(key);
                     }
                 }
                 Err(r) => {
                     let mut job = r.job;
+                    if let Some(t) = st.slots[index].ticket.take() {
+                        self.state.key_order.job_ended(key, t, None);
+                    }
                     self.state.give_back_spare(&mut job);
                     st.slots[index].buf = job.core.buf.take();
                     st.slots[index].result = Some(Err(BlockError::Unavailable(r.reason)));

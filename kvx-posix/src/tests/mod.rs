@@ -19,6 +19,7 @@ mod faults;
 mod noop;
 mod psync_pool;
 mod recycle;
+mod reorder;
 mod unused_spare;
 
 use crate::testing::{Rig, RigShape};

@@ -7,6 +7,7 @@
 
 mod breaker;
 mod corrupt;
+mod reorder;
 mod rig;
 mod step;
 mod stuck;
@@ -51,6 +52,16 @@ fn main() {
             e,
         ));
         trials.push(fuse(n("breaker"), breaker::breaker, e));
+        trials.push(fuse(
+            n("remove_stuck_then_store"),
+            reorder::remove_stuck_then_store,
+            e,
+        ));
+        trials.push(fuse(
+            n("remove_queued_then_store_recycling"),
+            reorder::remove_queued_then_store_recycling,
+            e,
+        ));
         trials.push(fuse(
             n("engine_step_never_blocks"),
             step::engine_step_never_blocks,
