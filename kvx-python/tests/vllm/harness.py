@@ -107,6 +107,7 @@ class Tracked:
     request: Request
     states: list[int] = field(default_factory=list)  # prefix state after each token
     entered_wait: float | None = None
+    wait_started: list[float] = field(default_factory=list)  # when each wait for a load began
     waits: list[float] = field(default_factory=list)
     load_blocks: list[list[int]] = field(default_factory=list)  # block ids of each load
     blocks: set[int] = field(default_factory=set)  # every engine block it ever held while running
@@ -398,6 +399,7 @@ class Engine(EngineLoop):
         for t in self.tracked.values():
             if t.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and t.entered_wait is None:
                 t.entered_wait = now
+                t.wait_started.append(now)
                 t.load_blocks.append(list(self.scheduler.kv_cache_manager.get_block_ids(t.request.request_id)[0]))
         return so
 

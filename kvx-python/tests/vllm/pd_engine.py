@@ -90,7 +90,9 @@ class Reporter:
         n = len(t.load_blocks)
         if n > self.waiting.get(rid, 0):
             self.waiting[rid] = n
-            emit("waiting", id=rid, t=t.entered_wait, blocks=t.load_blocks[-1])
+            # The wait's start, kept: a load reported in the step it began in ended its wait
+            # (entered_wait is None again) before this flush.
+            emit("waiting", id=rid, t=t.wait_started[n - 1], blocks=t.load_blocks[-1])
         n = len(t.recv_at)
         if n > self.recving.get(rid, 0):
             self.recving[rid] = n
