@@ -48,6 +48,31 @@ def pattern(i: int) -> int:
     return (i * 7) % 30011
 
 
+def step_until_stored(sched: SchedulerSide, worker: WorkerSide, blocks: int, end: float) -> None:
+    """Step both sides until the host tier holds `blocks` and no job is out (by `end`)."""
+    while sched.tier_sizes()[0] < blocks or sched.job_count() > 0:
+        assert time.monotonic() < end, "the device blocks never reached the host tier"
+        worker.start_step(sched.build_meta([])[0])
+        jobs = worker.get_finished()[3]
+        if jobs:
+            sched.update_from_worker(jobs)
+        time.sleep(0.001)
+
+
+def step_until_loaded(sched: SchedulerSide, worker: WorkerSide, req: int, end: float) -> None:
+    """Step both sides until `req` is reported loaded, with no invalid block (by `end`)."""
+    done: list[int] = []
+    while req not in done:
+        assert time.monotonic() < end, "the load into device blocks never finished"
+        worker.start_step(sched.build_meta([])[0])
+        _, recving, invalid, jobs, _ = worker.get_finished()
+        assert invalid == []
+        done += recving
+        if jobs:
+            sched.update_from_worker(jobs)
+        time.sleep(0.001)
+
+
 def store_then_load(desc: tuple) -> None:
     """Store blocks 0 and 1 of the described KV tensor to the host tier, then load them into
     blocks 5 and 6; every step is driven as vLLM drives the two sides."""
@@ -57,25 +82,10 @@ def store_then_load(desc: tuple) -> None:
         keys = block_keys(b"cuda", [b"block0", b"block1"])
         assert sched.save_blocks(1, keys, [src for src, _ in MOVES])
         end = time.monotonic() + 10
-        while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
-            assert time.monotonic() < end, "the device blocks never reached the host tier"
-            worker.start_step(sched.build_meta([])[0])
-            jobs = worker.get_finished()[3]
-            if jobs:
-                sched.update_from_worker(jobs)
-            time.sleep(0.001)
+        step_until_stored(sched, worker, 2, end)
         assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
         sched.update_state_after_alloc(2, [dst for _, dst in MOVES])
-        done: list[int] = []
-        while 2 not in done:
-            assert time.monotonic() < end, "the load into device blocks never finished"
-            worker.start_step(sched.build_meta([])[0])
-            _, recving, invalid, jobs, _ = worker.get_finished()
-            assert invalid == []
-            done += recving
-            if jobs:
-                sched.update_from_worker(jobs)
-            time.sleep(0.001)
+        step_until_loaded(sched, worker, 2, end)
     finally:
         worker.close()
 
@@ -162,23 +172,12 @@ def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: c
         took = time.monotonic() - t0
         assert took <= BOUND_S, f"ordering and starting the step took {took * 1000:.1f} ms"
         end = time.monotonic() + 10
-        while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
-            assert time.monotonic() < end, "the store never reached the host tier"
-            worker.start_step(sched.build_meta([])[0])
-            jobs = worker.get_finished()[3]
-            if jobs:
-                sched.update_from_worker(jobs)
-            time.sleep(0.001)
+        step_until_stored(sched, worker, 2, end)
         assert time.monotonic() - t0 >= FORWARD_S * 0.9, "the store ended before the forward did"
         # Load the stored blocks back into blocks 5 and 6: they hold the forward's bytes.
         assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
         sched.update_state_after_alloc(2, [5, 6])
-        done: list[int] = []
-        while 2 not in done:
-            assert time.monotonic() < end, "the load never finished"
-            worker.start_step(sched.build_meta([])[0])
-            done += worker.get_finished()[1]
-            time.sleep(0.001)
+        step_until_loaded(sched, worker, 2, end)
         back = (ctypes.c_int16 * ELEMS)()
         assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
         check_moved(list(fresh), list(back))
