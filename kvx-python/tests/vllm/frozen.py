@@ -44,3 +44,14 @@ def stored_behind_frozen_mount(
         yield mount, config
     finally:
         mount.close()
+
+
+def loads_and_stores_stuck(e: Any) -> bool:
+    """Loads of stored prompts are in flight, and more kvx ops than those: new prompts' stores
+    (the kvx jobs beyond the loading requests are store jobs)."""
+    s = e.state()
+    return (
+        s["worker_loading"] > 0
+        and s["sched_kvx_jobs"] > s["sched_loading"]
+        and s["worker_kvx_in_flight"] > s["worker_loading"]
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from frozen import stored_behind_frozen_mount
+from frozen import loads_and_stores_stuck, stored_behind_frozen_mount
 from harness import BLOCK, Engine, prompt
 
 TICK_S = 0.001  # kvx_core::TICK
@@ -36,17 +36,7 @@ def test_shutdown_returns_within_the_bound_with_loads_and_stores_stuck(tmp_path)
             for i in range(4):
                 e.add(f"n{i}", prompt(170 + i, 3 * BLOCK + 5))
 
-            def stuck() -> bool:
-                # Loads of the stored prompts, and more kvx ops than those: the new prompts'
-                # stores (the kvx jobs beyond the loading requests are store jobs).
-                s = e.state()
-                return (
-                    s["worker_loading"] > 0
-                    and s["sched_kvx_jobs"] > s["sched_loading"]
-                    and s["worker_kvx_in_flight"] > s["worker_loading"]
-                )
-
-            e.run(timeout=10, until=stuck)
+            e.run(timeout=10, until=lambda: loads_and_stores_stuck(e))
             before = e.state()
             blocked = mount.blocked_requests()
             t0 = time.monotonic()

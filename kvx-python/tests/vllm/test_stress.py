@@ -353,15 +353,7 @@ def test_shutdown_under_load_with_loads_and_stores_stuck(tmp_path, busy, stress)
             for i in range(4):
                 e.add(f"n{i}", prompt(170 + i, 3 * BLOCK + 5))
 
-            def stuck() -> bool:
-                s = e.state()
-                return (
-                    s["worker_loading"] > 0
-                    and s["sched_kvx_jobs"] > s["sched_loading"]
-                    and s["worker_kvx_in_flight"] > s["worker_loading"]
-                )
-
-            e.run(timeout=30, until=stuck)
+            e.run(timeout=30, until=lambda: frozen.loads_and_stores_stuck(e))
             assert mount.blocked_requests() > 0
             e.worker.shutdown()
             assert stress.clock.calls[-1].hook == "worker.shutdown"
