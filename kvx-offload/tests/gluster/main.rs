@@ -74,10 +74,12 @@ fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
     c.send(&format!("collect {} 3000", quota.quota_bytes));
     let stop = AtomicBool::new(false);
     let end = Instant::now() + Duration::from_millis(3000);
-    let mut generation = 1u8;
+    let (mut generation, mut refused) = (1u8, 0);
     while Instant::now() < end {
         generation = generation.wrapping_add(1);
-        a.store(&keys, generation);
+        // A block whose remove by A's own collector is still in flight is refused, not stored
+        // over by a file that remove would then take.
+        refused += a.store_unless_removing(&keys, generation);
         a.files.collect(&quota, &stop).expect("collect");
     }
     let v = b.answer("churn");
@@ -107,7 +109,7 @@ fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
     let checked = verify_clean(&roots[1]);
     assert!(checked > 0, "verify checked the kept blocks");
     println!(
-        "three nodes: byte-exact cross-node loads, {} bytes kept (quota {}), verify clean ({checked} blocks)",
+        "three nodes: byte-exact cross-node loads, {} bytes kept (quota {}), verify clean ({checked} blocks), {refused} of A's stores refused while A's remove of their block was in flight",
         after.bytes, quota.quota_bytes
     );
 }
