@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::faults::{Fuse, Gate, GateCtl};
+use common::faults::{Fuse, gated_rig};
 use common::*;
 use kvx_core::*;
 use kvx_offload::*;
@@ -42,18 +42,6 @@ fn timed<R>(what: &str, worst: &mut Duration, f: impl FnOnce() -> R) -> R {
     *worst = (*worst).max(took);
     assert!(took <= CALL_BOUND, "{what} took {took:?}");
     r
-}
-
-/// A rig whose engine backend sits behind an open [`Gate`], and the gate's control.
-fn gated_rig(dir: &std::path::Path, mut opts: Opts) -> (Rig, GateCtl) {
-    let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
-    opts.wrap_engine = Some(Box::new(move |inner| {
-        let (gate, ctl) = Gate::new(inner, true);
-        ctl_tx.send(ctl).unwrap();
-        Box::new(gate)
-    }));
-    let r = rig(dir, opts);
-    (r, ctl_rx.recv().unwrap())
 }
 
 #[test]

@@ -182,3 +182,15 @@ impl Backend for Fuse {
         self.inner.wait(ops, until)
     }
 }
+
+/// A rig whose engine backend sits behind an open [`Gate`], and the gate's control.
+pub fn gated_rig(dir: &std::path::Path, mut opts: super::Opts) -> (super::Rig, GateCtl) {
+    let (ctl_tx, ctl_rx) = std::sync::mpsc::channel();
+    opts.wrap_engine = Some(Box::new(move |inner| {
+        let (gate, ctl) = Gate::new(inner, true);
+        ctl_tx.send(ctl).unwrap();
+        Box::new(gate)
+    }));
+    let r = super::rig(dir, opts);
+    (r, ctl_rx.recv().unwrap())
+}
