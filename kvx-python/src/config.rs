@@ -27,7 +27,7 @@ fn bad(reason: impl std::fmt::Display) -> PyErr {
 
 /// The connector's config: `extra` (a JSON object) with `block_tokens` from vLLM and the load
 /// failures reported block by block; every file-tier root must be an existing directory, and
-/// the tier not shared.
+/// the tier not shared. It stats the roots: call it with the GIL released.
 pub fn connector_config(extra: &str, block_tokens: u32) -> PyResult<OffloadConfig> {
     let mut value: Value = serde_json::from_str(extra).map_err(bad)?;
     let Some(keys) = value.as_object_mut() else {
@@ -62,10 +62,11 @@ pub fn connector_config(extra: &str, block_tokens: u32) -> PyResult<OffloadConfi
 }
 
 /// The connector's config for `extra` (JSON) and vLLM's `block_tokens`, as JSON with every key
-/// (defaults filled in); a bad or unknown key is a `ValueError` naming it.
+/// (defaults filled in); a bad or unknown key is a `ValueError` naming it. The GIL is free
+/// while the file-tier roots are checked (a stuck mount holds only this call).
 #[pyfunction]
-pub fn parse_config(extra: &str, block_tokens: u32) -> PyResult<String> {
-    connector_config(extra, block_tokens).map(|c| c.to_json())
+pub fn parse_config(py: Python<'_>, extra: &str, block_tokens: u32) -> PyResult<String> {
+    py.detach(|| connector_config(extra, block_tokens).map(|c| c.to_json()))
 }
 
 /// kvx-offload's `OffloadConfig` read from `text` (JSON) and written back with every key

@@ -24,8 +24,8 @@ impl LeaseKeeper {
     /// A keeper with the connector's settings `config` (the `remote` section: token, export
     /// grace).
     #[new]
-    fn new(config: &str, block_tokens: u32) -> PyResult<LeaseKeeper> {
-        let cfg = connector_config(config, block_tokens)?;
+    fn new(py: Python<'_>, config: &str, block_tokens: u32) -> PyResult<LeaseKeeper> {
+        let cfg = py.detach(|| connector_config(config, block_tokens))?;
         let remote = cfg.remote.unwrap_or_default();
         let inner = kvx_rdma::LeaseKeeper::new(KeeperConfig {
             tcp: TcpClientConfig {

@@ -28,12 +28,22 @@ impl SchedulerSide {
     /// A scheduler side with the connector's settings `config` (vLLM's extra config, as JSON)
     /// and vLLM's `block_tokens`, for `tp_size × pp_size` workers; a file tier's existing blocks
     /// are adopted into the index (with several workers, those every worker's shard holds).
+    /// The GIL is free while the tier is read (a stuck mount holds only this call).
     #[new]
     #[pyo3(signature = (config, block_tokens, tp_size=1, pp_size=1))]
-    fn new(config: &str, block_tokens: u32, tp_size: u32, pp_size: u32) -> PyResult<SchedulerSide> {
-        let cfg = connector_config(config, block_tokens)?;
-        let side = kvx_offload::scheduler_side_sharded(&cfg, tp_size, pp_size)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    fn new(
+        py: Python<'_>,
+        config: &str,
+        block_tokens: u32,
+        tp_size: u32,
+        pp_size: u32,
+    ) -> PyResult<SchedulerSide> {
+        let (cfg, side) = py.detach(|| {
+            let cfg = connector_config(config, block_tokens)?;
+            let side = kvx_offload::scheduler_side_sharded(&cfg, tp_size, pp_size)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            Ok::<_, PyErr>((cfg, side))
+        })?;
         Ok(SchedulerSide {
             inner: Mutex::new(side),
             block_tokens: u64::from(block_tokens),

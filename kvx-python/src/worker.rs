@@ -77,7 +77,7 @@ impl WorkerSide {
             .transpose()
             .map_err(|e| PyValueError::new_err(format!("shard: {e}")))?;
         let rank = shard.map_or(0, |s| s.rank());
-        let cfg = connector_config(config, block_tokens)?;
+        let cfg = py.detach(|| connector_config(config, block_tokens))?;
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
             .map(
@@ -123,30 +123,30 @@ impl WorkerSide {
 
     /// Start a step with the scheduler side's encoded instructions: drop evicted blocks, start
     /// loads, queue stores, flush and fence preempted requests (waiting at most the store
-    /// deadline for that fence), pass finished requests on.
+    /// deadline for that fence), pass finished requests on. The other methods answer while it
+    /// waits for the fence.
     fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
         let meta = codec::decode_meta(meta).map_err(kvx_err)?;
         py.detach(|| {
-            self.with(|r| {
+            let started = self.with(|r| {
                 r.hold_back.step_started(&meta);
-                match r.worker.start_step(meta) {
-                    Ok(StepStarted::Clear) => Ok(()),
-                    // The forward may overwrite the preempted requests' blocks right after
-                    // this call: wait for the fence here (their stores' deadline bounds it).
-                    Ok(StepStarted::FenceOutstanding(fence)) => {
-                        if fence.wait(Instant::now() + r.store_timeout) {
-                            Ok(())
-                        } else {
-                            Err(FenceNotHeldError::new_err(format!(
-                                "preemption fence of {:?} did not hold within the store \
-                                 deadline: their blocks may still be written",
-                                fence.requests()
-                            )))
-                        }
-                    }
-                    Err(e) => Err(kvx_err(e)),
-                }
-            })
+                let started = r.worker.start_step(meta).map_err(kvx_err)?;
+                Ok((started, r.store_timeout))
+            })?;
+            // The forward may overwrite the preempted requests' blocks right after this call:
+            // wait for the fence here (their stores' deadline bounds it).
+            let (StepStarted::FenceOutstanding(fence), store_timeout) = started else {
+                return Ok(());
+            };
+            if fence.wait(Instant::now() + store_timeout) {
+                Ok(())
+            } else {
+                Err(FenceNotHeldError::new_err(format!(
+                    "preemption fence of {:?} did not hold within the store deadline: their \
+                     blocks may still be written",
+                    fence.requests()
+                )))
+            }
         })
     }
 
@@ -169,29 +169,30 @@ impl WorkerSide {
     /// no copy touches them any more. For blocks the engine freed while a store of them may
     /// still be queued (sliding-window blocks that left the window) and hands to another use
     /// in this step: call it before the step's own stores are queued (`start_step`). Raises
-    /// `FenceNotHeldError` if the fence did not hold in time.
+    /// `FenceNotHeldError` if the fence did not hold in time. The other methods answer while it
+    /// waits.
     fn fence_blocks(&self, py: Python<'_>, blocks: Vec<u32>) -> PyResult<()> {
         if blocks.is_empty() {
             return Ok(());
         }
         let ids: Vec<EngineBlockId> = blocks.into_iter().map(EngineBlockId).collect();
         py.detach(|| {
-            self.with(|r| {
+            let (fence, store_timeout) = self.with(|r| {
                 let d = r
                     .runtime
                     .driver()
                     .ok_or_else(|| kvx_err("driver stopped"))?;
-                let fence = d.fence_blocks(&ids).map_err(kvx_err)?;
-                if fence.wait(Instant::now() + r.store_timeout) {
-                    Ok(())
-                } else {
-                    Err(FenceNotHeldError::new_err(format!(
-                        "the fence over {} reused engine blocks did not hold within the store \
-                         deadline: a store of them may still be copying",
-                        ids.len()
-                    )))
-                }
-            })
+                Ok((d.fence_blocks(&ids).map_err(kvx_err)?, r.store_timeout))
+            })?;
+            if fence.wait(Instant::now() + store_timeout) {
+                Ok(())
+            } else {
+                Err(FenceNotHeldError::new_err(format!(
+                    "the fence over {} reused engine blocks did not hold within the store \
+                     deadline: a store of them may still be copying",
+                    ids.len()
+                )))
+            }
         })
     }
 

@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -188,6 +189,57 @@ def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: c
         standin.cuMemHostUnregister(ctypes.c_void_p(ctypes.addressof(fresh)))
         del fresh
         page.close()
+
+
+def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: ctypes.CDLL) -> None:
+    """A preempted request whose store is stuck in a hung device copy: the step that fences it
+    waits (its blocks may still be read), and meanwhile the worker's other methods, called from
+    another thread as a metrics thread would, answer within a tick + 50 ms instead of waiting
+    for that fence."""
+    ptr = ctypes.c_uint64()
+    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
+    sched = SchedulerSide(SMALL, BLOCK)
+    desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
+    worker = WorkerSide(SMALL, BLOCK, [desc], [], NUM_BLOCKS)
+    step: threading.Thread | None = None
+    try:
+        keys = block_keys(b"fenced", [b"block0", b"block1"])
+        assert sched.save_blocks(1, keys, [0, 1])
+        # Every device copy hangs from now on: the store of request 1 is out, and stuck.
+        assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
+        worker.start_step(sched.build_meta([])[0])
+        sched.request_preempted(1)
+        fenced = sched.build_meta([])[0]
+        outcome: list[BaseException | None] = []
+
+        def fence_step() -> None:
+            try:
+                worker.start_step(fenced)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                outcome.append(e)
+
+        step = threading.Thread(target=fence_step)
+        step.start()
+        waiting_until = time.monotonic() + 0.5
+        slowest = 0.0
+        while time.monotonic() < waiting_until:
+            t0 = time.monotonic()
+            worker.in_flight()
+            worker.get_finished()
+            worker.stats()
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.01)
+        assert step.is_alive(), "the step did not wait for the fence of the stuck store"
+        assert slowest <= BOUND_S, f"a call waited {slowest * 1000:.1f} ms for the step's fence"
+        assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0) == 0
+        step.join(10)
+        assert outcome == [None], f"the step failed once the copy ended: {outcome}"
+    finally:
+        standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0)
+        if step is not None:
+            step.join(10)
+        worker.close()
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ for loops that look for the rare slow case; a failure names the steal time aroun
 too (a CPU the hypervisor ran something else on: no thread of this machine ran there).
 
 Last, a frozen file tier at start-up: building the scheduler side (and reading the config, as
-the worker side does) must leave the GIL free while it waits for the mount (xfail for now)."""
+the worker side does) must leave the GIL free while it waits for the mount."""
 
 from __future__ import annotations
 
@@ -491,10 +491,7 @@ os.write(1, b"done\\n")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="with the GIL held, kvx-python/src/config.rs connector_config stats every "
-                   "file-tier root (Path::is_dir) and src/scheduler.rs SchedulerSide::new opens the tier (a walk "
-                   "of the mount): a stuck mount at start-up stops every Python thread")
-@pytest.mark.parametrize("build", ["SchedulerSide", "parse_config"])
+@pytest.mark.parametrize("build", ["SchedulerSide", "parse_config", "LeaseKeeper"])
 def test_a_frozen_file_tier_at_start_up_leaves_the_gil_free(tmp_path, build):
     """Building the scheduler side (and reading the config, as the worker side does) waits for
     the file-tier mount; while it waits, the process's other Python threads go on."""
