@@ -67,16 +67,45 @@ pub fn outcome_label(state: &TaskState) -> &'static str {
 
 /// The label value of a block's verdict.
 pub fn block_outcome_label(result: &Result<(), BlockError>) -> &'static str {
-    match result {
-        Ok(()) => "ok",
-        Err(BlockError::NotFound) => "not_found",
-        Err(BlockError::Corrupt(_)) => "corrupt",
-        Err(BlockError::Io(_)) => "io",
-        Err(BlockError::TimedOut) => "timed_out",
-        Err(BlockError::Cancelled) => "cancelled",
-        Err(BlockError::Unavailable(_)) => "unavailable",
-        Err(BlockError::Invalid(_)) => "invalid",
-        Err(BlockError::Remote(_)) => "remote",
+    result.as_ref().err().map_or("ok", block_error_label)
+}
+
+/// Why a block failed, finer than [`block_error_label`]: a refusal (`Unavailable`) is told
+/// apart by the refusing part's message (kvx-posix says "breaker open on ...", "busy: ...",
+/// "... stuck in the kernel" and "a remove of this block is still in flight"; kvx-offload "host
+/// pool exhausted" and "no <tier>-tier buffer for ..."): `breaker_open`, `busy`,
+/// `pool_exhausted`, `no_room` or `other`; any other error is its kind's label.
+pub fn failure_reason(error: &BlockError) -> &'static str {
+    let BlockError::Unavailable(m) = error else {
+        return block_error_label(error);
+    };
+    if m.contains("breaker open") {
+        "breaker_open"
+    } else if m.starts_with("busy")
+        || m.contains("stuck in the kernel")
+        || m.contains("remove of this block")
+    {
+        "busy"
+    } else if m.contains("pool exhausted") || m.contains("-tier buffer") {
+        "pool_exhausted"
+    } else if m.contains("no room") {
+        "no_room"
+    } else {
+        "other"
+    }
+}
+
+/// The label value of a block error's kind.
+pub fn block_error_label(error: &BlockError) -> &'static str {
+    match error {
+        BlockError::NotFound => "not_found",
+        BlockError::Corrupt(_) => "corrupt",
+        BlockError::Io(_) => "io",
+        BlockError::TimedOut => "timed_out",
+        BlockError::Cancelled => "cancelled",
+        BlockError::Unavailable(_) => "unavailable",
+        BlockError::Invalid(_) => "invalid",
+        BlockError::Remote(_) => "remote",
     }
 }
 

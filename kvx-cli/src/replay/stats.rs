@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use kvx_core::metrics::failure_reason;
 use kvx_core::{BlockError, TrackerStats};
 use kvx_posix::PosixStats;
 use serde_json::{Value, json};
@@ -56,32 +57,13 @@ impl Reason {
         }
     }
 
-    /// The reason of a block error. Refusals arrive as `Unavailable` with the refusing part's
-    /// message: kvx-posix says "breaker open on ..." and "busy: ...", kvx-offload "host pool
-    /// exhausted" and "no <tier>-tier buffer for ...".
+    /// The reason of a block error (kvx-core's [`failure_reason`]; I/O errors, cancels and
+    /// invalid or remote blocks are `Other`).
     pub fn of(e: &BlockError) -> Reason {
-        match e {
-            BlockError::TimedOut => Reason::TimedOut,
-            BlockError::Corrupt(_) => Reason::Corrupt,
-            BlockError::NotFound => Reason::NotFound,
-            BlockError::Unavailable(m) => {
-                if m.contains("breaker open") {
-                    Reason::BreakerOpen
-                } else if m.starts_with("busy") || m.contains("stuck in the kernel") {
-                    Reason::Busy
-                } else if m.contains("pool exhausted") || m.contains("-tier buffer") {
-                    Reason::PoolExhausted
-                } else if m.contains("no room") {
-                    Reason::NoRoom
-                } else {
-                    Reason::Other
-                }
-            }
-            BlockError::Io(_)
-            | BlockError::Cancelled
-            | BlockError::Invalid(_)
-            | BlockError::Remote(_) => Reason::Other,
-        }
+        Reason::ALL
+            .into_iter()
+            .find(|r| r.key() == failure_reason(e))
+            .unwrap_or(Reason::Other)
     }
 
     fn index(self) -> usize {
@@ -311,6 +293,10 @@ mod tests {
                 Reason::Busy,
             ),
             (un("posix:/kv: 300 I/Os stuck in the kernel"), Reason::Busy),
+            (
+                un("a remove of this block is still in flight"),
+                Reason::Busy,
+            ),
             (un("host pool exhausted"), Reason::PoolExhausted),
             (un("no File-tier buffer for 0abc"), Reason::PoolExhausted),
             (un("Host tier has no room: 3 blocks needed"), Reason::NoRoom),
