@@ -41,6 +41,9 @@ pub const TIER_BLOCKS: &str = "kvx_tier_blocks_total";
 pub const TIER_BYTES: &str = "kvx_tier_bytes_total";
 /// Seconds from a job's submission to its verdict, by `tier` and `dir` (histogram).
 pub const TIER_SECONDS: &str = "kvx_tier_job_seconds";
+/// Blocks a store put in no tier, by `reason`: `no_room` (every tier full of blocks pinned by
+/// loads or being stored) or the [`failure_reason`] of the block's last store (counter).
+pub const STORE_SKIPPED: &str = "kvx_store_skipped_blocks_total";
 /// Circuit breaker state of a target: 0 closed, 1 half-open, 2 open (gauge, by `target`).
 pub const BREAKER_STATE: &str = "kvx_breaker_state";
 /// Times a target's breaker opened, by `target` (counter).
@@ -184,6 +187,11 @@ pub fn record_tier_job(
     if let Some(took) = took {
         metrics::histogram!(TIER_SECONDS, "tier" => tier, "dir" => d).record(took.as_secs_f64());
     }
+}
+
+/// Record `blocks` blocks a store put in no tier, for `reason` (see [`STORE_SKIPPED`]).
+pub fn record_store_skipped(reason: &'static str, blocks: u64) {
+    metrics::counter!(STORE_SKIPPED, "reason" => reason).increment(blocks);
 }
 
 /// The gauge value of a breaker state.

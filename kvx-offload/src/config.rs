@@ -42,9 +42,9 @@ pub struct OffloadConfig {
     pub block_tokens: u32,
     /// Host tier capacity in blocks (default 4096).
     pub host_blocks: usize,
-    /// Pool buffers beyond the host tier: staging for file loads and write-through buffers
-    /// whose host block was evicted meanwhile (default `None`: engine blocks +
-    /// max(host_blocks / 2, 256)).
+    /// Pool buffers beyond the host tier: staging for file loads, for stores of blocks the
+    /// host tier had no room for (file tier only), and write-through buffers whose host block
+    /// was evicted meanwhile (default `None`: engine blocks + max(host_blocks / 2, 256)).
     pub extra_buffers: Option<usize>,
     /// Eviction order of both tiers (default `lru`).
     pub eviction: EvictionKind,

@@ -88,6 +88,7 @@ mod manager;
 mod meta;
 mod remote;
 mod scheduler;
+mod store_skips;
 mod tier;
 mod worker;
 
@@ -110,6 +111,7 @@ pub use remote::{
     remote_task_blocks,
 };
 pub use scheduler::{SchedulerConfig, SchedulerSide};
+pub use store_skips::StoreSkips;
 pub use tier::Tier;
 pub use worker::{
     DEFAULT_PREEMPT_WAIT, PreemptionFence, StepStarted, TierRoutes, WorkerConfig, WorkerReset,

@@ -17,9 +17,8 @@
 use std::time::Instant;
 
 use kvx_core::BlockKey;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::error::OffloadError;
 use crate::eviction::EvictionKind;
 use crate::tier::{StorePlan, Tier, TierIndex};
 
@@ -47,8 +46,12 @@ impl Lookup {
 pub struct StoreDecision {
     /// Keys to copy into the host tier.
     pub host: Vec<BlockKey>,
-    /// Keys (a subset of `host`) to also write to the file tier.
+    /// Keys to write to the file tier: those of `host` new there and, when the host tier had no
+    /// room for them, others copied into a staging buffer only for this write.
     pub file: Vec<BlockKey>,
+    /// Keys new to every tier that no tier had room for (every block pinned by a load or being
+    /// stored): stored nowhere.
+    pub no_room: Vec<BlockKey>,
     /// Host-tier keys evicted to make room (drop their buffers).
     pub evicted_host: Vec<BlockKey>,
     /// File-tier keys evicted to make room (remove their files).
@@ -301,31 +304,38 @@ impl OffloadManager {
         }
     }
 
-    /// Decide a store of `keys`: new host blocks (evicting LRU/ARC victims atomically), and the
-    /// subset also new to the file tier. If the host tier cannot make room nothing is stored.
-    pub fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<StoreDecision, OffloadError> {
-        let StorePlan { new, evicted } = self.host.prepare_store(keys)?;
+    /// Decide a store of `keys` new to the host tier: those the host tier has room for
+    /// (evicting LRU/ARC victims), and the ones new to the file tier, written there whether or
+    /// not the host tier took them (written through; writing back, only those it did not take).
+    /// Each tier takes what fits; what fits in none is in [`StoreDecision::no_room`].
+    pub fn prepare_store(&mut self, keys: &[BlockKey]) -> StoreDecision {
+        let fresh = self.host.absent(keys);
+        let StorePlan { new, evicted } = self.host.prepare_store_some(&fresh);
+        let in_host: FxHashSet<BlockKey> = new.iter().copied().collect();
         let mut d = StoreDecision {
             host: new,
             evicted_host: evicted,
             ..Default::default()
         };
-        if let Some(f) = self.file.as_mut().filter(|_| !self.write_back) {
-            let candidates: Vec<BlockKey> = d
-                .host
-                .iter()
-                .copied()
-                .filter(|k| !f.is_stored(*k) && !f.is_storing(*k))
-                .collect();
-            match f.prepare_store(&candidates) {
-                Ok(plan) => {
-                    d.file = plan.new;
-                    d.evicted_file = plan.evicted;
-                }
-                Err(e) => tracing::debug!(error = %e, "file tier full: store stays host-only"),
-            }
-        }
-        Ok(d)
+        let write_back = self.write_back;
+        let Some(f) = self.file.as_mut() else {
+            d.no_room = fresh.into_iter().filter(|k| !in_host.contains(k)).collect();
+            return d;
+        };
+        let candidates: Vec<BlockKey> = fresh
+            .iter()
+            .copied()
+            .filter(|k| !f.is_stored(*k) && !f.is_storing(*k))
+            .filter(|k| !write_back || !in_host.contains(k))
+            .collect();
+        let plan = f.prepare_store_some(&candidates);
+        d.file = plan.new;
+        d.evicted_file = plan.evicted;
+        d.no_room = fresh
+            .into_iter()
+            .filter(|k| !in_host.contains(k) && !f.is_stored(*k) && !f.is_storing(*k))
+            .collect();
+        d
     }
 
     /// A store into `tier` ended for `keys`.
@@ -392,7 +402,7 @@ mod tests {
     #[test]
     fn lookup_prefers_host_then_file_and_stops_at_a_gap() {
         let mut m = OffloadManager::new(4, Some(8), EvictionKind::Lru);
-        let d = m.prepare_store(&[k(1), k(2)]).unwrap();
+        let d = m.prepare_store(&[k(1), k(2)]);
         assert_eq!(d.file, vec![k(1), k(2)]);
         assert_eq!(m.lookup(&[k(1), k(2)]), Lookup::Retry, "stores in flight");
         m.complete_store(Tier::Host, &[k(1)], true);
@@ -427,7 +437,7 @@ mod tests {
     fn promotions_never_evict_host_blocks_of_the_same_load() {
         let mut m = OffloadManager::new(2, Some(8), EvictionKind::Lru);
         m.adopt_file_blocks([k(2)]);
-        m.prepare_store(&[k(1), k(3)]).unwrap();
+        m.prepare_store(&[k(1), k(3)]);
         m.complete_store(Tier::Host, &[k(1), k(3)], true);
         let Lookup::Hit(tiers) = m.lookup(&[k(1), k(2), k(3)]) else {
             panic!()
@@ -445,7 +455,7 @@ mod tests {
         m.set_write_back();
         assert!(m.writes_back());
         m.adopt_file_blocks([k(9)]);
-        let d = m.prepare_store(&[k(1), k(9)]).unwrap();
+        let d = m.prepare_store(&[k(1), k(9)]);
         assert!(d.file.is_empty(), "nothing is written through");
         m.complete_store(Tier::Host, &[k(1), k(9)], true);
         assert!(!m.is_stored(Tier::File, k(1)) && !m.is_storing(Tier::File, k(1)));
@@ -456,7 +466,7 @@ mod tests {
         );
         let t1 = Instant::now();
         m.touch(&[k(1)]);
-        let d = m.prepare_store(&[k(3), k(4)]).unwrap();
+        let d = m.prepare_store(&[k(3), k(4)]);
         assert_eq!(d.evicted_host.len(), 2);
         let wb = m.take_write_back();
         // k(9) is already in the file tier: only k(1) is written, with its last use.
@@ -472,10 +482,66 @@ mod tests {
         );
         // Without write-back the same eviction writes nothing.
         let mut plain = OffloadManager::new(2, Some(8), EvictionKind::Lru);
-        plain.prepare_store(&[k(1), k(2)]).unwrap();
+        plain.prepare_store(&[k(1), k(2)]);
         plain.complete_store(Tier::Host, &[k(1), k(2)], true);
-        plain.prepare_store(&[k(3), k(4)]).unwrap();
+        plain.prepare_store(&[k(3), k(4)]);
         assert_eq!(plain.take_write_back(), WriteBack::default());
+    }
+
+    #[test]
+    fn blocks_the_host_tier_has_no_room_for_still_go_to_the_file_tier() {
+        let mut m = OffloadManager::new(2, Some(8), EvictionKind::Lru);
+        m.adopt_file_blocks([k(1), k(2)]);
+        let tiers = vec![Tier::File, Tier::File];
+        // A load pins its blocks and reserves both host places for their promotion.
+        let (promote, _) = m.prepare_load(&[k(1), k(2)], &tiers);
+        assert_eq!(promote, vec![true, true]);
+        let d = m.prepare_store(&[k(3), k(4), k(5)]);
+        assert!(d.host.is_empty(), "the host tier is all pinned: {d:?}");
+        assert_eq!(
+            d.file,
+            vec![k(3), k(4), k(5)],
+            "every new block is written to a file"
+        );
+        assert!(d.no_room.is_empty());
+        m.complete_store(Tier::File, &d.file, true);
+        m.complete_load(&[k(1), k(2)], &tiers, &promote, &[], &[k(1), k(2)]);
+        assert_eq!(
+            m.lookup(&[k(1), k(2), k(3), k(4), k(5)]).blocks(),
+            5,
+            "the file-only blocks are hits"
+        );
+    }
+
+    #[test]
+    fn each_tier_takes_what_fits_and_the_rest_is_no_room() {
+        let mut m = OffloadManager::new(1, Some(2), EvictionKind::Lru);
+        let d = m.prepare_store(&[k(1), k(2), k(3), k(4)]);
+        assert_eq!(d.host, vec![k(1)], "the leading block that fits");
+        assert_eq!(d.file, vec![k(1), k(2)], "written through, then file-only");
+        assert_eq!(d.no_room, vec![k(3), k(4)]);
+        assert!(m.is_storing(Tier::File, k(2)) && !m.is_storing(Tier::Host, k(2)));
+        assert!(!m.is_storing(Tier::File, k(3)) && !m.is_storing(Tier::Host, k(3)));
+        // Without a file tier the same store keeps what fits and counts the rest.
+        let mut host_only = OffloadManager::new(1, None, EvictionKind::Lru);
+        let d = host_only.prepare_store(&[k(1), k(2)]);
+        assert_eq!(
+            (d.host, d.file, d.no_room),
+            (vec![k(1)], vec![], vec![k(2)])
+        );
+    }
+
+    #[test]
+    fn writing_back_a_block_the_host_tier_cannot_take_goes_straight_to_its_file() {
+        let mut m = OffloadManager::new(1, Some(8), EvictionKind::Lru);
+        m.set_write_back();
+        let d = m.prepare_store(&[k(1), k(2)]);
+        assert_eq!(d.host, vec![k(1)]);
+        assert_eq!(
+            d.file,
+            vec![k(2)],
+            "only the block the host tier did not take"
+        );
     }
 
     #[test]

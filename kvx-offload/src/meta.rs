@@ -43,8 +43,11 @@ pub struct StoreJob {
     pub request: RequestId,
     /// Blocks to copy out of engine memory.
     pub blocks: Vec<(BlockKey, EngineBlockId)>,
-    /// Keys (among `blocks`) to also write to the file tier.
+    /// Keys (among `blocks`) to write to the file tier.
     pub write_file: Vec<BlockKey>,
+    /// Keys (among `write_file`) the host tier had no room for: copied into a staging buffer
+    /// for the file write only, never kept in the host tier.
+    pub file_only: Vec<BlockKey>,
 }
 
 /// Write host-tier blocks into the file tier before the host tier drops them (write-back on a

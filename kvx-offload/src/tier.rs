@@ -118,33 +118,55 @@ impl TierIndex {
     /// Mark absent keys as being stored, evicting unpinned stored blocks if needed. Atomic:
     /// if there is not enough room, nothing changes and an error says how much was missing.
     pub(crate) fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<StorePlan, OffloadError> {
+        let new = self.absent(keys);
+        let need = (self.entries.len() + new.len()).saturating_sub(self.capacity);
+        let evicted = self.victims(need, &new);
+        if evicted.len() < need {
+            return Err(OffloadError::NoRoom {
+                tier: self.tier,
+                needed: need,
+                evictable: evicted.len(),
+            });
+        }
+        Ok(self.admit(new, evicted))
+    }
+
+    /// Like [`TierIndex::prepare_store`], but when there is not room for every absent key, the
+    /// leading ones that fit are marked (possibly none); the others stay absent.
+    pub(crate) fn prepare_store_some(&mut self, keys: &[BlockKey]) -> StorePlan {
+        let mut new = self.absent(keys);
+        let free = self.capacity.saturating_sub(self.entries.len());
+        let evicted = self.victims(new.len().saturating_sub(free), &new);
+        new.truncate(free + evicted.len());
+        self.admit(new, evicted)
+    }
+
+    /// The keys of `keys` absent from the index, each once, in order.
+    pub(crate) fn absent(&self, keys: &[BlockKey]) -> Vec<BlockKey> {
         let mut seen = FxHashSet::default();
-        let new: Vec<BlockKey> = keys
-            .iter()
+        keys.iter()
             .copied()
             .filter(|k| !self.entries.contains_key(k) && seen.insert(*k))
-            .collect();
-        let need = (self.entries.len() + new.len()).saturating_sub(self.capacity);
-        let evicted = if need > 0 {
-            let entries = &self.entries;
-            let protected = &seen;
-            let v = self.order.victims(need, &|k| {
-                !protected.contains(&k)
-                    && entries
-                        .get(&k)
-                        .is_some_and(|e| e.stored && !e.doomed && e.pins == 0)
-            });
-            if v.len() < need {
-                return Err(OffloadError::NoRoom {
-                    tier: self.tier,
-                    needed: need,
-                    evictable: v.len(),
-                });
-            }
-            v
-        } else {
-            Vec::new()
-        };
+            .collect()
+    }
+
+    /// Up to `need` evictable blocks (stored, not forgotten, unpinned, not in `protected`).
+    fn victims(&self, need: usize, protected: &[BlockKey]) -> Vec<BlockKey> {
+        if need == 0 {
+            return Vec::new();
+        }
+        let entries = &self.entries;
+        let protected: FxHashSet<BlockKey> = protected.iter().copied().collect();
+        self.order.victims(need, &|k| {
+            !protected.contains(&k)
+                && entries
+                    .get(&k)
+                    .is_some_and(|e| e.stored && !e.doomed && e.pins == 0)
+        })
+    }
+
+    /// Evict `evicted` and mark `new` as being stored.
+    fn admit(&mut self, new: Vec<BlockKey>, evicted: Vec<BlockKey>) -> StorePlan {
         for k in &evicted {
             if let (Some(e), Some(log)) = (self.entries.remove(k), self.evicted_log.as_mut()) {
                 log.push((*k, e.used));
@@ -154,7 +176,7 @@ impl TierIndex {
         for k in &new {
             self.entries.insert(*k, Entry::storing());
         }
-        Ok(StorePlan { new, evicted })
+        StorePlan { new, evicted }
     }
 
     /// A store of `keys` ended: they become visible on success, vanish on failure. Keys that

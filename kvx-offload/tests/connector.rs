@@ -255,3 +255,127 @@ fn preempted_load_is_not_reported_to_the_engine() {
     r.finish(2);
     assert!(r.settle(T));
 }
+
+/// Load every block of `ks` (all offloaded) for `req` into `blocks`: byte-exact.
+fn load_back(r: &mut Rig, req: u64, ks: &[BlockKey], blocks: &[u32]) {
+    r.scribble(blocks);
+    let tokens = ks.len() as u64 * BT as u64;
+    assert_eq!(
+        r.load(req, ks, blocks),
+        Some(tokens),
+        "request {req}: every block a hit"
+    );
+    assert!(r.step_until(T, |r| r.out.finished_recving.contains(&RequestId(req))));
+    assert!(
+        r.out.invalid_blocks.is_empty(),
+        "{:?}",
+        r.out.invalid_blocks
+    );
+    assert!(r.holds(ks, blocks), "request {req}: loaded byte-exact");
+    r.finish(req);
+}
+
+/// A host tier with no room (all of it being stored) and a store job larger than the host
+/// tier: every block still reaches the file tier, through staging buffers that go back to the
+/// pool, and every block is a hit next, loaded back byte-exact.
+#[test]
+fn stores_reach_the_file_tier_when_the_host_tier_has_no_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_blocks: 4,
+            ..Opts::default()
+        },
+    );
+    let (k1, k2, k3) = (keys(1, 0, 1, 4), keys(2, 0, 2, 4), keys(3, 0, 3, 10));
+    let (b1, b2, b3) = (seq(4, 0), seq(4, 4), seq(10, 8));
+    for (ks, bs) in [(&k1, &b1), (&k2, &b2), (&k3, &b3)] {
+        r.compute(ks, bs);
+    }
+    // Planned in one step: request 1 takes the whole host tier; 2 and 3 find no room there.
+    assert!(r.save(1, &k1, &b1).is_some());
+    assert!(r.save(2, &k2, &b2).is_some(), "request 2 is stored");
+    assert!(r.save(3, &k3, &b3).is_some(), "request 3 is stored");
+    for req in 1..=3 {
+        r.finish(req);
+    }
+    assert!(r.settle(T));
+    assert_eq!(r.sched.store_skips().get(StoreSkips::NO_ROOM), 0);
+    assert_eq!(r.w().store_skips(), &StoreSkips::default());
+    for ks in [&k1, &k2, &k3] {
+        assert_eq!(r.files.lookup(ks), ks.len(), "every block is in a file");
+    }
+    assert_eq!(r.w().host_blocks(), 4);
+    assert!(r.pool_whole(), "the staging buffers went back to the pool");
+    load_back(&mut r, 11, &k1, &seq(4, 30));
+    load_back(&mut r, 12, &k2, &seq(4, 30));
+    load_back(&mut r, 13, &k3, &seq(10, 40));
+    assert!(r.settle(T));
+}
+
+/// Blocks no tier has room for (host and file tiers all being stored) are stored nowhere and
+/// counted, and the blocks that were stored are unaffected.
+#[test]
+fn blocks_no_tier_has_room_for_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = rig(
+        dir.path(),
+        Opts {
+            host_blocks: 4,
+            file_blocks: 4,
+            ..Opts::default()
+        },
+    );
+    let (k1, k2) = (keys(1, 0, 1, 4), keys(2, 0, 2, 4));
+    r.compute(&k1, &seq(4, 0));
+    r.compute(&k2, &seq(4, 4));
+    assert!(r.save(1, &k1, &seq(4, 0)).is_some());
+    assert_eq!(r.save(2, &k2, &seq(4, 4)), None, "no tier has room");
+    assert_eq!(r.sched.store_skips().get(StoreSkips::NO_ROOM), 4);
+    r.finish(1);
+    r.finish(2);
+    assert!(r.settle(T));
+    assert_eq!(r.files.lookup(&k1), 4);
+    assert_eq!(
+        r.sched.get_num_new_matched_tokens(RequestId(3), &k2, 0),
+        Some(0)
+    );
+    load_back(&mut r, 4, &k1, &seq(4, 30));
+}
+
+/// A store whose copy out of engine memory never returns (the engine backend holds it): at
+/// its deadline its blocks, those for the host tier and those staged for the file tier only,
+/// are counted as stored nowhere, by the kind of failure (`timed_out`).
+#[test]
+fn a_store_that_ends_in_no_tier_is_counted_by_its_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut r, gate) = common::faults::gated_rig(
+        dir.path(),
+        Opts {
+            host_blocks: 4,
+            store_ms: 200,
+            ..Opts::default()
+        },
+    );
+    let ks = keys(5, 0, 5, 6);
+    r.compute(&ks, &seq(6, 0));
+    gate.close();
+    assert!(r.save(1, &ks, &seq(6, 0)).is_some());
+    r.finish(1);
+    let timed_out = |r: &Rig| r.worker.as_ref().unwrap().store_skips().get("timed_out");
+    assert!(r.step_until(T, |r| timed_out(r) == 6));
+    gate.open();
+    assert!(r.settle(T));
+    assert_eq!(
+        r.w().store_skips().iter().count(),
+        1,
+        "{:?}",
+        r.w().store_skips()
+    );
+    assert_eq!(r.files.lookup(&ks), 0);
+    assert_eq!(
+        r.sched.get_num_new_matched_tokens(RequestId(2), &ks, 0),
+        Some(0)
+    );
+}

@@ -9,7 +9,7 @@ use kvx_offload::{
 };
 
 /// Encoding version: the first byte of every message.
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// Why bytes could not be decoded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -191,6 +191,7 @@ pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
             w.var(u64::from(e.0));
         }
         w.keys(&s.write_file);
+        w.keys(&s.file_only);
     }
     w.reqs(&m.preempted);
     w.reqs(&m.finished);
@@ -265,11 +266,13 @@ pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
             blocks.push((k, EngineBlockId(r.u32()?)));
         }
         let write_file = r.keys()?;
+        let file_only = r.keys()?;
         m.stores.push(StoreJob {
             job,
             request,
             blocks,
             write_file,
+            file_only,
         });
     }
     m.preempted = r.reqs()?;

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use tracing::{debug, warn};
 
 use crate::error::OffloadError;
@@ -14,6 +14,7 @@ use crate::manager::{Lookup, OffloadManager};
 use crate::meta::{
     JobId, JobPart, JobResult, LoadBlock, LoadJob, StepMeta, StoreJob, WorkerOutput,
 };
+use crate::store_skips::StoreSkips;
 use crate::tier::Tier;
 use crate::worker::WorkerConfig;
 
@@ -146,6 +147,8 @@ pub struct SchedulerSide {
     world: u32,
     /// Job parts some ranks reported and others not yet.
     partials: ranks::Partials,
+    /// Blocks no tier had room for.
+    skips: StoreSkips,
 }
 
 /// Most keys one lookup asks a shared file tier about.
@@ -171,12 +174,19 @@ impl SchedulerSide {
             write_backs: FxHashMap::default(),
             world: 1,
             partials: ranks::Partials::default(),
+            skips: StoreSkips::default(),
         })
     }
 
     /// The tier index.
     pub fn manager(&self) -> &OffloadManager {
         &self.mgr
+    }
+
+    /// Blocks [`SchedulerSide::save_blocks`] put in no tier, by reason (`no_room`; the workers
+    /// count the blocks whose stores failed).
+    pub fn store_skips(&self) -> &StoreSkips {
+        &self.skips
     }
 
     /// Adopt blocks already in the file tier (its startup scan), up to its capacity; returns
@@ -303,7 +313,9 @@ impl SchedulerSide {
     }
 
     /// Save computed blocks of `req` (full blocks, keyed). Blocks already offloaded are
-    /// skipped; if the host tier cannot make room, nothing is stored.
+    /// skipped; each tier takes the new blocks it has room for (the file tier whether or not
+    /// the host tier took them), and blocks no tier has room for are counted in
+    /// [`SchedulerSide::store_skips`].
     pub fn save_blocks(
         &mut self,
         req: RequestId,
@@ -311,24 +323,30 @@ impl SchedulerSide {
     ) -> Option<JobId> {
         let keys: Vec<BlockKey> = blocks.iter().map(|b| b.0).collect();
         self.mgr.touch(&keys);
-        let d = match self.mgr.prepare_store(&keys) {
-            Ok(d) => d,
-            Err(e) => {
-                debug!(request = %req, error = %e, "store skipped");
-                return None;
-            }
-        };
+        let d = self.mgr.prepare_store(&keys);
+        if !d.no_room.is_empty() {
+            debug!(request = %req, blocks = d.no_room.len(), "no tier had room: blocks not stored");
+        }
+        self.skips.record(StoreSkips::NO_ROOM, d.no_room.len());
         self.meta.evict_host.extend(d.evicted_host);
         self.meta.evict_file.extend(d.evicted_file);
         self.queue_write_back();
-        if d.host.is_empty() {
+        if d.host.is_empty() && d.file.is_empty() {
             return None;
         }
         let job = self.job_id();
+        let host: FxHashSet<BlockKey> = d.host.iter().copied().collect();
+        let mut chosen_keys: FxHashSet<BlockKey> = host.iter().chain(&d.file).copied().collect();
         let chosen: Vec<(BlockKey, EngineBlockId)> = blocks
             .iter()
             .copied()
-            .filter(|(k, _)| d.host.contains(k))
+            .filter(|(k, _)| chosen_keys.remove(k))
+            .collect();
+        let file_only = d
+            .file
+            .iter()
+            .copied()
+            .filter(|k| !host.contains(k))
             .collect();
         let file_pending = !d.file.is_empty();
         self.meta.stores.push(StoreJob {
@@ -336,6 +354,7 @@ impl SchedulerSide {
             request: req,
             blocks: chosen,
             write_file: d.file,
+            file_only,
         });
         self.jobs.insert(
             job,

@@ -158,6 +158,8 @@ pub struct WorkerSide {
     #[cfg(feature = "cuda")]
     engine_order: Option<kvx_cuda::EngineOrder>,
     out: WorkerOutput,
+    /// Blocks whose stores ended in no tier, by the kind of their last failure.
+    skips: crate::store_skips::StoreSkips,
 }
 
 impl WorkerSide {
@@ -198,6 +200,7 @@ impl WorkerSide {
             #[cfg(feature = "cuda")]
             engine_order: None,
             out: WorkerOutput::default(),
+            skips: Default::default(),
         })
     }
 
@@ -361,6 +364,12 @@ impl WorkerSide {
             fence,
             delayed_free,
         })
+    }
+
+    /// Blocks whose stores ended in no tier (their copy out of engine memory or their file
+    /// write failed, and no other tier took them), by the kind of their last failure.
+    pub fn store_skips(&self) -> &crate::StoreSkips {
+        &self.skips
     }
 
     /// Blocks held in the host tier.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use kvx_core::{
     BlockError, BlockKey, Buf, Direction, OpBlock, PoolBuf, RequestId, TaskReport, TaskSpec,
 };
+use rustc_hash::FxHashSet;
 use tracing::warn;
 
 use super::Role;
@@ -27,11 +28,7 @@ impl WorkerSide {
         let file = match (self.routes.file, blocks.is_empty()) {
             (Some(f), false) => f,
             (route, _) => {
-                let mut failed = self
-                    .stores
-                    .remove(&job)
-                    .map(|s| s.file_failed)
-                    .unwrap_or_default();
+                let (mut failed, in_host) = self.take_store(job);
                 if route.is_none() {
                     failed.extend(
                         blocks
@@ -39,7 +36,14 @@ impl WorkerSide {
                             .map(|(k, _)| (k, BlockError::Unavailable("no file tier".into()))),
                     );
                 }
-                self.report_store(job, request, JobPart::StoreFile, Vec::new(), failed);
+                self.report_store(
+                    job,
+                    request,
+                    JobPart::StoreFile,
+                    Vec::new(),
+                    failed,
+                    &in_host,
+                );
                 return;
             }
         };
@@ -65,18 +69,30 @@ impl WorkerSide {
             }
             Err(e) => {
                 warn!(error = %e, "write-through not submitted");
-                let mut failed = self
-                    .stores
-                    .remove(&job)
-                    .map(|s| s.file_failed)
-                    .unwrap_or_default();
+                let (mut failed, in_host) = self.take_store(job);
                 failed.extend(
                     keys.into_iter()
                         .map(|k| (k, BlockError::Unavailable(e.to_string()))),
                 );
-                self.report_store(job, request, JobPart::StoreFile, Vec::new(), failed);
+                self.report_store(
+                    job,
+                    request,
+                    JobPart::StoreFile,
+                    Vec::new(),
+                    failed,
+                    &in_host,
+                );
             }
         }
+    }
+
+    /// The store `job`, ended: its blocks that failed before the file write, and those it put
+    /// in the host tier.
+    fn take_store(&mut self, job: JobId) -> (Vec<(BlockKey, BlockError)>, FxHashSet<BlockKey>) {
+        self.stores
+            .remove(&job)
+            .map(|s| (s.file_failed, s.in_host))
+            .unwrap_or_default()
     }
 
     /// Write host-tier blocks into the file tier (they are about to leave the host tier; the
@@ -92,8 +108,10 @@ impl WorkerSide {
                 None => failed.push((key, BlockError::Invalid("not in the host tier".into()))),
             }
         }
+        // The host tier drops these blocks once written back: a failed write loses them.
+        let in_host = FxHashSet::default();
         self.stores
-            .insert(job.job, StoreState::file_only(request, failed));
+            .insert(job.job, StoreState::write_back(request, in_host, failed));
         self.write_through(job.job, request, blocks);
     }
 
@@ -110,6 +128,6 @@ impl WorkerSide {
                 Err(e) => failed.push((b.key, e)),
             }
         }
-        self.report_store(job, st.request, JobPart::StoreFile, ok, failed);
+        self.report_store(job, st.request, JobPart::StoreFile, ok, failed, &st.in_host);
     }
 }
