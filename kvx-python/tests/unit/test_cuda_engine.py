@@ -216,7 +216,7 @@ def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: c
             try:
                 worker.start_step(fenced)
                 outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            except BaseException as e:  # handed to the test thread
                 outcome.append(e)
 
         step = threading.Thread(target=fence_step)
