@@ -111,6 +111,12 @@ impl SchedulerSide {
         lock(&self.inner).reset_cache();
     }
 
+    /// Blocks a store put in no tier because no tier had room (every block pinned by a load or
+    /// being stored), as `[("store_skipped_no_room", n)]` (empty while none).
+    fn store_skips(&self) -> Vec<(String, u64)> {
+        crate::worker::skipped(lock(&self.inner).store_skips()).collect()
+    }
+
     /// The engine preempted a request.
     fn request_preempted(&self, req: u64) {
         lock(&self.inner).request_preempted(RequestId(req));

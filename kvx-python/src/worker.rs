@@ -49,6 +49,11 @@ impl WorkerSide {
 
 type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);
 
+/// `store_skipped_<reason>` counters, as the connector's stats name them.
+pub(crate) fn skipped(skips: &kvx_offload::StoreSkips) -> impl Iterator<Item = (String, u64)> + '_ {
+    skips.iter().map(|(r, n)| (format!("store_skipped_{r}"), n))
+}
+
 /// What `get_finished` hands to Python: (finished_sending, finished_recving, invalid engine
 /// blocks, encoded job outcomes (empty when none), requests whose load ended unreported).
 type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>);
@@ -234,9 +239,11 @@ impl WorkerSide {
         })
     }
 
-    /// Counters: the driver's tracker (tasks, zombies, timeouts, late completions) and the file
-    /// tier's (blocks loaded, stored, corrupt, rejected by an open breaker, I/Os in flight).
-    fn stats(&self) -> PyResult<Vec<(&'static str, u64)>> {
+    /// Counters: the driver's tracker (tasks, zombies, timeouts, late completions), the file
+    /// tier's (blocks loaded, stored, corrupt, rejected by an open breaker, I/Os in flight), and
+    /// `store_skipped_<reason>`: blocks whose store ended in no tier, by the kind of its last
+    /// failure (`unavailable`: no staging buffer or an open breaker; `timed_out`, `io`...).
+    fn stats(&self) -> PyResult<Vec<(String, u64)>> {
         self.with(|r| {
             let d = r
                 .runtime
@@ -264,6 +271,9 @@ impl WorkerSide {
                     ("file_rejected", p.rejected),
                 ]);
             }
+            let mut out: Vec<(String, u64)> =
+                out.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+            out.extend(skipped(r.worker.store_skips()));
             Ok(out)
         })
     }

@@ -1,5 +1,6 @@
 """``host_blocks`` and the batch: a host tier smaller than one store job is refused at
-construction (it would store nothing in any tier); one of exactly that size works."""
+construction (it could never hold a whole job); one of exactly that size works, and in front of
+a file tier it stores every block of many requests at once there."""
 
 from __future__ import annotations
 
@@ -38,6 +39,32 @@ def test_host_tier_of_exactly_one_store_job_stores_and_serves_it(tmp_path):
         e.run()
         assert e.conn.stats()["host_hit_blocks"] == 8
         assert e.verified_blocks == 8
+    finally:
+        e.close()
+
+
+def test_a_host_tier_of_one_store_job_stores_every_block_of_many_requests_in_files(tmp_path):
+    """Six requests at once through a host tier of exactly one store job (8 blocks) in front of
+    a file tier with room for all: their jobs find the host tier's places taken by blocks still
+    being stored, yet every full block reaches the file tier, none is skipped, and the next
+    pass hits every one, byte-exact."""
+    files = tmp_path / "files"
+    files.mkdir()
+    e = Engine(tmp_path, {"host_blocks": 8, "file": {"roots": [str(files)], "blocks": 1024}}, max_batched_tokens=128)
+    try:
+        prompts = [prompt(90 + i, (4 + i) * BLOCK + 3) for i in range(6)]
+        full = sum(len(p) // BLOCK for p in prompts)
+        for i, p in enumerate(prompts):
+            e.add(f"a{i}", p)
+        e.run()
+        assert e.worker.stats()["file_blocks"] == full
+        assert e.conn.stats().get("store_skipped_no_room", 0) == 0, e.conn.stats()
+        for i, p in enumerate(prompts):
+            e.add(f"b{i}", p)
+        e.run()
+        s = e.conn.stats()
+        assert s["host_hit_blocks"] + s["file_hit_blocks"] == full, s
+        assert e.verified_blocks == full
     finally:
         e.close()
 

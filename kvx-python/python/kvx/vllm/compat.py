@@ -90,8 +90,9 @@ def max_store_job_blocks(block_size: int, vllm_config: Any) -> int:
 def check_host_blocks(
     config: str, block_size: int, vllm_config: Any, windows: list[tuple[int | None, int]] | None = None
 ) -> None:
-    """Refuse a host tier smaller than one store job: such a job finds no room, and a store
-    goes to the file tier through the host tier, so it would store nothing in any tier.
+    """Refuse a host tier smaller than one store job: it could never hold a whole prefill
+    chunk of a request (the rest of such a job goes only to the file tier, or nowhere without
+    one).
     ``windows``: for a hybrid model, each KV cache group's (sliding window in tokens or None for
     full attention, extra tokens vLLM retains); one store job then holds every group's blocks,
     a sliding-window group's at most its window's."""
@@ -110,6 +111,6 @@ def check_host_blocks(
             f"job of up to {need} blocks: a request computes up to {per_group} blocks of each KV "
             f"cache group in one step (max_num_batched_tokens "
             f"{sc.max_num_batched_tokens}, max_model_len {vllm_config.model_config.max_model_len}, "
-            f"block_size {block_size}), and a job the host tier "
-            f"cannot hold is stored in no tier; set host_blocks to at least {need}"
+            f"block_size {block_size}), and the host tier must hold a whole job; set host_blocks "
+            f"to at least {need}"
         )

@@ -247,10 +247,13 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     # -- kvx -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters of this side. Scheduler: lookups, hit tokens and blocks per tier, loads,
-        store jobs, preemptions, failed loads. Worker: kvx's tracker (live tasks, zombie ops and
-        bytes, timeouts, late completions), host-tier blocks, and the file tier's counters."""
+        store jobs, preemptions, failed loads, and ``store_skipped_no_room`` (blocks no tier had
+        room for). Worker: kvx's tracker (live tasks, zombie ops and bytes, timeouts, late
+        completions), host-tier blocks, the file tier's counters, and ``store_skipped_<kind>``
+        (blocks whose store ended in no tier, by the kind of their last failure)."""
         if self._sched is not None:
-            return dict(vars(self._scheduler_side().stats))
+            side = self._scheduler_side()
+            return dict(vars(side.stats)) | dict(side.native.store_skips())
         native = self._worker_side().native
         return dict(native.stats()) if native is not None else {}
 
