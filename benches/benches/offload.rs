@@ -13,7 +13,7 @@ fn full_manager() -> OffloadManager {
     let mut m = OffloadManager::new(INDEXED as usize, None, EvictionKind::Lru);
     let keys: Vec<BlockKey> = (0..INDEXED).map(BlockKey).collect();
     for chunk in keys.chunks(10_000) {
-        m.prepare_store(chunk).expect("room");
+        assert!(m.prepare_store(chunk).no_room.is_empty(), "room");
         m.complete_store(Tier::Host, chunk, true);
     }
     m
@@ -33,7 +33,8 @@ fn index(c: &mut Criterion) {
         b.iter(|| {
             let keys: Vec<BlockKey> = (next..next + 8).map(BlockKey).collect();
             next += 8;
-            let d = m.prepare_store(&keys).expect("evictable");
+            let d = m.prepare_store(&keys);
+            assert!(d.no_room.is_empty(), "evictable");
             m.complete_store(Tier::Host, &d.host, true);
             black_box(d.evicted_host.len())
         })
