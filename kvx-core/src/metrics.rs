@@ -76,7 +76,7 @@ pub fn block_outcome_label(result: &Result<(), BlockError>) -> &'static str {
 /// Why a block failed, finer than [`block_error_label`]: a refusal (`Unavailable`) is told
 /// apart by the refusing part's message (kvx-posix says "breaker open on ...", "busy: ...",
 /// "... stuck in the kernel" and "a remove of this block is still in flight"; kvx-offload "host
-/// pool exhausted" and "no <tier>-tier buffer for ..."): `breaker_open`, `busy`,
+/// pool exhausted" and "no `<tier>`-tier buffer for ..."): `breaker_open`, `busy`,
 /// `pool_exhausted`, `no_room` or `other`; any other error is its kind's label.
 pub fn failure_reason(error: &BlockError) -> &'static str {
     let BlockError::Unavailable(m) = error else {
