@@ -96,6 +96,8 @@ PY
     [ "$rc" -eq 0 ] || { echo "engine-venv.sh: pip install failed ($rc)" >&2; exit "$rc"; }
 fi
 "$venv/bin/python" -c 'import pytest' 2>/dev/null || "$venv/bin/python" -m pip install --quiet pytest
+# py-spy: a hung engine's stacks go into the suite's failure message (tests/engine/engine.py).
+[ -x "$venv/bin/py-spy" ] || "$venv/bin/python" -m pip install --quiet py-spy
 
 # vLLM's CPU platform, its compiled ops, and the model stack the tests use; importing what an
 # engine process imports also compiles those modules once (pip installed with --no-compile).

@@ -60,6 +60,24 @@ def skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
+def stacks(pgid: int) -> str:
+    """Every Python thread's stack of each process in the group, by
+    py-spy where this venv has it: what a hung engine was doing."""
+    spy = Path(sys.prefix) / "bin" / "py-spy"
+    if not spy.exists():
+        return "(no py-spy in this venv: no stacks)"
+    pids = subprocess.run(["pgrep", "-g", str(pgid)], check=False, capture_output=True, text=True).stdout.split()
+    out = []
+    for pid in pids:
+        try:
+            dump = [str(spy), "dump", "--pid", pid]
+            r = subprocess.run(dump, check=False, capture_output=True, text=True, timeout=30)
+            out.append(f"--- pid {pid}\n{r.stdout}{r.stderr}")
+        except subprocess.TimeoutExpired:
+            out.append(f"--- pid {pid}: py-spy timed out")
+    return "\n".join(out)
+
+
 def log_tail(path: Path, lines: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -79,7 +97,9 @@ def wait_stopped() -> None:
 class Engine:
     """One engine process; ``start`` returns at once, ``ready`` waits for the engine."""
 
-    def __init__(self, name: str, tmp: Path, cfg: dict):
+    def __init__(self, name: str, tmp: Path, cfg: dict, cpu: str | None = None):
+        """``cpu``: the core its worker's one compute thread is bound to (vLLM's
+        ``VLLM_CPU_OMP_THREADS_BIND``); ``None``: vLLM's own choice (the first core)."""
         self.name = name
         self.log = tmp / f"{name}.log"
         self.began = time.monotonic()
@@ -92,7 +112,7 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env=engine_env(),
+            env=engine_env() | ({} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": cpu}),
             cwd=str(tmp),
             start_new_session=True,
         )
@@ -106,7 +126,9 @@ class Engine:
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{self.name}: no answer in {timeout}s\n{log_tail(self.log)}")
+                raise AssertionError(
+                    f"{self.name}: no answer in {timeout}s\n{log_tail(self.log)}\n{stacks(self.p.pid)}"
+                )
             r, _, _ = select.select([self.p.stdout], [], [], min(left, 1.0))
             if r:
                 line = self.p.stdout.readline()

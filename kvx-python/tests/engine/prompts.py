@@ -29,6 +29,7 @@ SETS: dict[str, tuple[list[list[int]], int]] = {
     "serve_late": (_make(19, [140, 100]), 16),
     "serve2": (_make(18, [135, 105, 70]), 16),
     "serve2_late": (_make(20, [135, 105]), 16),
+    "capacity": (_make(21, [470, 450, 400, 370, 330, 300, 260, 230]), 8),
 }
 
 

@@ -2,7 +2,14 @@
 remote tier listening on 127.0.0.1) prefills each prompt with one output token; the test plays
 the proxy, passing the ``kv_transfer_params`` P returned, unchanged, to D (``kv_consumer``),
 which loads P's blocks over TCP and decodes. D's tokens equal a run without a connector, and
-vLLM on D counts every full prompt block as a connector hit from P."""
+vLLM on D counts every full prompt block as a connector hit from P.
+
+D's worker runs on the other core than P's. While its exported requests wait for D's reads, P's
+engine steps without pause (vLLM's loop for requests awaiting ``finished_sending``), its worker
+spinning on its core; vLLM binds every engine's worker to the first core, and on this kernel
+(6.18, EEVDF, one autogroup per engine session) a thread pinned beside that spin can get no
+CPU at all: D's worker got 0 ticks in 10 s while P's got 96%, and D never answered. On one
+machine, as here, two engines need cores of their own; on two nodes they have them."""
 
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ def scenario(tmp: Path, model_dir: str) -> dict[str, Any]:
     d_cfg = {"role": "kv_consumer", "policy": "recompute", "extra": {"host_blocks": 64, "remote": {"load_ms": 5000}}}
     # Both start at once (each start is tens of seconds).
     P = Engine("P", tmp, {"model": model_dir, "kvx": p_cfg})
-    D = Engine("D", tmp, {"model": model_dir, "kvx": d_cfg})
+    D = Engine("D", tmp, {"model": model_dir, "kvx": d_cfg}, cpu="1")
     out: dict[str, Any] = {}
     try:
         P.ready()
