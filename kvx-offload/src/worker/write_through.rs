@@ -28,22 +28,11 @@ impl WorkerSide {
         let file = match (self.routes.file, blocks.is_empty()) {
             (Some(f), false) => f,
             (route, _) => {
-                let (mut failed, in_host) = self.take_store(job);
-                if route.is_none() {
-                    failed.extend(
-                        blocks
-                            .into_iter()
-                            .map(|(k, _)| (k, BlockError::Unavailable("no file tier".into()))),
-                    );
-                }
-                self.report_store(
-                    job,
-                    request,
-                    JobPart::StoreFile,
-                    Vec::new(),
-                    failed,
-                    &in_host,
-                );
+                let keys = blocks
+                    .into_iter()
+                    .map(|(k, _)| k)
+                    .filter(|_| route.is_none());
+                self.file_part_failed(job, request, keys, "no file tier");
                 return;
             }
         };
@@ -69,30 +58,37 @@ impl WorkerSide {
             }
             Err(e) => {
                 warn!(error = %e, "write-through not submitted");
-                let (mut failed, in_host) = self.take_store(job);
-                failed.extend(
-                    keys.into_iter()
-                        .map(|k| (k, BlockError::Unavailable(e.to_string()))),
-                );
-                self.report_store(
-                    job,
-                    request,
-                    JobPart::StoreFile,
-                    Vec::new(),
-                    failed,
-                    &in_host,
-                );
+                self.file_part_failed(job, request, keys, &e.to_string());
             }
         }
     }
 
-    /// The store `job`, ended: its blocks that failed before the file write, and those it put
-    /// in the host tier.
-    fn take_store(&mut self, job: JobId) -> (Vec<(BlockKey, BlockError)>, FxHashSet<BlockKey>) {
-        self.stores
+    /// The file part of store `job` ends without a write: `keys` fail (`Unavailable`, for
+    /// `why`), reported with the blocks that failed before it.
+    fn file_part_failed(
+        &mut self,
+        job: JobId,
+        request: RequestId,
+        keys: impl IntoIterator<Item = BlockKey>,
+        why: &str,
+    ) {
+        let (mut failed, in_host): (_, FxHashSet<BlockKey>) = self
+            .stores
             .remove(&job)
             .map(|s| (s.file_failed, s.in_host))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        failed.extend(
+            keys.into_iter()
+                .map(|k| (k, BlockError::Unavailable(why.to_string()))),
+        );
+        self.report_store(
+            job,
+            request,
+            JobPart::StoreFile,
+            Vec::new(),
+            failed,
+            &in_host,
+        );
     }
 
     /// Write host-tier blocks into the file tier (they are about to leave the host tier; the
