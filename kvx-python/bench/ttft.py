@@ -71,6 +71,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "engine"))
 
 import model  # noqa: E402
 import settings  # noqa: E402
+from counters import read_counts  # noqa: E402
 from engine import engine_env  # noqa: E402
 from tier import block_files  # noqa: E402
 
@@ -125,25 +126,6 @@ def unique_blocks(prompts: list[list[int]]) -> int:
 
 
 # -- the engine child -----------------------------------------------------------------------
-COUNTERS = {
-    "vllm:prefix_cache_hits": "local_hits",
-    "vllm:external_prefix_cache_queries": "external_queries",
-    "vllm:external_prefix_cache_hits": "external_hits",
-}
-BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
-
-
-def read_counts(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name in COUNTERS:
-            out[COUNTERS[m.name]] = out.get(COUNTERS[m.name], 0) + m.value
-        elif m.name == BY_SOURCE:
-            key = "cached_" + m.labels.get("source", "?")
-            out[key] = out.get(key, 0) + m.value
-    return out
-
-
 def patch(cls: type, name: str, fn: Callable[..., Any]) -> None:
     """Replace ``cls.name`` by ``fn`` (this process only: timing wrappers)."""
     setattr(cls, name, fn)

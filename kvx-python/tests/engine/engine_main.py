@@ -38,16 +38,8 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 import settings  # noqa: E402
+from counters import read_counts  # noqa: E402
 from tier import block_files, corrupt, wait_files  # noqa: E402
-
-COUNTERS = {
-    "vllm:prefix_cache_queries": "local_queries",
-    "vllm:prefix_cache_hits": "local_hits",
-    "vllm:external_prefix_cache_queries": "external_queries",
-    "vllm:external_prefix_cache_hits": "external_hits",
-    "vllm:num_preemptions": "preemptions",
-}
-BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 
 
 def emit(**kw: Any) -> None:
@@ -61,14 +53,7 @@ class Counts:
         self.llm = llm
 
     def read(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for m in self.llm.get_metrics():
-            if m.name in COUNTERS:
-                out[COUNTERS[m.name]] = out.get(COUNTERS[m.name], 0) + m.value
-            elif m.name == BY_SOURCE:
-                key = "cached_" + m.labels.get("source", "?")
-                out[key] = out.get(key, 0) + m.value
-        return out
+        return read_counts(self.llm)
 
 
 class ResumedHits:
