@@ -13,7 +13,8 @@
 #
 # The wheels are downloaded into KVX_ENGINE_WHEELS (default ~/.cache/kvx-engine-wheels) and
 # installed from there: pip's own cache keeps none of them here, and a later install on the
-# same machine (CI's fresh clone after a session) then unpacks them without a download.
+# same machine (CI's fresh clone after a session) then unpacks them without a download. CI
+# points it at a folder of its own and removes it once the venv is made.
 #
 # PYTHON: the interpreter that creates the venv (default python3; CPython >= 3.10).
 set -euo pipefail
