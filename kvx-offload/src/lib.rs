@@ -90,6 +90,7 @@ mod remote;
 mod scheduler;
 mod store_skips;
 mod tier;
+mod transfer_stats;
 mod worker;
 
 pub use builder::{
@@ -113,6 +114,7 @@ pub use remote::{
 pub use scheduler::{SchedulerConfig, SchedulerSide};
 pub use store_skips::StoreSkips;
 pub use tier::Tier;
+pub use transfer_stats::TransferStats;
 pub use worker::{
     DEFAULT_PREEMPT_WAIT, PreemptionFence, StepStarted, TierRoutes, WorkerConfig, WorkerReset,
     WorkerSide,

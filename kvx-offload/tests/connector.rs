@@ -308,10 +308,27 @@ fn stores_reach_the_file_tier_when_the_host_tier_has_no_room() {
     }
     assert_eq!(r.w().host_blocks(), 4);
     assert!(r.pool_whole(), "the staging buffers went back to the pool");
+    // The engine's stats: every block stored in files, the host tier's four in memory.
+    let st = r.w().take_stats();
+    assert_eq!(st.stored_blocks.get("file"), Some(&18), "{st:?}");
+    assert_eq!(st.stored_blocks.get("host"), Some(&4), "{st:?}");
+    assert_eq!(st.stored_bytes.get("file"), Some(&(18 * BLOCK as u64)));
+    assert!(st.store_failed_blocks.is_empty() && st.store_skipped_blocks.is_empty());
+    assert!(st.loaded_blocks.is_empty() && st.load_seconds.is_empty());
     load_back(&mut r, 11, &k1, &seq(4, 30));
     load_back(&mut r, 12, &k2, &seq(4, 30));
     load_back(&mut r, 13, &k3, &seq(10, 40));
     assert!(r.settle(T));
+    let st = r.w().take_stats();
+    let loaded: u64 = st.loaded_blocks.values().sum();
+    assert_eq!(loaded, 18, "{st:?}");
+    assert_eq!(st.loaded_bytes.values().sum::<u64>(), 18 * BLOCK as u64);
+    assert_eq!(st.load_seconds.len(), 3, "one latency per load");
+    assert!(st.load_failed_blocks.is_empty(), "{st:?}");
+    assert!(
+        r.w().take_stats().is_empty(),
+        "taken: the next stats start from zero"
+    );
 }
 
 /// Blocks no tier has room for (host and file tiers all being stored) are stored nowhere and
@@ -333,6 +350,9 @@ fn blocks_no_tier_has_room_for_are_counted() {
     assert!(r.save(1, &k1, &seq(4, 0)).is_some());
     assert_eq!(r.save(2, &k2, &seq(4, 4)), None, "no tier has room");
     assert_eq!(r.sched.store_skips().get(StoreSkips::NO_ROOM), 4);
+    let st = r.sched.take_stats();
+    assert_eq!(st.store_skipped_blocks.get(StoreSkips::NO_ROOM), Some(&4));
+    assert!(r.sched.take_stats().is_empty());
     r.finish(1);
     r.finish(2);
     assert!(r.settle(T));
@@ -378,4 +398,18 @@ fn a_store_that_ends_in_no_tier_is_counted_by_its_failure() {
         r.sched.get_num_new_matched_tokens(RequestId(2), &ks, 0),
         Some(0)
     );
+    let st = r.w().take_stats();
+    assert_eq!(st.store_skipped_blocks.get("timed_out"), Some(&6), "{st:?}");
+    let failed: u64 = st.store_failed_blocks.values().sum();
+    assert!(
+        failed >= 6,
+        "each tier's part counts its timed-out blocks: {st:?}"
+    );
+    assert!(
+        st.store_failed_blocks
+            .keys()
+            .all(|(_, reason)| *reason == "timed_out"),
+        "{st:?}"
+    );
+    assert!(st.stored_blocks.is_empty(), "{st:?}");
 }

@@ -27,6 +27,7 @@ mod memory;
 mod scheduler;
 #[cfg(feature = "testing")]
 mod stall;
+mod stats;
 mod worker;
 
 use kvx_core::BlockKey;

@@ -6,7 +6,7 @@ use kvx_core::{BlockKey, EngineBlockId, RequestId, lock};
 use kvx_offload::{Lookup, RemoteSource, RemoteTierConfig, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::codec;
 use crate::config::connector_config;
@@ -115,6 +115,13 @@ impl SchedulerSide {
     /// being stored), as `[("store_skipped_no_room", n)]` (empty while none).
     fn store_skips(&self) -> Vec<(String, u64)> {
         crate::worker::skipped(lock(&self.inner).store_skips()).collect()
+    }
+
+    /// What this side counted since the last call (blocks no tier had room for), as a dict
+    /// for vLLM's stats (see `kvx.vllm.stats`).
+    fn take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = lock(&self.inner).take_stats();
+        crate::stats::to_dict(py, &stats)
     }
 
     /// The engine preempted a request.

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use kvx_core::{EngineBlockId, KvLayout, lock};
 use kvx_offload::{LoadHoldBack, OffloadBuilder, OffloadRuntime, StepStarted};
+use kvx_policy::BreakerState;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::config::connector_config;
 use crate::memory::{self, TensorDesc};
@@ -24,6 +25,8 @@ struct Running {
     store_timeout: Duration,
     /// Ended loads (local and remote) held back until no copy can write their blocks.
     hold_back: LoadHoldBack,
+    /// The file tier's roots with a breaker not closed, as the last `take_stats` said.
+    breakers_open: usize,
 }
 
 /// The worker side over the engine's KV tensors.
@@ -118,6 +121,7 @@ impl WorkerSide {
                 worker: built.worker,
                 runtime: built.runtime,
                 store_timeout,
+                breakers_open: 0,
                 hold_back: LoadHoldBack::new(),
             })),
             tensors: Mutex::new(owners),
@@ -276,6 +280,27 @@ impl WorkerSide {
             out.extend(skipped(r.worker.store_skips()));
             Ok(out)
         })
+    }
+
+    /// What this worker moved since the last call, as a dict for vLLM's stats (see
+    /// `kvx.vllm.stats`), with `file_breakers_open` (the file tier's roots whose breaker is not
+    /// closed) whenever that number is not 0 or was not 0 at the last call: `{}` while idle.
+    fn take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (stats, open) = self.with(|r| {
+            let open = r.runtime.files().map_or(0, |f| {
+                (0..f.capabilities().direct_per_root.len())
+                    .filter(|root| f.breaker_state(*root) != Some(BreakerState::Closed))
+                    .count()
+            });
+            let report = (open > 0 || r.breakers_open > 0).then_some(open);
+            r.breakers_open = open;
+            Ok((r.worker.take_stats(), report))
+        })?;
+        let d = crate::stats::to_dict(py, &stats)?;
+        if let Some(open) = open {
+            d.set_item("file_breakers_open", open)?;
+        }
+        Ok(d)
     }
 
     /// Buffers lent out of the pool (host tier + staging + in flight).

@@ -16,6 +16,7 @@ use crate::meta::{
 };
 use crate::store_skips::StoreSkips;
 use crate::tier::Tier;
+use crate::transfer_stats::TransferStats;
 use crate::worker::WorkerConfig;
 
 /// Settings of the scheduler half.
@@ -149,6 +150,8 @@ pub struct SchedulerSide {
     partials: ranks::Partials,
     /// Blocks no tier had room for.
     skips: StoreSkips,
+    /// Blocks no tier had room for since [`SchedulerSide::take_stats`].
+    stats: TransferStats,
 }
 
 /// Most keys one lookup asks a shared file tier about.
@@ -175,6 +178,7 @@ impl SchedulerSide {
             world: 1,
             partials: ranks::Partials::default(),
             skips: StoreSkips::default(),
+            stats: TransferStats::default(),
         })
     }
 
@@ -187,6 +191,12 @@ impl SchedulerSide {
     /// count the blocks whose stores failed).
     pub fn store_skips(&self) -> &StoreSkips {
         &self.skips
+    }
+
+    /// Blocks no tier had room for since the last call (the workers count what they moved:
+    /// [`crate::WorkerSide::take_stats`]).
+    pub fn take_stats(&mut self) -> TransferStats {
+        self.stats.take()
     }
 
     /// Adopt blocks already in the file tier (its startup scan), up to its capacity; returns
@@ -328,6 +338,8 @@ impl SchedulerSide {
             debug!(request = %req, blocks = d.no_room.len(), "no tier had room: blocks not stored");
         }
         self.skips.record(StoreSkips::NO_ROOM, d.no_room.len());
+        self.stats
+            .skipped(StoreSkips::NO_ROOM, d.no_room.len() as u64);
         self.meta.evict_host.extend(d.evicted_host);
         self.meta.evict_file.extend(d.evicted_file);
         self.queue_write_back();

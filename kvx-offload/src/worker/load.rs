@@ -291,28 +291,34 @@ impl WorkerSide {
         });
     }
 
-    /// Blocks, bytes and latency of a finished load, per source tier.
-    fn record_load_metrics(&self, st: &LoadState) {
-        let took = Some(st.started.elapsed());
+    /// Blocks, bytes and latency of a finished load, per source tier: kvx's metrics and this
+    /// worker's [`TransferStats`](crate::TransferStats).
+    fn record_load_metrics(&mut self, st: &LoadState) {
+        let took = st.started.elapsed();
         let bytes = self.cfg.block_bytes as u64;
         for from in [Source::Host, Source::File, Source::Remote] {
-            let (mut ok, mut failed) = (0u64, 0u64);
+            let mut ok = 0u64;
+            let mut failed = Vec::new();
             for b in st.blocks.iter().filter(|b| b.from == from) {
-                match b.result {
+                match &b.result {
                     Some(Ok(())) => ok += 1,
-                    _ => failed += 1,
+                    Some(Err(e)) => failed.push(metrics::failure_reason(e)),
+                    None => failed.push(metrics::block_error_label(&BlockError::Cancelled)),
                 }
             }
-            if ok + failed > 0 {
+            if ok + failed.len() as u64 > 0 {
                 metrics::record_tier_job(
                     from.name(),
                     Direction::Load,
                     ok,
-                    failed,
+                    failed.len() as u64,
                     ok * bytes,
-                    took,
+                    Some(took),
                 );
+                self.stats
+                    .record(Direction::Load, from.name(), ok, failed, ok * bytes);
             }
         }
+        self.stats.load_took(took);
     }
 }

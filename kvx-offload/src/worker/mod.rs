@@ -160,6 +160,8 @@ pub struct WorkerSide {
     out: WorkerOutput,
     /// Blocks whose stores ended in no tier, by the kind of their last failure.
     skips: crate::store_skips::StoreSkips,
+    /// What this worker moved since [`WorkerSide::take_stats`].
+    stats: crate::TransferStats,
 }
 
 impl WorkerSide {
@@ -201,6 +203,7 @@ impl WorkerSide {
             engine_order: None,
             out: WorkerOutput::default(),
             skips: Default::default(),
+            stats: Default::default(),
         })
     }
 
@@ -370,6 +373,12 @@ impl WorkerSide {
     /// write failed, and no other tier took them), by the kind of their last failure.
     pub fn store_skips(&self) -> &crate::StoreSkips {
         &self.skips
+    }
+
+    /// What this worker moved since the last call: blocks and bytes loaded and stored per
+    /// tier, blocks that failed by reason, blocks stored in no tier, each load's latency.
+    pub fn take_stats(&mut self) -> crate::TransferStats {
+        self.stats.take()
     }
 
     /// Blocks held in the host tier.

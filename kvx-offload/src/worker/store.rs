@@ -174,6 +174,7 @@ impl WorkerSide {
         for (k, e) in &failed {
             if !elsewhere.contains(k) {
                 self.skips.record_failure(e);
+                self.stats.skipped(kvx_core::metrics::failure_reason(e), 1);
             }
         }
         let tier = if part == JobPart::StoreFile {
@@ -184,6 +185,11 @@ impl WorkerSide {
         let (n_ok, n_failed) = (ok.len() as u64, failed.len() as u64);
         let bytes = n_ok * self.cfg.block_bytes as u64;
         kvx_core::metrics::record_tier_job(tier, Direction::Store, n_ok, n_failed, bytes, None);
+        let reasons = failed
+            .iter()
+            .map(|(_, e)| kvx_core::metrics::failure_reason(e));
+        self.stats
+            .record(Direction::Store, tier, n_ok, reasons, bytes);
         self.out.jobs.push(JobResult {
             job,
             request,

@@ -120,6 +120,9 @@ def check_full_hit(r: dict, name: str, reference: dict) -> None:
     want = prompts.hit_tokens(name)
     assert r["counts"]["external_hits"] == want, (name, r["counts"])
     assert r["counts"].get("cached_disk", 0) == want, (name, r["counts"])
+    # kvx's counters under vLLM's /metrics say the same: every block loaded, none failed.
+    assert r["counts"].get("kvx_loaded_blocks", 0) == want // prompts.BLOCK, (name, r["counts"])
+    assert r["counts"].get("kvx_load_failed_blocks", 0) == 0, (name, r["counts"])
 
 
 def check_no_error(r: dict, name: str, reference: dict) -> None:

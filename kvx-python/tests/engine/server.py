@@ -27,6 +27,9 @@ COUNTERS = {
     "vllm:external_prefix_cache_queries_total": "external_queries",
     "vllm:external_prefix_cache_hits_total": "external_hits",
     "vllm:num_preemptions_total": "preemptions",
+    # kvx's own counters in vLLM's /metrics (the connector's build_prom_metrics), all tiers.
+    "vllm:kvx_loaded_blocks_total": "kvx_loaded_blocks",
+    "vllm:kvx_load_failed_blocks_total": "kvx_load_failed_blocks",
 }
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 

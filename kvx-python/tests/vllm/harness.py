@@ -190,6 +190,8 @@ class EngineLoop:
         self.invalid_reported: list[set[int]] = []
         self.recv_reported: set[str] = set()
         self.steps = 0
+        # What update_from_output hands vLLM's stat loggers, each step (log_stats=True).
+        self.scheduler_stats: list[Any] = []
 
     def _states(self, t: Any) -> list[int]:
         """The prefix state after each of a request's tokens so far."""
@@ -438,6 +440,7 @@ class Engine(EngineLoop):
                 if r in self.tracked:
                     self.tracked[r].sent_at = now
         outputs = self.scheduler.update_from_output(so, out)
+        self.scheduler_stats.extend(eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats)
         for eco in outputs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:

@@ -42,15 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from busy import spinners
-from hook_clock import BOUND_NS, SOURCE, Call, HookClock, Times, steal_ns, thread_sched_ns, threads_named
 from vllm.v1.request import RequestStatus
 
 from kvx import _native
 
 import frozen
+from busy import spinners
 from frozen import stored_behind_frozen_mount
 from harness import BLOCK, Engine, prompt
+from hook_clock import BOUND_NS, SOURCE, Call, HookClock, Times, steal_ns, thread_sched_ns, threads_named
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
 LOAD_MS = 500

@@ -27,11 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvx._native import KvxError
 from kvx.vllm import compat, parallel
 from kvx.vllm.disagg import Disaggregation
 from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
+from kvx.vllm.stats import KvxPromMetrics, KvxStats
 from kvx.vllm.worker_side import WorkerSide
 
 
@@ -243,6 +245,27 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM's call with the hybrid KV cache manager (SupportsHMA), one block list per group.
         flat = block_ids[0] if len(block_ids) == 1 else [b for ids in block_ids for b in ids if b]
         return self.request_finished(request, flat)
+
+    # -- vLLM's stats and metrics ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvxStats | None:
+        # Each step, on each worker and on the scheduler: what this side moved since the last
+        # call (vLLM sums them); None while nothing happened or before the KV caches came.
+        side = self._sched if self._sched is not None else self._worker
+        native = side.native if side is not None else None
+        try:
+            data = native.take_stats() if native is not None else {}
+        except KvxError:
+            return None  # the worker side is closed
+        return KvxStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxStats:
+        return KvxStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxPromMetrics:
+        return KvxPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- kvx -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
