@@ -358,3 +358,90 @@ fn a_future_of_a_task_dropped_by_reset_resolves_with_an_error() {
     assert!(fence.wait(soon(2000)));
     assert!(r.drained());
 }
+
+/// An op of 20 MiB is copied by both copy threads at once (it is at least 4 MiB): every block
+/// lands byte-exact in its own engine block, and each block's verdict stays its own, also for a
+/// block of the second thread's half that fails.
+#[test]
+fn a_large_op_spread_over_the_copy_threads_keeps_every_block_its_own() {
+    const SEG: usize = 64 * 1024;
+    const N: u32 = 80; // 80 blocks of 4 x 64 KiB = 20 MiB per op
+    let mut arena = HostArena::per_layer(4, SEG, 2 * N).unwrap();
+    let block = |b: u32| -> Vec<u8> {
+        (0..4 * SEG)
+            .map(|i| (i as u32 / 4096).wrapping_add(b * 13) as u8)
+            .collect()
+    };
+    for b in 0..N {
+        arena.write_block(EngineBlockId(b), &block(b)).unwrap();
+    }
+    let mut builder = DriverBuilder::new(DriverConfig::default());
+    // SAFETY: the arena outlives the driver (dropped first, below) and the test reads blocks
+    // only after their tasks reported.
+    let host = builder.backend(Box::new(unsafe {
+        HostBackend::new(
+            arena.layout().clone(),
+            HostBackendConfig {
+                threads: 2,
+                delay: Duration::ZERO,
+            },
+        )
+        .unwrap()
+    }));
+    let pool = BufferPool::new(N as usize + 1, 4 * SEG, DEFAULT_ALIGN).unwrap();
+    let driver = builder.spawn().unwrap();
+    let shared = Buf::Owned(pool.take().unwrap()).into_shared();
+    let bad = 60; // in the second half: a store cannot copy into a shared buffer
+    let spec = |dir, blocks: Vec<OpBlock>| TaskSpec {
+        request: RequestId(1),
+        dir,
+        route: vec![host],
+        blocks,
+        deadline: soon(5000),
+        deferred: false,
+    };
+    let stores = (0..N)
+        .map(|b| OpBlock {
+            key: BlockKey(b as u128),
+            engine: Some(EngineBlockId(b)),
+            buf: if b == bad {
+                Buf::Shared(shared.clone())
+            } else {
+                Buf::Owned(pool.take().unwrap())
+            },
+        })
+        .collect();
+    let task = driver.submit(spec(Direction::Store, stores)).unwrap();
+    let rep = driver.wait_report(task, soon(5000)).unwrap();
+    assert_eq!(rep.blocks.len(), N as usize);
+    for (b, r) in rep.blocks.iter().enumerate() {
+        assert_eq!(r.engine, Some(EngineBlockId(b as u32)));
+        assert_eq!(
+            r.result.is_err(),
+            b as u32 == bad,
+            "block {b}: {:?}",
+            r.result
+        );
+    }
+    // Load the stored blocks into the arena's other half.
+    let loads = rep
+        .blocks
+        .into_iter()
+        .filter(|r| r.result.is_ok())
+        .map(|r| OpBlock {
+            key: r.key,
+            engine: r.engine.map(|e| EngineBlockId(e.0 + N)),
+            buf: r.buf.unwrap(),
+        })
+        .collect();
+    let task = driver.submit(spec(Direction::Load, loads)).unwrap();
+    assert!(driver.wait_report(task, soon(5000)).unwrap().is_ok());
+    drop(driver);
+    for b in (0..N).filter(|b| *b != bad) {
+        assert_eq!(
+            arena.read_block(EngineBlockId(b + N)).unwrap(),
+            block(b),
+            "block {b}"
+        );
+    }
+}

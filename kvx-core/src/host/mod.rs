@@ -13,13 +13,14 @@ use crate::completions::CompletionBoard;
 use crate::error::CoreError;
 use crate::ids::{Direction, OpId};
 use crate::layout::KvLayout;
-use crate::op::{BlockError, Op, OpCompletion};
+use crate::op::{BlockError, Op, OpBlock, OpCompletion};
 use crate::sync::lock;
 
 /// Settings of the host backend.
 #[derive(Debug, Clone)]
 pub struct HostBackendConfig {
-    /// Worker threads doing the copies (default 1).
+    /// Worker threads doing the copies, and the threads one op of at least 4 MiB is spread over
+    /// (default 1).
     pub threads: usize,
     /// Fault injection for tests: each op sleeps this long before copying (default zero).
     pub delay: Duration,
@@ -40,6 +41,8 @@ struct CopyContext {
     board: CompletionBoard<bool>,
     layout: KvLayout,
     delay: Duration,
+    /// Threads one large op is spread over (the backend's `threads`).
+    threads: usize,
 }
 
 /// Copies blocks between registered engine host memory and op buffers.
@@ -71,6 +74,7 @@ impl HostBackend {
             board: CompletionBoard::default(),
             layout,
             delay: cfg.delay,
+            threads: cfg.threads.max(1),
         });
         let (tx, rx) = channel::<Op>();
         let rx = Arc::new(Mutex::new(rx));
@@ -109,39 +113,88 @@ fn worker(ctx: Arc<CopyContext>, rx: Arc<Mutex<Receiver<Op>>>) {
         let completion = if cancelled {
             OpCompletion::all(op, Err(BlockError::Cancelled))
         } else {
-            run(&ctx.layout, op)
+            run(&ctx, op)
         };
         ctx.board.complete(completion);
     }
 }
 
-fn run(layout: &KvLayout, mut op: Op) -> OpCompletion {
-    let dir = op.dir;
-    let results = op
-        .blocks
-        .iter_mut()
-        .map(|b| {
-            let engine = b
-                .engine
-                .ok_or_else(|| BlockError::Invalid("host op block names no engine block".into()))?;
-            match dir {
-                Direction::Load => copy::to_engine(layout, engine, b.buf.as_slice()),
-                Direction::Store => match &mut b.buf {
-                    Buf::Owned(buf) => {
-                        let cap = buf.capacity();
-                        buf.set_len(cap);
-                        let n = copy::from_engine(layout, engine, buf.as_mut_slice())?;
-                        buf.set_len(n);
-                        Ok(())
-                    }
-                    Buf::Shared(_) => Err(BlockError::Invalid(
-                        "a store needs an owned destination buffer".into(),
-                    )),
-                },
+/// An op of at least this many bytes is copied by up to `threads` threads at once: one thread's
+/// memcpy here is about 13 GB/s, two reach about 27 (a 64 MiB load: 5 ms, or 2.5).
+const PARALLEL_BYTES: u64 = 4 << 20;
+
+fn run(ctx: &CopyContext, mut op: Op) -> OpCompletion {
+    let (layout, dir) = (&ctx.layout, op.dir);
+    let parts = if op.buffer_bytes() >= PARALLEL_BYTES {
+        ctx.threads.min(op.blocks.len())
+    } else {
+        1
+    };
+    let results = if parts <= 1 {
+        op.blocks
+            .iter_mut()
+            .map(|b| copy_block(layout, dir, b))
+            .collect()
+    } else {
+        let per = op.blocks.len().div_ceil(parts);
+        std::thread::scope(|s| {
+            let mut chunks = op.blocks.chunks_mut(per);
+            let first = chunks.next().unwrap_or_default();
+            let helpers: Vec<_> = chunks
+                .map(|chunk| {
+                    let n = chunk.len();
+                    let copy = move || {
+                        chunk
+                            .iter_mut()
+                            .map(|b| copy_block(layout, dir, b))
+                            .collect::<Vec<_>>()
+                    };
+                    (n, std::thread::Builder::new().spawn_scoped(s, copy))
+                })
+                .collect();
+            let mut results: Vec<Result<(), BlockError>> = first
+                .iter_mut()
+                .map(|b| copy_block(layout, dir, b))
+                .collect();
+            for (n, helper) in helpers {
+                // A helper that could not start or died leaves its blocks failed, never copied
+                // twice (its blocks are borrowed by it until the scope ends).
+                let done = helper.map_err(|e| e.to_string()).and_then(|h| {
+                    h.join()
+                        .map_err(|_| "copy helper thread panicked".to_string())
+                });
+                match done {
+                    Ok(r) => results.extend(r),
+                    Err(why) => results.extend(
+                        (0..n).map(|_| Err(BlockError::Unavailable(format!("host copy: {why}")))),
+                    ),
+                }
             }
+            results
         })
-        .collect();
+    };
     OpCompletion { op, results }
+}
+
+fn copy_block(layout: &KvLayout, dir: Direction, b: &mut OpBlock) -> Result<(), BlockError> {
+    let engine = b
+        .engine
+        .ok_or_else(|| BlockError::Invalid("host op block names no engine block".into()))?;
+    match dir {
+        Direction::Load => copy::to_engine(layout, engine, b.buf.as_slice()),
+        Direction::Store => match &mut b.buf {
+            Buf::Owned(buf) => {
+                let cap = buf.capacity();
+                buf.set_len(cap);
+                let n = copy::from_engine(layout, engine, buf.as_mut_slice())?;
+                buf.set_len(n);
+                Ok(())
+            }
+            Buf::Shared(_) => Err(BlockError::Invalid(
+                "a store needs an owned destination buffer".into(),
+            )),
+        },
+    }
 }
 
 impl Backend for HostBackend {
