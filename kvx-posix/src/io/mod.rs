@@ -13,7 +13,6 @@
 pub(crate) mod fault;
 pub(crate) mod noop;
 pub(crate) mod psync;
-pub(crate) mod sys;
 #[cfg(target_os = "linux")]
 pub(crate) mod uring;
 pub(crate) mod verify;

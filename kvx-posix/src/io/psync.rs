@@ -71,7 +71,7 @@ impl WorkerPool {
             // SAFETY: the job is boxed and owned by this thread for the whole syscall; the
             // pointers in `call` point into it (buffers, iovecs, paths) and nobody else can
             // reach it until it is pushed to the outbox.
-            let res = unsafe { super::sys::run(&call) };
+            let res = unsafe { crate::job::sys::run(&call) };
             #[cfg(any(test, feature = "faults"))]
             if let Some(f) = &self.faults {
                 f.gate(job.pending_late());

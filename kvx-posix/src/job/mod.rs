@@ -15,6 +15,7 @@ mod header_probe;
 mod load;
 mod remove;
 mod store;
+pub(crate) mod sys;
 mod syscall;
 
 use std::ffi::CStr;

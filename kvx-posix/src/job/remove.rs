@@ -368,7 +368,7 @@ mod tests {
         let mut next = job.start();
         while let Next::Call(call) = next {
             // SAFETY: the job is alive, in place and touched by no one else during the call.
-            let res = unsafe { crate::io::sys::run(&call) };
+            let res = unsafe { crate::job::sys::run(&call) };
             if let Machine::Remove(Remove { step: Some(s), .. }) = &job.machine {
                 after(*s);
             }

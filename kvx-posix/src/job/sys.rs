@@ -1,6 +1,6 @@
 //! Blocking syscalls for the psync engine.
 
-use crate::job::Syscall;
+use super::Syscall;
 
 fn ret(r: isize) -> i64 {
     if r < 0 {
