@@ -260,7 +260,7 @@ impl PosixConfig {
         if self.spare_block_bytes == 0 {
             return 0;
         }
-        (crate::format::HEADER_LEN + crate::job::round_up(self.spare_block_bytes)) as u64
+        (crate::format::HEADER_LEN + crate::format::round_up(self.spare_block_bytes)) as u64
     }
 
     /// Check the settings.

@@ -29,6 +29,11 @@ use crate::error::PosixError;
 
 /// Header size, equal to the O_DIRECT alignment.
 pub const HEADER_LEN: usize = 4096;
+
+/// `n` rounded up to whole sectors ([`HEADER_LEN`]), as O_DIRECT writes a payload.
+pub(crate) fn round_up(n: usize) -> usize {
+    n.div_ceil(HEADER_LEN) * HEADER_LEN
+}
 /// First bytes of every block file.
 pub const MAGIC: [u8; 8] = *b"KVXBLOCK";
 /// Format version written by this build.

@@ -8,14 +8,7 @@ use kvx_core::sync::lock;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// Which syscalls a late-completion fault delays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Late {
-    /// A load's data read.
-    Read,
-    /// A store's rename into place.
-    Rename,
-}
+pub use crate::job::Late;
 
 #[derive(Debug, Default)]
 struct State {

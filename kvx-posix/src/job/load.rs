@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use kvx_core::{BlockError, Buf};
 
-use super::{JobCore, Next, Syscall, errno_name, open_flags, replaced, round_up, zeroed_statx};
-use crate::format::{self, HEADER_LEN};
+use super::{JobCore, Next, Syscall, errno_name, open_flags, replaced, zeroed_statx};
+use crate::format::{self, HEADER_LEN, round_up};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum LoadStep {

@@ -154,9 +154,14 @@ fn errno_name(res: i64) -> String {
     std::io::Error::from_raw_os_error((-res) as i32).to_string()
 }
 
-/// `n` rounded up to whole sectors ([`HEADER_LEN`]), as O_DIRECT writes a payload.
-pub(crate) fn round_up(n: usize) -> usize {
-    n.div_ceil(HEADER_LEN) * HEADER_LEN
+/// Which syscalls of a job a late-completion fault (`io::fault`) delays.
+#[cfg(any(test, feature = "faults"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Late {
+    /// A load's data read.
+    Read,
+    /// A store's rename into place.
+    Rename,
 }
 
 /// Open flags `base`, close-on-exec, with O_DIRECT when `direct`.
@@ -426,8 +431,7 @@ impl BlockJob {
 
     /// The kind of the pending syscall, if a late-completion fault can target it.
     #[cfg(any(test, feature = "faults"))]
-    pub(crate) fn pending_late(&self) -> Option<crate::io::fault::Late> {
-        use crate::io::fault::Late;
+    pub(crate) fn pending_late(&self) -> Option<Late> {
         match &self.machine {
             Machine::Load(l) if l.step == Some(load::LoadStep::Read) => Some(Late::Read),
             Machine::Store(s) if s.step == Some(store::StoreStep::Rename) => Some(Late::Rename),

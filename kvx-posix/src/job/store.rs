@@ -54,7 +54,7 @@ pub(super) struct Store {
 pub(super) fn file_len(c: &JobCore) -> Option<u64> {
     let len = c.buf.as_ref()?.as_slice().len();
     let body = if writes_direct(c) {
-        super::round_up(len)
+        format::round_up(len)
     } else {
         len
     };
