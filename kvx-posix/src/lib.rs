@@ -80,6 +80,7 @@ pub mod bench;
 mod config;
 mod error;
 pub mod format;
+mod health;
 mod io;
 mod job;
 pub mod maintenance;

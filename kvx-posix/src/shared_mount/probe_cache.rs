@@ -20,7 +20,7 @@ use kvx_core::{BlockError, BlockKey};
 use rustc_hash::FxHashMap;
 
 use crate::config::SharedMount;
-use crate::store::health::Health;
+use crate::health::Health;
 use kvx_core::sync::lock;
 
 /// What a probe of the shared mount says about a block.

@@ -14,7 +14,7 @@ use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
 use crate::shared_mount::probe_cache::{Begin, ProbeAnswer, ProbeTable};
 use crate::shared_mount::touch::TouchLane;
-use crate::store::health::Health;
+use crate::health::Health;
 use crate::store::index::Index;
 
 /// Counters of a store (all since it opened).

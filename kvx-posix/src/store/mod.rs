@@ -2,7 +2,6 @@
 
 mod completion;
 pub(crate) mod handle;
-pub(crate) mod health;
 pub(crate) mod index;
 pub(crate) mod key_order;
 pub(crate) mod root_check;

@@ -12,7 +12,7 @@ use crate::error::PosixError;
 use crate::io::EngineOverride;
 use crate::paths::Layout;
 use crate::store::handle::{Counters, StoreState};
-use crate::store::health::Health;
+use crate::health::Health;
 use crate::store::index::{Index, scan};
 use crate::store::root_check::takes_direct;
 
