@@ -77,6 +77,7 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod collector;
 mod config;
 mod error;
 pub mod format;
@@ -97,8 +98,7 @@ mod tests;
 pub use config::{BadSetting, Capabilities, IoEngine, PosixConfig, SharedMount};
 pub use error::PosixError;
 pub use shard::Shard;
-pub use shared_mount::collector;
-pub use shared_mount::collector::{CollectReport, Collector, CollectorConfig, Listing};
+pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use shared_mount::probe_cache::ProbeAnswer;
 pub use store::PosixStore;
 pub use store::handle::{PosixHandle, PosixStats};

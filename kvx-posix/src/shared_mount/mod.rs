@@ -2,6 +2,5 @@
 //! index found), the touch lane (a loaded block's mtime, the recency signal) and the collector
 //! (each root kept under a quota by removing the least recently used blocks).
 
-pub mod collector;
 pub(crate) mod probe_cache;
 pub(crate) mod touch;

@@ -89,7 +89,7 @@ pub struct CollectReport {
     pub removed_temps: usize,
 }
 
-/// What one collector pass saw on the mount (see [`crate::shared_mount::collector`]).
+/// What one collector pass saw on the mount (see [`crate::collector`]).
 #[derive(Debug, Clone)]
 pub struct Listing {
     /// The pass's number on this handle, from 1: a newer listing has a larger one.
@@ -109,7 +109,7 @@ struct Found {
 }
 
 impl PosixHandle {
-    /// One collector pass over every root (see [`crate::shared_mount::collector`]): remove stale temporary
+    /// One collector pass over every root (see [`crate::collector`]): remove stale temporary
     /// files, then queue removes of the least recently used blocks until each root is under
     /// `cfg.quota_bytes`. Blocks on the walk; returns once every remove is queued. `stop` ends
     /// the pass early.
