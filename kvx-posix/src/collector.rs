@@ -38,6 +38,7 @@ use rustc_hash::FxHashSet;
 use crate::error::PosixError;
 use crate::io::MAINTENANCE_DEPTH;
 use crate::paths::Entry;
+pub use crate::shared_mount::listing::Listing;
 use crate::store::handle::PosixHandle;
 use crate::store::index::{remove_stale_temp, visit_leaves};
 
@@ -87,18 +88,6 @@ pub struct CollectReport {
     pub removed_bytes: u64,
     /// Stale temporary files removed.
     pub removed_temps: usize,
-}
-
-/// What one collector pass saw on the mount (see [`crate::collector`]).
-#[derive(Debug, Clone)]
-pub struct Listing {
-    /// The pass's number on this handle, from 1: a newer listing has a larger one.
-    pub pass: u64,
-    /// When the walk began: a block a node took into its index before this, absent from
-    /// `keys`, was gone from the mount.
-    pub started: Instant,
-    /// Blocks the walk found, less those the pass queued for removal.
-    pub keys: Arc<FxHashSet<BlockKey>>,
 }
 
 #[derive(Clone)]

@@ -24,10 +24,11 @@
 //! names carry host and pid, and another node's stale ones are removed by age.
 //!
 //! The source is grouped by idea: `store/` (the backend: `setup`, `submit`, `completion`, the
-//! handle, index and per-root health), `io/` (the I/O engines `uring`, `psync` and `noop`, and
+//! handle and index), `io/` (the I/O engines `uring`, `psync` and `noop`, and
 //! the syscalls they run), `job/` (one block's file operation as a machine of syscalls: load,
 //! store, remove, header probe), `spare/` (spare files and recycling), `shared_mount/` (probe
-//! cache, touch lane, collector), `maintenance/` (the operator's `verify` and `gc`), and
+//! cache, touch lane, the last listing), `collector` (a shared mount's quota, above the store),
+//! `health` (the roots' breakers), `maintenance/` (the operator's `verify` and `gc`), and
 //! `testing` (feature `faults`: the one test rig, with faults injected around the engine).
 //!
 //! [`PosixStore`] is a kvx [`Backend`](kvx_core::Backend); a file load is routed

@@ -87,7 +87,7 @@ pub(crate) struct StoreState {
     /// Spare files for stores (see `PosixConfig::spare_files`).
     pub(crate) spares: Option<crate::spare::Spares>,
     /// What the newest collector pass found on the mount.
-    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::collector::Listing>>>,
+    pub(crate) listing: std::sync::Mutex<Option<Arc<crate::shared_mount::listing::Listing>>>,
 }
 
 impl StoreState {
