@@ -55,9 +55,9 @@ mod arena;
 mod backend;
 mod buffer;
 mod completions;
+mod cpu;
 mod driver;
 mod error;
-mod host;
 mod ids;
 mod layout;
 pub mod metrics;
@@ -78,7 +78,7 @@ pub use driver::{
     Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished, Stopped, TICK,
 };
 pub use error::CoreError;
-pub use host::{HostBackend, HostBackendConfig};
+pub use cpu::{HostBackend, HostBackendConfig};
 pub use ids::*;
 pub use layout::{KvLayout, MemoryKind, Region};
 pub use op::{BlockError, Op, OpBlock, OpCompletion};
