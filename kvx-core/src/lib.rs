@@ -72,13 +72,13 @@ pub use arena::HostArena;
 pub use backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
 pub use buffer::{AlignedBuf, Buf, BufferPool, DEFAULT_ALIGN, PoolBuf};
 pub use completions::CompletionBoard;
+pub use cpu::{HostBackend, HostBackendConfig};
 #[cfg(feature = "tokio")]
 pub use driver::TaskFuture;
 pub use driver::{
     Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished, Stopped, TICK,
 };
 pub use error::CoreError;
-pub use cpu::{HostBackend, HostBackendConfig};
 pub use ids::*;
 pub use layout::{KvLayout, MemoryKind, Region};
 pub use op::{BlockError, Op, OpBlock, OpCompletion};

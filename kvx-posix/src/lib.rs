@@ -96,10 +96,10 @@ pub mod testing;
 #[cfg(test)]
 mod tests;
 
+pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use config::{BadSetting, Capabilities, IoEngine, PosixConfig, SharedMount};
 pub use error::PosixError;
 pub use shard::Shard;
-pub use collector::{CollectReport, Collector, CollectorConfig, Listing};
 pub use shared_mount::probe_cache::ProbeAnswer;
 pub use store::PosixStore;
 pub use store::handle::{PosixHandle, PosixStats};

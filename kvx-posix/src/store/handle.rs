@@ -9,12 +9,12 @@ use kvx_core::{BlockKey, OpId};
 use kvx_policy::BreakerState;
 
 use crate::config::Capabilities;
+use crate::health::Health;
 use crate::io::{Engine, JobBoard};
 use crate::job::{BlockJob, FileOp, JobParams};
 use crate::paths::Layout;
 use crate::shared_mount::probe_cache::{Begin, ProbeAnswer, ProbeTable};
 use crate::shared_mount::touch::TouchLane;
-use crate::health::Health;
 use crate::store::index::Index;
 
 /// Counters of a store (all since it opened).

@@ -9,10 +9,10 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::PosixStore;
 use crate::config::{Capabilities, PosixConfig};
 use crate::error::PosixError;
+use crate::health::Health;
 use crate::io::EngineOverride;
 use crate::paths::Layout;
 use crate::store::handle::{Counters, StoreState};
-use crate::health::Health;
 use crate::store::index::{Index, scan};
 use crate::store::root_check::takes_direct;
 
