@@ -1,25 +1,25 @@
-//! `HostArena`: an engine KV pool in host memory, owned by Rust code.
+//! `CpuArena`: an engine KV pool in host memory, owned by Rust code.
 
 use crate::buffer::AlignedBuf;
 use crate::error::CoreError;
 use crate::ids::EngineBlockId;
 use crate::layout::{KvLayout, MemoryKind, Region};
 
-/// Engine memory in host RAM: `num_blocks` blocks laid out per layer or cross-layer.
+/// Engine memory in CPU RAM: `num_blocks` blocks laid out per layer or cross-layer.
 ///
 /// CPU engines, tests and the replay tool use it as "engine memory". Ownership rule: while an op
 /// that touches a block is outstanding, only that op may access the block; the arena's owner
 /// reads or writes a block only after its task ended and any fence on it holds.
-pub struct HostArena {
+pub struct CpuArena {
     /// Owns the memory the layout's regions point into (accessed through raw segment pointers).
     _mem: AlignedBuf,
     layout: KvLayout,
 }
 
-impl HostArena {
+impl CpuArena {
     /// A cross-layer arena: each block is `block_bytes` contiguous bytes.
-    pub fn contiguous(block_bytes: usize, num_blocks: u32) -> Result<HostArena, CoreError> {
-        HostArena::per_layer(1, block_bytes, num_blocks)
+    pub fn contiguous(block_bytes: usize, num_blocks: u32) -> Result<CpuArena, CoreError> {
+        CpuArena::per_layer(1, block_bytes, num_blocks)
     }
 
     /// A per-layer arena: `layers` regions, each holding a `segment_len`-byte segment per block.
@@ -27,7 +27,7 @@ impl HostArena {
         layers: usize,
         segment_len: usize,
         num_blocks: u32,
-    ) -> Result<HostArena, CoreError> {
+    ) -> Result<CpuArena, CoreError> {
         if layers == 0 || segment_len == 0 || num_blocks == 0 {
             return Err(CoreError::BadLayout("empty arena".into()));
         }
@@ -37,13 +37,13 @@ impl HostArena {
         let regions = (0..layers)
             .map(|l| Region {
                 base: base + l * region_bytes,
-                kind: MemoryKind::Host,
+                kind: MemoryKind::Cpu,
                 stride: segment_len,
                 segment_len,
             })
             .collect();
         let layout = KvLayout::new(regions, num_blocks)?;
-        Ok(HostArena { _mem: mem, layout })
+        Ok(CpuArena { _mem: mem, layout })
     }
 
     /// The layout to register with a backend.
@@ -93,7 +93,7 @@ mod tests {
 
     #[test]
     fn per_layer_round_trip() {
-        let mut a = HostArena::per_layer(4, 64, 8).unwrap();
+        let mut a = CpuArena::per_layer(4, 64, 8).unwrap();
         let data: Vec<u8> = (0..256).map(|i| i as u8).collect();
         a.write_block(EngineBlockId(3), &data).unwrap();
         assert_eq!(a.read_block(EngineBlockId(3)).unwrap(), data);

@@ -279,7 +279,7 @@ impl BufferPool {
         crate::KvLayout::new(
             vec![crate::Region {
                 base: inner.memory.ptr().as_ptr() as usize,
-                kind: crate::MemoryKind::Host,
+                kind: crate::MemoryKind::Cpu,
                 stride: stride(inner.buf_size, inner.align),
                 segment_len: inner.buf_size,
             }],

@@ -8,8 +8,8 @@ use crate::ids::EngineBlockId;
 /// Where a region's memory lives.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub enum MemoryKind {
-    /// Ordinary (or pinned) host memory.
-    Host,
+    /// Ordinary (or pinned) CPU memory.
+    Cpu,
     /// Memory of CUDA device `n`.
     Cuda(u32),
 }
@@ -133,8 +133,8 @@ impl KvLayout {
     }
 
     /// True when every region is host memory.
-    pub fn is_host(&self) -> bool {
-        self.regions.iter().all(|r| r.kind == MemoryKind::Host)
+    pub fn is_cpu(&self) -> bool {
+        self.regions.iter().all(|r| r.kind == MemoryKind::Cpu)
     }
 }
 
@@ -147,7 +147,7 @@ mod tests {
         let regions = (0..3)
             .map(|l| Region {
                 base: 0x10000 * (l + 1),
-                kind: MemoryKind::Host,
+                kind: MemoryKind::Cpu,
                 stride: 256,
                 segment_len: 128,
             })
@@ -172,11 +172,11 @@ mod tests {
     #[test]
     fn nonsense_layouts_are_rejected() {
         assert!(KvLayout::new(vec![], 1).is_err());
-        assert!(KvLayout::contiguous(0x1000, MemoryKind::Host, 64, 0).is_err());
-        assert!(KvLayout::contiguous(0, MemoryKind::Host, 64, 4).is_err());
+        assert!(KvLayout::contiguous(0x1000, MemoryKind::Cpu, 64, 0).is_err());
+        assert!(KvLayout::contiguous(0, MemoryKind::Cpu, 64, 4).is_err());
         let overlap = Region {
             base: 0x1000,
-            kind: MemoryKind::Host,
+            kind: MemoryKind::Cpu,
             stride: 32,
             segment_len: 64,
         };

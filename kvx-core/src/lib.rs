@@ -1,21 +1,21 @@
 //! kvx-core: ids, owned buffers, the sans-IO task/deadline/preemption [`Tracker`], the
-//! [`Backend`] trait, a host-memory backend and the threaded [`Driver`].
+//! [`Backend`] trait, a CPU-memory backend and the threaded [`Driver`].
 //!
-//! A load and a store through the host backend, polled to completion:
+//! A load and a store through the CPU backend, polled to completion:
 //!
 //! ```
 //! use std::time::{Duration, Instant};
 //! use kvx_core::*;
 //!
-//! // Engine memory: 4 blocks of 4 KiB in host RAM; a pool of kvx-owned staging buffers.
-//! let mut arena = HostArena::contiguous(4096, 4).unwrap();
+//! // Engine memory: 4 blocks of 4 KiB in CPU RAM; a pool of kvx-owned staging buffers.
+//! let mut arena = CpuArena::contiguous(4096, 4).unwrap();
 //! arena.write_block(EngineBlockId(0), &[7u8; 4096]).unwrap();
 //! let pool = BufferPool::new(8, 4096, DEFAULT_ALIGN).unwrap();
 //!
 //! let mut b = DriverBuilder::new(DriverConfig::default());
 //! // SAFETY: the arena outlives the driver and is only read after the tasks finished.
 //! let host = b.backend(Box::new(unsafe {
-//!     HostBackend::new(arena.layout().clone(), HostBackendConfig::default()).unwrap()
+//!     CpuBackend::new(arena.layout().clone(), CpuBackendConfig::default()).unwrap()
 //! }));
 //! let driver = b.spawn().unwrap();
 //! let deadline = || Instant::now() + Duration::from_secs(5);
@@ -68,11 +68,11 @@ mod task;
 mod tensor_layout;
 mod tracker;
 
-pub use arena::HostArena;
+pub use arena::CpuArena;
 pub use backend::{Backend, Notifier, SubmitError, SubmitErrorKind, WaitOutcome};
 pub use buffer::{AlignedBuf, Buf, BufferPool, DEFAULT_ALIGN, PoolBuf};
 pub use completions::CompletionBoard;
-pub use cpu::{HostBackend, HostBackendConfig};
+pub use cpu::{CpuBackend, CpuBackendConfig};
 #[cfg(feature = "tokio")]
 pub use driver::TaskFuture;
 pub use driver::{

@@ -231,7 +231,7 @@ mod tests {
             shape: shape.to_vec(),
             strides: strides.to_vec(),
             elem_size: 2,
-            kind: MemoryKind::Host,
+            kind: MemoryKind::Cpu,
         }
     }
 
@@ -304,7 +304,7 @@ mod tests {
                 shape: vec![20, 2, 16, 8],
                 strides: vec![(layers * per_layer) as i64, 128, 8, 1],
                 elem_size: 2,
-                kind: MemoryKind::Host,
+                kind: MemoryKind::Cpu,
             })
             .collect();
         let layout = KvLayout::from_tensors(&tensors, 20).unwrap();

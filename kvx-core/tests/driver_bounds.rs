@@ -489,10 +489,10 @@ impl Seen {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Reset during a load copy with the real host backend.
+// Reset during a load copy with the real CPU backend.
 
-/// The real host backend with a cancel that arrives too late: every copy it accepted runs.
-struct NoCancel(HostBackend);
+/// The real CPU backend with a cancel that arrives too late: every copy it accepted runs.
+struct NoCancel(CpuBackend);
 
 impl Backend for NoCancel {
     fn name(&self) -> &str {
@@ -520,7 +520,7 @@ impl Backend for NoCancel {
 fn no_engine_block_is_written_after_the_reset_fence_holds() {
     const BLOCK: usize = 2048;
     const COPY: Duration = Duration::from_millis(60);
-    let mut arena = HostArena::contiguous(BLOCK, 16).unwrap();
+    let mut arena = CpuArena::contiguous(BLOCK, 16).unwrap();
     for b in 0..16 {
         arena.write_block(EngineBlockId(b), &[0x11; BLOCK]).unwrap();
     }
@@ -529,9 +529,9 @@ fn no_engine_block_is_written_after_the_reset_fence_holds() {
     // SAFETY: the arena outlives the driver (dropped first, below); the test touches a block
     // only after the fence over it held.
     let host = unsafe {
-        HostBackend::new(
+        CpuBackend::new(
             arena.layout().clone(),
-            HostBackendConfig {
+            CpuBackendConfig {
                 threads: 1,
                 delay: COPY,
             },

@@ -1,4 +1,4 @@
-//! The tracker scenarios end to end: real host backend (memcpy on worker threads), real driver
+//! The tracker scenarios end to end: real CPU backend (memcpy on worker threads), real driver
 //! thread, real clock.
 
 use std::time::{Duration, Instant};
@@ -8,14 +8,14 @@ use kvx_core::*;
 const BLOCK: usize = 3 * 1024;
 
 struct Rig {
-    arena: HostArena,
+    arena: CpuArena,
     pool: BufferPool,
     driver: Option<Driver>,
     host: BackendId,
 }
 
 fn rig(delay: Duration) -> Rig {
-    let mut arena = HostArena::per_layer(3, 1024, 16).unwrap();
+    let mut arena = CpuArena::per_layer(3, 1024, 16).unwrap();
     for b in 0..16u32 {
         arena.write_block(EngineBlockId(b), &pattern(b, 0)).unwrap();
     }
@@ -23,9 +23,9 @@ fn rig(delay: Duration) -> Rig {
     // SAFETY: the arena outlives the driver (Rig drops the driver first) and tests read blocks
     // only after their tasks reported or a fence held.
     let host = builder.backend(Box::new(unsafe {
-        HostBackend::new(
+        CpuBackend::new(
             arena.layout().clone(),
-            HostBackendConfig { threads: 2, delay },
+            CpuBackendConfig { threads: 2, delay },
         )
         .unwrap()
     }));
@@ -366,7 +366,7 @@ fn a_future_of_a_task_dropped_by_reset_resolves_with_an_error() {
 fn a_large_op_spread_over_the_copy_threads_keeps_every_block_its_own() {
     const SEG: usize = 64 * 1024;
     const N: u32 = 80; // 80 blocks of 4 x 64 KiB = 20 MiB per op
-    let mut arena = HostArena::per_layer(4, SEG, 2 * N).unwrap();
+    let mut arena = CpuArena::per_layer(4, SEG, 2 * N).unwrap();
     let block = |b: u32| -> Vec<u8> {
         (0..4 * SEG)
             .map(|i| (i as u32 / 4096).wrapping_add(b * 13) as u8)
@@ -379,9 +379,9 @@ fn a_large_op_spread_over_the_copy_threads_keeps_every_block_its_own() {
     // SAFETY: the arena outlives the driver (dropped first, below) and the test reads blocks
     // only after their tasks reported.
     let host = builder.backend(Box::new(unsafe {
-        HostBackend::new(
+        CpuBackend::new(
             arena.layout().clone(),
-            HostBackendConfig {
+            CpuBackendConfig {
                 threads: 2,
                 delay: Duration::ZERO,
             },

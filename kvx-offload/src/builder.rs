@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::{
-    Backend, BufferPool, DEFAULT_ALIGN, Driver, DriverBuilder, DriverConfig, DriverHandle,
-    HostBackend, HostBackendConfig, KvLayout,
+    Backend, BufferPool, CpuBackend, CpuBackendConfig, DEFAULT_ALIGN, Driver, DriverBuilder,
+    DriverConfig, DriverHandle, KvLayout,
 };
 
 use crate::config::OffloadConfig;
@@ -20,7 +20,7 @@ pub struct EngineMemory {
 }
 
 enum MemoryKind {
-    Host(KvLayout),
+    Cpu(KvLayout),
     #[cfg(feature = "cuda")]
     Cuda(kvx_cuda::CudaDevice, KvLayout),
     Backend {
@@ -31,16 +31,16 @@ enum MemoryKind {
 }
 
 impl EngineMemory {
-    /// Engine memory in host RAM, copied by kvx-core's host backend.
+    /// Engine memory in CPU RAM, copied by kvx-core's CPU backend.
     ///
     /// # Safety
-    /// As for [`HostBackend::new`]: every region of `layout` must stay valid for reads and
+    /// As for [`CpuBackend::new`]: every region of `layout` must stay valid for reads and
     /// writes until [`OffloadRuntime::shutdown`] returns (or the runtime is dropped), and the
     /// engine must not touch a block while a load or store on it is outstanding (it waits for
     /// the load's report, `finished_sending`, or a preemption fence).
-    pub unsafe fn host(layout: KvLayout) -> EngineMemory {
+    pub unsafe fn cpu(layout: KvLayout) -> EngineMemory {
         EngineMemory {
-            kind: MemoryKind::Host(layout),
+            kind: MemoryKind::Cpu(layout),
         }
     }
 
@@ -173,31 +173,31 @@ impl OffloadBuilder {
         let producer = cfg.remote.as_ref().filter(|r| r.listen.is_some());
         let mut exporter = None;
         let (engine, block_bytes, pool) = match memory.kind {
-            MemoryKind::Host(layout) => {
+            MemoryKind::Cpu(layout) => {
                 if producer.is_some() {
-                    // SAFETY: the caller of `EngineMemory::host` promised the regions stay
+                    // SAFETY: the caller of `EngineMemory::cpu` promised the regions stay
                     // valid until the runtime shuts down, which drops the server first; the
                     // engine frees an exported block only once its release is reported.
                     let e = unsafe { kvx_rdma::Exporter::new(layout.clone()) }
                         .map_err(|e| setup("remote exporter")(e.to_string()))?;
                     exporter = Some(e);
                 }
-                if !layout.is_host() {
+                if !layout.is_cpu() {
                     return Err(OffloadError::config(
                         "engine memory",
-                        "EngineMemory::host needs a layout of host memory",
+                        "EngineMemory::cpu needs a layout of CPU memory",
                     ));
                 }
                 let (bytes, blocks) = (layout.block_bytes(), layout.num_blocks());
-                let host = HostBackendConfig {
+                let host = CpuBackendConfig {
                     threads: cfg.copy_threads,
-                    ..HostBackendConfig::default()
+                    ..CpuBackendConfig::default()
                 };
-                // SAFETY: the caller of `EngineMemory::host` promised what `HostBackend::new`
+                // SAFETY: the caller of `EngineMemory::cpu` promised what `CpuBackend::new`
                 // needs; the backend lives in the driver, which the runtime stops before the
                 // promise ends.
-                let backend = unsafe { HostBackend::new(layout, host) }
-                    .map_err(|e| setup("host backend")(e.to_string()))?;
+                let backend = unsafe { CpuBackend::new(layout, host) }
+                    .map_err(|e| setup("CPU backend")(e.to_string()))?;
                 let pool = BufferPool::new(cfg.pool_buffers(blocks), bytes, DEFAULT_ALIGN)
                     .map_err(|e| setup("buffer pool")(e.to_string()))?;
                 (b.backend(Box::new(backend)), bytes, pool)
@@ -256,7 +256,7 @@ impl OffloadBuilder {
         if producer.is_some() && exporter.is_none() {
             return Err(OffloadError::config(
                 "remote.listen",
-                "a producer serves engine memory in host RAM or on a GPU (this engine's is neither)",
+                "a producer serves engine memory in CPU RAM or on a GPU (this engine's is neither)",
             ));
         }
         let files = open_file_tier(&cfg, block_bytes, &mut b)?;

@@ -11,13 +11,13 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use kvx_core::{BlockKey, EngineBlockId, HostArena, RequestId};
+//! use kvx_core::{BlockKey, EngineBlockId, CpuArena, RequestId};
 //! use kvx_offload::{EngineMemory, FileTierConfig, Offload, OffloadBuilder, OffloadConfig};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let dir = tempfile::tempdir()?;
 //! # let kv_dir = dir.path();
-//! let mut arena = HostArena::contiguous(4096, 8)?; // stands in for the engine's KV cache
+//! let mut arena = CpuArena::contiguous(4096, 8)?; // stands in for the engine's KV cache
 //! let cfg = OffloadConfig {
 //!     host_blocks: 4,
 //!     file: Some(FileTierConfig::new(kv_dir, 1024)), // or OffloadConfig::from_toml(text)?
@@ -25,7 +25,7 @@
 //! };
 //! // SAFETY: the arena outlives the runtime, and the engine touches a block only when no load
 //! // or store on it is outstanding.
-//! let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+//! let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
 //! let Offload { scheduler: mut sched, mut worker, runtime } =
 //!     OffloadBuilder::new(cfg, memory).build()?;
 //!

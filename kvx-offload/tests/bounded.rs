@@ -1,6 +1,6 @@
 //! Every engine-facing call returns in bounded time, whatever the engine backend does: its ops
-//! never complete (a gate in front of the real host backend), it panics, or the engine resets
-//! while a copy is out (the real host backend, slowed).
+//! never complete (a gate in front of the real CPU backend), it panics, or the engine resets
+//! while a copy is out (the real CPU backend, slowed).
 
 mod common;
 

@@ -117,11 +117,11 @@ fn a_pool_that_cannot_hold_a_block_is_refused() {
 #[test]
 fn the_builder_refuses_a_bad_config_before_starting_anything() {
     let dir = tempfile::tempdir().unwrap();
-    let arena = HostArena::contiguous(BLOCK, 4).unwrap();
+    let arena = CpuArena::contiguous(BLOCK, 4).unwrap();
     let mut cfg = Opts::default().config(dir.path());
     cfg.file.as_mut().unwrap().blocks = 0;
     // SAFETY: the build fails before any backend could run an op.
-    let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+    let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
     match OffloadBuilder::new(cfg, memory).build() {
         Err(OffloadError::Config { field, .. }) => assert_eq!(field, "file.blocks"),
         Err(e) => panic!("wrong error: {e}"),
@@ -172,10 +172,10 @@ fn a_toml_config_builds_the_file_tier_it_names() {
         dir.path()
     );
     let cfg = OffloadConfig::from_toml(&text).unwrap();
-    let mut arena = HostArena::contiguous(4096, 4).unwrap();
+    let mut arena = CpuArena::contiguous(4096, 4).unwrap();
     // SAFETY: the arena outlives the runtime (shut down below); blocks are touched only when
     // no op on them is out.
-    let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+    let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
     let Offload {
         scheduler: mut sched,
         mut worker,

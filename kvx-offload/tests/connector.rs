@@ -1,4 +1,4 @@
-//! Connector acceptance tests: real host backend, real kvx-posix file tier, both halves.
+//! Connector acceptance tests: real CPU backend, real kvx-posix file tier, both halves.
 
 mod common;
 

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{BlockKey, EngineBlockId, HostArena, RequestId, TICK};
+use kvx_core::{BlockKey, CpuArena, EngineBlockId, RequestId, TICK};
 use kvx_offload::{
     EngineMemory, Offload, OffloadBuilder, OffloadConfig, RemoteSource, RemoteTierConfig,
 };
@@ -21,7 +21,7 @@ fn free_port() -> u16 {
 }
 
 struct Engine {
-    arena: HostArena,
+    arena: CpuArena,
     kvx: Offload,
 }
 
@@ -31,7 +31,7 @@ fn engine(remote: RemoteTierConfig) -> Engine {
 
 /// An engine whose worker is `rank` of a tensor-parallel world of 2 (`None`: a single worker).
 fn engine_of_rank(remote: RemoteTierConfig, rank: Option<u32>) -> Engine {
-    let arena = HostArena::contiguous(BLOCK, 16).unwrap();
+    let arena = CpuArena::contiguous(BLOCK, 16).unwrap();
     let cfg = OffloadConfig {
         host_blocks: 8,
         remote: Some(remote),
@@ -39,7 +39,7 @@ fn engine_of_rank(remote: RemoteTierConfig, rank: Option<u32>) -> Engine {
     };
     // SAFETY: the arena outlives the runtime (shut down in `Engine::close` before the arena
     // drops), and the test touches no block while an op on it is outstanding.
-    let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+    let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
     let mut b = OffloadBuilder::new(cfg, memory);
     if let Some(r) = rank {
         b = b.shard(kvx_offload::Shard::new(r, 2, 0, 1).unwrap());

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use kvx_core::{BlockKey, EngineBlockId, HostArena, RequestId};
+use kvx_core::{BlockKey, CpuArena, EngineBlockId, RequestId};
 use kvx_offload::{
     EngineMemory, FileTierConfig, OffloadBuilder, OffloadConfig, OffloadRuntime, SchedulerSide,
     Shard, Tier, WorkerSide, scheduler_side_sharded,
@@ -15,7 +15,7 @@ const BYTES: usize = 4096;
 const T: Duration = Duration::from_secs(10);
 
 struct Rank {
-    arena: HostArena,
+    arena: CpuArena,
     worker: WorkerSide,
     runtime: Option<OffloadRuntime>,
 }
@@ -29,9 +29,9 @@ fn cfg(dir: &std::path::Path) -> OffloadConfig {
 }
 
 fn rank(dir: &std::path::Path, tp_rank: u32) -> Rank {
-    let arena = HostArena::contiguous(BYTES, 8).unwrap();
+    let arena = CpuArena::contiguous(BYTES, 8).unwrap();
     // SAFETY: the arena outlives the runtime (shut down in `step_all`'s caller before drop).
-    let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+    let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
     let built = OffloadBuilder::new(cfg(dir), memory)
         .shard(Shard::new(tp_rank, 2, 0, 1).unwrap())
         .build()
@@ -142,9 +142,9 @@ fn a_layout_of_one_worker_keeps_the_roots_as_they_are() {
     let s = scheduler_side_sharded(&cfg(dir.path()), 1, 1).unwrap();
     assert_eq!(s.world(), 1);
     assert!(scheduler_side_sharded(&cfg(dir.path()), 0, 1).is_err());
-    let arena = HostArena::contiguous(BYTES, 8).unwrap();
+    let arena = CpuArena::contiguous(BYTES, 8).unwrap();
     // SAFETY: the arena outlives the runtime, shut down below.
-    let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+    let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
     let built = OffloadBuilder::new(cfg(dir.path()), memory)
         .shard(Shard::new(0, 1, 0, 1).unwrap())
         .build()

@@ -103,7 +103,7 @@ pub struct RigShape {
     pub bufs: usize,
     /// Bytes of each staging buffer (and of each host block).
     pub buf_len: usize,
-    /// Blocks of a host tier (a host backend over an arena) beside the store; 0 for none.
+    /// Blocks of a host tier (a CPU backend over an arena) beside the store; 0 for none.
     pub host_blocks: u32,
     /// Run the noop engine instead of the configured one (faults then do nothing).
     pub noop: bool,
@@ -139,7 +139,7 @@ pub struct Rig {
     /// The faults injected around the store's engine.
     pub faults: Arc<Faults>,
     /// The host tier's memory, if the rig has one.
-    pub arena: Option<HostArena>,
+    pub arena: Option<CpuArena>,
     /// The store's first root.
     pub root: PathBuf,
     /// The temporary directory the rig made for the store, if it made one.
@@ -159,16 +159,16 @@ impl Rig {
         .expect("open store");
         let files = store.handle();
         let arena = (shape.host_blocks > 0)
-            .then(|| HostArena::contiguous(shape.buf_len, shape.host_blocks).expect("host arena"));
+            .then(|| CpuArena::contiguous(shape.buf_len, shape.host_blocks).expect("host arena"));
         let mut b = DriverBuilder::new(DriverConfig::default());
         let posix = b.backend(Box::new(store));
         let host = arena.as_ref().map(|a| {
             // SAFETY: the arena is a field of the rig declared after the driver, so it
-            // outlives the driver and its host backend; tests touch arena blocks only when no
+            // outlives the driver and its CPU backend; tests touch arena blocks only when no
             // task names them.
             let backend = unsafe {
-                HostBackend::new(a.layout().clone(), HostBackendConfig::default())
-                    .expect("host backend")
+                CpuBackend::new(a.layout().clone(), CpuBackendConfig::default())
+                    .expect("CPU backend")
             };
             b.backend(Box::new(backend))
         });
@@ -209,12 +209,12 @@ impl Rig {
     }
 
     /// The host tier's memory (panics for a rig without one).
-    pub fn arena(&self) -> &HostArena {
+    pub fn arena(&self) -> &CpuArena {
         self.arena.as_ref().expect("a rig with a host tier")
     }
 
     /// The host tier's memory, to fill (panics for a rig without one).
-    pub fn arena_mut(&mut self) -> &mut HostArena {
+    pub fn arena_mut(&mut self) -> &mut CpuArena {
         self.arena.as_mut().expect("a rig with a host tier")
     }
 

@@ -49,7 +49,7 @@ impl TensorDesc {
 /// The memory a PyTorch device name stands for.
 fn memory_kind(device: &str) -> Result<MemoryKind, String> {
     match device.split_once(':') {
-        None if device == "cpu" => Ok(MemoryKind::Host),
+        None if device == "cpu" => Ok(MemoryKind::Cpu),
         None if device == "cuda" => Ok(MemoryKind::Cuda(0)),
         Some(("cuda", n)) => n
             .parse()
@@ -70,7 +70,7 @@ pub fn describe(tensors: &[TensorDesc], num_blocks: u32) -> Result<KvLayout, Lay
     KvLayout::from_tensors(&views, num_blocks)
 }
 
-/// The engine memory kvx-offload's builder copies blocks in and out of: the host backend over
+/// The engine memory kvx-offload's builder copies blocks in and out of: the CPU backend over
 /// host tensors, kvx-cuda over tensors of one CUDA device (its driver is loaded here; without
 /// one the error says so).
 ///
@@ -81,14 +81,14 @@ pub unsafe fn engine_memory(layout: KvLayout) -> Result<EngineMemory, String> {
     let devices: Vec<MemoryKind> = layout.regions().iter().map(|r| r.kind).collect();
     let ordinal = match devices.first() {
         Some(MemoryKind::Cuda(n)) => *n,
-        _ if layout.is_host() => {
+        _ if layout.is_cpu() => {
             // SAFETY: ownership rule: the engine (vLLM) keeps its KV cache tensors alive for
             // the whole life of the connector, and `WorkerSide` additionally holds a reference
             // to every tensor object it described until after its runtime (whose driver owns the
             // backend and joins its threads) has been dropped. kvx touches a block only inside a
             // task the engine asked for, and the engine reuses a block only after the task's
             // report, a preemption fence or `finished_sending`, per kvx-offload's contract.
-            return Ok(unsafe { EngineMemory::host(layout) });
+            return Ok(unsafe { EngineMemory::cpu(layout) });
         }
         _ => return Err("KV cache tensors on host memory and a GPU at once".into()),
     };

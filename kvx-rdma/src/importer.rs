@@ -429,7 +429,7 @@ mod tests {
     use super::*;
     use crate::{Exporter, ServerConfig, TcpServer};
     use kvx_core::{
-        BufferPool, DEFAULT_ALIGN, DriverBuilder, DriverConfig, EngineBlockId, HostArena, OpBlock,
+        BufferPool, CpuArena, DEFAULT_ALIGN, DriverBuilder, DriverConfig, EngineBlockId, OpBlock,
         TaskSpec,
     };
     use kvx_policy::LeaseConfig;
@@ -438,7 +438,7 @@ mod tests {
     /// A reader registered for the second reads the key from it, not from the first.
     #[test]
     fn a_reader_reads_a_shared_key_from_its_own_remote_request() {
-        let mut arena = HostArena::contiguous(4096, 4).unwrap();
+        let mut arena = CpuArena::contiguous(4096, 4).unwrap();
         arena.write_block(EngineBlockId(1), &[5u8; 4096]).unwrap();
         // SAFETY: the arena outlives the exporter and the server (dropped first, below); no
         // exported block is written while exported.

@@ -260,7 +260,7 @@ pub(crate) async fn renew(
 mod tests {
     use super::*;
     use crate::{Exporter, ServerConfig, TcpServer, TransportKind};
-    use kvx_core::{BlockKey, EngineBlockId, HostArena, RequestId};
+    use kvx_core::{BlockKey, CpuArena, EngineBlockId, RequestId};
     use kvx_policy::{LeaseConfig, ReleaseReason};
 
     fn wait_for(keeper: &LeaseKeeper, id: u64, want: &KeptLease, within: Duration) -> bool {
@@ -276,7 +276,7 @@ mod tests {
 
     #[test]
     fn a_lease_exported_after_keep_goes_live_and_done_releases_it() {
-        let arena = HostArena::contiguous(4096, 4).unwrap();
+        let arena = CpuArena::contiguous(4096, 4).unwrap();
         // SAFETY: the arena outlives the exporter and the server (dropped first, below), and no
         // block is written while exported.
         let exporter = unsafe { Exporter::new(arena.layout().clone()) }.unwrap();
@@ -333,7 +333,7 @@ mod tests {
 
     #[test]
     fn a_request_the_producer_never_exports_is_lost_after_the_grace() {
-        let arena = HostArena::contiguous(4096, 2).unwrap();
+        let arena = CpuArena::contiguous(4096, 2).unwrap();
         // SAFETY: the arena outlives the exporter and its server; nothing is exported.
         let exporter = unsafe { Exporter::new(arena.layout().clone()) }.unwrap();
         let server = TcpServer::start(exporter, ServerConfig::default()).unwrap();

@@ -28,7 +28,7 @@
 //! use kvx_rdma::*;
 //!
 //! // Producer: engine memory with 4 blocks of 4 KiB; block 2 holds the bytes we want.
-//! let mut arena = HostArena::contiguous(4096, 4).unwrap();
+//! let mut arena = CpuArena::contiguous(4096, 4).unwrap();
 //! arena.write_block(EngineBlockId(2), &[9u8; 4096]).unwrap();
 //! // SAFETY: the arena outlives the exporter and its server, and block 2 is not written
 //! // until the request is released.

@@ -20,7 +20,7 @@ pub(crate) struct EngineMemory {
 impl EngineMemory {
     /// Wrap a host layout (device memory is refused: the TCP transport copies with the CPU).
     pub(crate) fn new(layout: KvLayout) -> Result<EngineMemory, RdmaError> {
-        if !layout.is_host() {
+        if !layout.is_cpu() {
             return Err(RdmaError::BadLayout(
                 "the exporter serves host memory only".into(),
             ));
@@ -105,13 +105,13 @@ impl Drop for PinnedRead {
 
 #[cfg(test)]
 mod tests {
-    use kvx_core::HostArena;
+    use kvx_core::CpuArena;
 
     use super::*;
 
     #[test]
     fn ranges_follow_segments_of_a_per_layer_layout() {
-        let arena = HostArena::per_layer(3, 100, 4).unwrap();
+        let arena = CpuArena::per_layer(3, 100, 4).unwrap();
         let m = EngineMemory::new(arena.layout().clone()).unwrap();
         let base: Vec<usize> = arena.layout().regions().iter().map(|r| r.base).collect();
         let r = m.ranges(EngineBlockId(2), 150, 100);

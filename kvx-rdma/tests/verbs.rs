@@ -11,7 +11,7 @@ use kvx_rdma::*;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 fn no_device_is_a_clear_error() -> Result<(), Failed> {
-    let arena = HostArena::contiguous(4096, 4).unwrap();
+    let arena = CpuArena::contiguous(4096, 4).unwrap();
     // SAFETY: the arena outlives the exporter (both dropped at the end of this function).
     let exporter = unsafe { Exporter::new(arena.layout().clone()) }.unwrap();
     let cfg = VerbsConfig::default();
@@ -50,11 +50,11 @@ struct Rig {
     desc: RemoteDescriptor,
     exporter: Exporter,
     _server: VerbsServer,
-    _arena: HostArena,
+    _arena: CpuArena,
 }
 
 fn rig(block: usize, blocks: u32, ttl_ms: u64) -> Rig {
-    let mut arena = HostArena::per_layer(2, block / 2, blocks).unwrap();
+    let mut arena = CpuArena::per_layer(2, block / 2, blocks).unwrap();
     for b in 0..blocks {
         arena
             .write_block(EngineBlockId(b), &vec![(b % 251) as u8; block])

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{BlockKey, EngineBlockId, HostArena, RequestId};
+use kvx_core::{BlockKey, CpuArena, EngineBlockId, RequestId};
 use kvx_offload::{
     EngineMemory, Offload, OffloadBuilder, OffloadConfig, RemoteSource, RemoteTierConfig,
 };
@@ -17,13 +17,13 @@ use kvx_rdma::{KeeperConfig, KeptLease, LeaseKeeper};
 
 /// One engine: its KV memory and kvx over it.
 struct Engine {
-    arena: HostArena,
+    arena: CpuArena,
     kvx: Offload,
 }
 
 impl Engine {
     fn new(block_bytes: usize, blocks: u32, remote: RemoteTierConfig) -> Result<Engine, String> {
-        let arena = HostArena::contiguous(block_bytes, blocks).map_err(|e| e.to_string())?;
+        let arena = CpuArena::contiguous(block_bytes, blocks).map_err(|e| e.to_string())?;
         let cfg = OffloadConfig {
             host_blocks: 1,
             remote: Some(remote),
@@ -31,7 +31,7 @@ impl Engine {
         };
         // SAFETY: the arena outlives the runtime (`close` shuts it down before the arena
         // drops), and the bench writes no block while an op on it is outstanding.
-        let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+        let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
         let kvx = OffloadBuilder::new(cfg, memory)
             .build()
             .map_err(|e| e.to_string())?;

@@ -1,4 +1,4 @@
-//! `kvx replay [TRACE]`: a request trace through the real tiers (engine memory in host RAM, a
+//! `kvx replay [TRACE]`: a request trace through the real tiers (engine memory in CPU RAM, a
 //! host tier, a kvx-posix file tier), driven through kvx-offload's scheduler and worker halves
 //! exactly as an engine drives them, with every loaded block verified byte for byte, and the
 //! hit rate an ideal LRU cache of the same capacity would get on the same trace beside it.

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvx_core::{DriverHandle, HostArena};
+use kvx_core::{CpuArena, DriverHandle};
 use kvx_fusefs::{Backing, StallFs, StallMount, fuse_available};
 use kvx_offload::{
     EngineMemory, FileTierConfig, Offload, OffloadBuilder, OffloadConfig, OffloadRuntime,
@@ -49,7 +49,7 @@ pub struct Rig {
     /// The file tier's handle.
     pub files: Option<PosixHandle>,
     /// Engine memory: must outlive the driver.
-    pub arena: HostArena,
+    pub arena: CpuArena,
     /// The FUSE mount under the file tier, with `--fault stall-disk`.
     pub mount: Option<StallMount>,
     mount_dir: Option<TempDir>,
@@ -121,7 +121,7 @@ impl Rig {
     /// Build the tiers for `s` with an engine pool of `engine_blocks`.
     pub fn new(s: &Settings, engine_blocks: u32) -> Result<Rig, ReplayError> {
         // K and V regions, as an engine lays out one layer.
-        let arena = HostArena::per_layer(2, s.blocks.block_bytes as usize / 2, engine_blocks)
+        let arena = CpuArena::per_layer(2, s.blocks.block_bytes as usize / 2, engine_blocks)
             .map_err(setup)?;
         let (mut mount, mut mount_dir, mut file_dir, mut root) = (None, None, None, None);
         if s.file_blocks > 0 {
@@ -158,7 +158,7 @@ impl Rig {
         // SAFETY: the arena outlives the driver (`Rig` drops the worker and the runtime first,
         // and `arena` is declared after them); the engine model reads or writes an engine block
         // only when no op on it is outstanding (free blocks, finished loads, fenced requests).
-        let memory = unsafe { EngineMemory::host(arena.layout().clone()) };
+        let memory = unsafe { EngineMemory::cpu(arena.layout().clone()) };
         let cfg = offload_config(s, root.as_deref());
         let Offload {
             scheduler,

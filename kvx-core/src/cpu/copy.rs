@@ -1,8 +1,8 @@
 //! The only code in kvx-core that dereferences engine memory.
 //!
-//! SAFETY rule relied on by both functions: the caller (the host backend) holds the op that
+//! SAFETY rule relied on by both functions: the caller (the CPU backend) holds the op that
 //! names `block`, and the engine, by registering the layout through the `unsafe`
-//! `HostBackend::new`, promised that every region is valid host memory for reads and writes
+//! `CpuBackend::new`, promised that every region is valid host memory for reads and writes
 //! for as long as the backend lives, and that it does not touch a block while an op on it is
 //! outstanding (it waits for the fences kvx gives it). So for the duration of the copy, the
 //! block's segments are exclusively ours.

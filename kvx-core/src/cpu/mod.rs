@@ -1,4 +1,4 @@
-//! The host-memory backend: memcpy between engine host memory and kvx-owned buffers, on worker
+//! The CPU-memory backend: memcpy between engine memory in CPU RAM and kvx-owned buffers, on worker
 
 mod copy;
 
@@ -16,9 +16,9 @@ use crate::layout::KvLayout;
 use crate::op::{BlockError, Op, OpBlock, OpCompletion};
 use crate::sync::lock;
 
-/// Settings of the host backend.
+/// Settings of the CPU backend.
 #[derive(Debug, Clone)]
-pub struct HostBackendConfig {
+pub struct CpuBackendConfig {
     /// Worker threads doing the copies, and the threads one op of at least 4 MiB is spread over
     /// (default 1).
     pub threads: usize,
@@ -26,9 +26,9 @@ pub struct HostBackendConfig {
     pub delay: Duration,
 }
 
-impl Default for HostBackendConfig {
+impl Default for CpuBackendConfig {
     fn default() -> Self {
-        HostBackendConfig {
+        CpuBackendConfig {
             threads: 1,
             delay: Duration::ZERO,
         }
@@ -45,26 +45,26 @@ struct CopyContext {
     threads: usize,
 }
 
-/// Copies blocks between registered engine host memory and op buffers.
+/// Copies blocks between registered engine memory in CPU RAM and op buffers.
 ///
 /// threads. CPU-only engines use it as their engine tier, and it lets every layer above run on a
 /// machine without a GPU.
-pub struct HostBackend {
+pub struct CpuBackend {
     name: String,
     tx: Option<Sender<Op>>,
     ctx: Arc<CopyContext>,
     workers: Vec<JoinHandle<()>>,
 }
 
-impl HostBackend {
-    /// A host backend over `layout`.
+impl CpuBackend {
+    /// A CPU backend over `layout`.
     ///
     /// # Safety
     /// Every region of `layout` must be host memory valid for reads and writes for as long as
     /// this backend (and any op it still runs) lives, and the caller must not read or write a
     /// block while an op naming it is outstanding: wait for the task's report or a fence.
-    pub unsafe fn new(layout: KvLayout, cfg: HostBackendConfig) -> Result<HostBackend, CoreError> {
-        if !layout.is_host() {
+    pub unsafe fn new(layout: KvLayout, cfg: CpuBackendConfig) -> Result<CpuBackend, CoreError> {
+        if !layout.is_cpu() {
             return Err(CoreError::UnsupportedMemory {
                 backend: "host".into(),
                 what: "device memory".into(),
@@ -83,12 +83,12 @@ impl HostBackend {
                 let ctx = ctx.clone();
                 let rx = rx.clone();
                 std::thread::Builder::new()
-                    .name(format!("kvx-host-{i}"))
+                    .name(format!("kvx-cpu-{i}"))
                     .spawn(move || worker(ctx, rx))
                     .map_err(|e| CoreError::BadLayout(format!("cannot spawn host worker: {e}")))
             })
             .collect::<Result<_, _>>()?;
-        Ok(HostBackend {
+        Ok(CpuBackend {
             name: "host".into(),
             tx: Some(tx),
             ctx,
@@ -197,7 +197,7 @@ fn copy_block(layout: &KvLayout, dir: Direction, b: &mut OpBlock) -> Result<(), 
     }
 }
 
-impl Backend for HostBackend {
+impl Backend for CpuBackend {
     fn name(&self) -> &str {
         &self.name
     }
@@ -215,7 +215,7 @@ impl Backend for HostBackend {
         let Some(tx) = self.tx.as_ref() else {
             return Err(SubmitError {
                 op,
-                kind: SubmitErrorKind::Unavailable("host backend is shutting down".into()),
+                kind: SubmitErrorKind::Unavailable("CPU backend is shutting down".into()),
             });
         };
         self.ctx.board.begin(id, false);
@@ -241,7 +241,7 @@ impl Backend for HostBackend {
     }
 }
 
-impl Drop for HostBackend {
+impl Drop for CpuBackend {
     fn drop(&mut self) {
         self.tx.take();
         for w in self.workers.drain(..) {

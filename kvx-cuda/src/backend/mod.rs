@@ -73,7 +73,7 @@ impl CudaBackend {
     /// Every region of `layout` must be device memory of `device` (in its primary context),
     /// valid for reads and writes for as long as this backend lives (it drains its copies when
     /// dropped), and the caller must not read or write a block while an op naming it is
-    /// outstanding: wait for the task's report or a fence, as with kvx-core's `HostBackend`.
+    /// outstanding: wait for the task's report or a fence, as with kvx-core's `CpuBackend`.
     /// The engine's kernels that write a block must also come before the op that stores it,
     /// and those that touch a block being loaded before or after the load (the backend's
     /// streams do not order against the engine's by themselves): have them finished, or order
@@ -458,7 +458,7 @@ mod tests {
                 },
                 Region {
                     base: 0x9000,
-                    kind: MemoryKind::Host,
+                    kind: MemoryKind::Cpu,
                     stride: 64,
                     segment_len: 64,
                 },

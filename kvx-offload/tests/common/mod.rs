@@ -1,4 +1,4 @@
-//! A small engine for the connector tests: host "engine memory", a real host backend, a real
+//! A small engine for the connector tests: "engine memory" in CPU RAM, a real CPU backend, a real
 //! kvx-posix file tier, and both connector halves, stepped by hand.
 
 #![allow(dead_code)]
@@ -29,7 +29,7 @@ pub struct Opts {
     pub store_ms: u64,
     pub policy: LoadFailurePolicy,
     pub breaker: Option<BreakerConfig>,
-    /// Wraps the real host backend of engine memory (fault injection).
+    /// Wraps the real CPU backend of engine memory (fault injection).
     pub wrap_engine: Option<WrapEngine>,
     /// The file tier's directory is shared with other nodes.
     pub shared: Option<SharedMount>,
@@ -74,7 +74,7 @@ impl Opts {
     }
 }
 
-/// The engine's KV memory as the tests touch it: host RAM here, a CUDA device in `tests/cuda`.
+/// The engine's KV memory as the tests touch it: CPU RAM here, a CUDA device in `tests/cuda`.
 pub trait EngineBlocks {
     /// Write block `b` (its segments concatenated).
     fn write_block(&mut self, b: EngineBlockId, data: &[u8]) -> Result<(), String>;
@@ -82,17 +82,17 @@ pub trait EngineBlocks {
     fn read_block(&self, b: EngineBlockId) -> Result<Vec<u8>, String>;
 }
 
-impl EngineBlocks for HostArena {
+impl EngineBlocks for CpuArena {
     fn write_block(&mut self, b: EngineBlockId, data: &[u8]) -> Result<(), String> {
-        HostArena::write_block(self, b, data).map_err(|e| e.to_string())
+        CpuArena::write_block(self, b, data).map_err(|e| e.to_string())
     }
 
     fn read_block(&self, b: EngineBlockId) -> Result<Vec<u8>, String> {
-        HostArena::read_block(self, b).map_err(|e| e.to_string())
+        CpuArena::read_block(self, b).map_err(|e| e.to_string())
     }
 }
 
-pub struct Rig<M: EngineBlocks = HostArena> {
+pub struct Rig<M: EngineBlocks = CpuArena> {
     pub sched: SchedulerSide,
     pub worker: Option<WorkerSide>,
     pub runtime: Option<OffloadRuntime>,
@@ -145,7 +145,7 @@ pub fn keys(prefix_seed: u64, shared: usize, seq: u64, own: usize) -> Vec<BlockK
 /// A builder-made connector over a host arena of `ENGINE_BLOCKS` (each block filled with
 /// 0xAB) and a file tier in `dir`; `o.host_delay` slows every engine copy.
 pub fn rig(dir: &Path, o: Opts) -> Rig {
-    let mut arena = HostArena::per_layer(2, BLOCK / 2, ENGINE_BLOCKS).unwrap();
+    let mut arena = CpuArena::per_layer(2, BLOCK / 2, ENGINE_BLOCKS).unwrap();
     for b in 0..ENGINE_BLOCKS {
         arena
             .write_block(EngineBlockId(b), &vec![0xAB; BLOCK])
@@ -154,9 +154,9 @@ pub fn rig(dir: &Path, o: Opts) -> Rig {
     // SAFETY: the arena outlives the driver (Rig drops the runtime first); tests touch engine
     // blocks only when no load or store on them is in flight.
     let host = unsafe {
-        HostBackend::new(
+        CpuBackend::new(
             arena.layout().clone(),
-            HostBackendConfig {
+            CpuBackendConfig {
                 threads: 2,
                 delay: o.host_delay,
             },

@@ -1,5 +1,5 @@
 //! The test rig: a store on a FUSE mount (or a real directory), a driver with the store and a
-//! host backend over a host arena, a staging pool, and helpers to run tasks with deadlines.
+//! CPU backend over a host arena, a staging pool, and helpers to run tasks with deadlines.
 
 use std::time::{Duration, Instant};
 

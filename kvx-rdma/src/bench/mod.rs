@@ -54,7 +54,7 @@ impl LoopbackRig {
         }
         let layout = KvLayout::contiguous(
             arena.as_ptr() as usize,
-            MemoryKind::Host,
+            MemoryKind::Cpu,
             block_bytes,
             blocks,
         )

@@ -229,7 +229,7 @@ pub(super) async fn serve_reads<W: AsyncWrite + Unpin>(
 
 #[cfg(test)]
 mod tests {
-    use kvx_core::{BlockKey, EngineBlockId, HostArena};
+    use kvx_core::{BlockKey, CpuArena, EngineBlockId};
     use kvx_policy::LeaseConfig;
 
     use crate::wire;
@@ -243,12 +243,12 @@ mod tests {
 
     /// Requests 1 and 2 exported with two blocks each (engine blocks 0-1 and 2-3), leases
     /// of 60 s started.
-    fn exported(arena: &HostArena) -> Exporter {
+    fn exported(arena: &CpuArena) -> Exporter {
         exported_for(arena, [60_000, 60_000])
     }
 
     /// As [`exported`], with the leases' TTLs.
-    fn exported_for(arena: &HostArena, ttl_ms: [u64; 2]) -> Exporter {
+    fn exported_for(arena: &CpuArena, ttl_ms: [u64; 2]) -> Exporter {
         // SAFETY: every test keeps the arena alive until after the exporter is dropped, and
         // writes no block while it is exported.
         let exporter = unsafe { Exporter::new(arena.layout().clone()) }.unwrap();
@@ -286,7 +286,7 @@ mod tests {
     /// the next reply's write timeout starts then.
     #[test]
     fn each_reply_drops_its_pin_when_written_and_gets_its_own_write_timeout() {
-        let arena = HostArena::contiguous(BLOCK, 4).unwrap();
+        let arena = CpuArena::contiguous(BLOCK, 4).unwrap();
         let exporter = exported(&arena);
         let cfg = ServerConfig::default();
         let reads = [whole(1, 1, 0), whole(2, 1, 1), whole(3, 2, 0)];
@@ -331,7 +331,7 @@ mod tests {
     /// reply being written is the one whose lease ended, the write is cut.
     #[test]
     fn a_lease_ending_revokes_replies_not_started_and_cuts_the_one_being_written() {
-        let arena = HostArena::contiguous(BLOCK, 4).unwrap();
+        let arena = CpuArena::contiguous(BLOCK, 4).unwrap();
         let exporter = exported(&arena);
         let cfg = ServerConfig::default();
         let reads = [
@@ -376,7 +376,7 @@ mod tests {
     /// even when it is the next one to be written.
     #[test]
     fn an_expiring_lease_wakes_the_writer_and_the_next_reply_is_revoked_not_cut() {
-        let arena = HostArena::contiguous(BLOCK, 4).unwrap();
+        let arena = CpuArena::contiguous(BLOCK, 4).unwrap();
         let exporter = exported_for(&arena, [60_000, 150]);
         let cfg = ServerConfig::default();
         let reads = [whole(1, 1, 0), whole(2, 2, 0)];
@@ -418,7 +418,7 @@ mod tests {
     /// frames, and blocks of several segments (a per-layer layout) with reads at an offset.
     #[test]
     fn writes_of_any_size_move_every_reply_byte_exact_in_order() {
-        let mut arena = HostArena::per_layer(3, 1000, 4).unwrap();
+        let mut arena = CpuArena::per_layer(3, 1000, 4).unwrap();
         for b in 0..4u32 {
             let bytes: Vec<u8> = (0..3000)
                 .map(|j| ((b as usize * 31 + j * 7) % 251) as u8)
@@ -496,7 +496,7 @@ mod tests {
     /// error frames in their place; they hold no pin.
     #[test]
     fn refused_reads_are_error_frames_in_their_place() {
-        let arena = HostArena::contiguous(BLOCK, 4).unwrap();
+        let arena = CpuArena::contiguous(BLOCK, 4).unwrap();
         let exporter = exported(&arena);
         let cfg = ServerConfig {
             max_read: BLOCK as u64,

@@ -41,7 +41,7 @@ type LeaseMarks = (Option<Instant>, Option<Instant>);
 pub fn producer() -> i32 {
     let blocks: u32 = env("KVX_BLOCKS", 64);
     let block_bytes: usize = env("KVX_BLOCK_BYTES", 65536);
-    let mut arena = HostArena::contiguous(block_bytes, blocks).expect("arena");
+    let mut arena = CpuArena::contiguous(block_bytes, blocks).expect("arena");
     for b in 0..blocks {
         let data: Vec<u8> = (0..block_bytes).map(|j| pattern(b, j)).collect();
         arena.write_block(EngineBlockId(b), &data).expect("fill");
@@ -228,7 +228,7 @@ pub struct Consumer {
     pub handle: ImporterHandle,
     route: Vec<BackendId>,
     pub pool: BufferPool,
-    pub arena: HostArena,
+    pub arena: CpuArena,
 }
 
 impl Consumer {
@@ -239,7 +239,7 @@ impl Consumer {
         token: Option<String>,
         heartbeats: bool,
     ) -> Consumer {
-        let arena = HostArena::contiguous(block_bytes, blocks).expect("arena");
+        let arena = CpuArena::contiguous(block_bytes, blocks).expect("arena");
         let importer = Importer::new(ImporterConfig {
             reader,
             token,
@@ -254,7 +254,7 @@ impl Consumer {
         // dropped after the driver has stopped its backends; the test reads it only after tasks
         // ended.
         let host = b.backend(Box::new(unsafe {
-            HostBackend::new(arena.layout().clone(), HostBackendConfig::default()).expect("host")
+            CpuBackend::new(arena.layout().clone(), CpuBackendConfig::default()).expect("host")
         }));
         let driver = b.spawn().expect("driver");
         let pool = BufferPool::new(blocks as usize, block_bytes, DEFAULT_ALIGN).expect("pool");
