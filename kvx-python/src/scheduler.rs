@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId, lock};
-use kvx_offload::{Lookup, RemoteSource, RemoteTierConfig, Tier};
+use kvx_offload::{RemoteSource, RemoteTierConfig, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -16,7 +16,6 @@ use crate::{KvxError, keys_from_bytes};
 #[pyclass(module = "kvx._native")]
 pub struct SchedulerSide {
     inner: Mutex<kvx_offload::SchedulerSide>,
-    block_tokens: u64,
     /// The remote tier's settings (what a producer's sources name).
     remote: Option<RemoteTierConfig>,
     /// Workers behind this side (a producer names one server per rank).
@@ -46,7 +45,6 @@ impl SchedulerSide {
         })?;
         Ok(SchedulerSide {
             inner: Mutex::new(side),
-            block_tokens: u64::from(block_tokens),
             remote: cfg.remote,
             world: tp_size * pp_size,
         })
@@ -63,13 +61,10 @@ impl SchedulerSide {
     ) -> PyResult<Option<(u64, usize, usize)>> {
         let keys = keys_from_bytes(keys)?;
         let mut s = lock(&self.inner);
-        let skip = ((num_computed / self.block_tokens) as usize).min(keys.len());
-        let Lookup::Hit(tiers) = s.manager().lookup(&keys[skip..]) else {
-            return Ok(None);
-        };
         let Some(tokens) = s.get_num_new_matched_tokens(RequestId(req), &keys, num_computed) else {
             return Ok(None);
         };
+        let tiers = s.matched_tiers(RequestId(req));
         let host = tiers.iter().filter(|t| **t == Tier::Host).count();
         Ok(Some((tokens, host, tiers.len() - host)))
     }

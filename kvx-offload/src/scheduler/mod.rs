@@ -260,6 +260,13 @@ impl SchedulerSide {
         }
     }
 
+    /// The tier of each block the last [`SchedulerSide::get_num_new_matched_tokens`] of `req`
+    /// matched, in order (empty when it matched nothing or the match was loaded since): what
+    /// that lookup found, without looking again.
+    pub fn matched_tiers(&self, req: RequestId) -> &[Tier] {
+        self.lookups.get(&req).map_or(&[], |l| l.tiers.as_slice())
+    }
+
     /// The engine allocated `engine_blocks` for the tokens matched by the last
     /// `get_num_new_matched_tokens`: the load is queued for this step. `Ok(None)`: nothing was
     /// matched and no blocks were given. A refused call changes nothing: the lookup stays

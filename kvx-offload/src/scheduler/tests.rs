@@ -365,3 +365,52 @@ fn reset_cache_keeps_a_block_a_load_reads_until_the_load_ends() {
     assert!(s.manager().is_quiet());
     assert_eq!(s.manager().blocks(Tier::Host), 0);
 }
+
+/// A shared file tier's probe that finds every key in `present`.
+struct Finds(Vec<BlockKey>);
+
+impl FileTierProbe for Finds {
+    fn probe(&self, key: BlockKey) -> kvx_posix::ProbeAnswer {
+        if self.0.contains(&key) {
+            kvx_posix::ProbeAnswer::Present
+        } else {
+            kvx_posix::ProbeAnswer::Absent
+        }
+    }
+}
+
+/// The tiers of a match are those of the lookup that made it: a block the index lacks but the
+/// shared tier's probe found counts as a file block (a second lookup of the index alone, as the
+/// Python binding once made to count tiers, saw one host block for a two-block match).
+#[test]
+fn a_match_names_the_tier_of_each_block_it_found() {
+    let mut s = SchedulerSide::new(SchedulerConfig {
+        host_blocks: 8,
+        file_blocks: Some(16),
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let job = s
+        .save_blocks(RequestId(1000), &[(k(1), EngineBlockId(0))])
+        .unwrap();
+    s.request_finished(RequestId(1000));
+    s.update_from_worker(&host_store_done(job, RequestId(1000), &[k(1)]));
+    s.set_file_probe(std::sync::Arc::new(Finds(vec![k(2)])));
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(1), &[k(1), k(2), k(3)], 0),
+        Some(32)
+    );
+    assert_eq!(s.matched_tiers(RequestId(1)), &[Tier::Host, Tier::File]);
+    assert_eq!(
+        s.manager().lookup(&[k(1), k(2), k(3)]),
+        Lookup::Hit(vec![Tier::Host, Tier::File]),
+        "the probe's find is in the index now"
+    );
+    s.update_state_after_alloc(RequestId(1), &[EngineBlockId(4), EngineBlockId(5)])
+        .unwrap();
+    assert!(
+        s.matched_tiers(RequestId(1)).is_empty(),
+        "loaded: no match pending"
+    );
+    assert!(s.matched_tiers(RequestId(9)).is_empty());
+}
