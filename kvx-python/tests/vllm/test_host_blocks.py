@@ -4,7 +4,6 @@ a file tier it stores every block of many requests at once there."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -77,11 +76,11 @@ def test_a_hybrid_store_job_holds_every_groups_blocks() -> None:
         model_config=SimpleNamespace(max_model_len=4096),
     )
     groups: list[tuple[int | None, int]] = [(None, 0), (32, 0), (32, 0)]
-    check_host_blocks(json.dumps({"host_blocks": 14}), 16, vllm_config, groups)
+    check_host_blocks(14, 16, vllm_config, groups)
     with pytest.raises(ValueError) as e:
-        check_host_blocks(json.dumps({"host_blocks": 13}), 16, vllm_config, groups)
+        check_host_blocks(13, 16, vllm_config, groups)
     assert "host_blocks = 13" in str(e.value) and "at least 14" in str(e.value), str(e.value)
     # One group: the job is one request's blocks of one step.
-    check_host_blocks(json.dumps({"host_blocks": 8}), 16, vllm_config)
+    check_host_blocks(8, 16, vllm_config)
     with pytest.raises(ValueError):
-        check_host_blocks(json.dumps({"host_blocks": 7}), 16, vllm_config)
+        check_host_blocks(7, 16, vllm_config)

@@ -13,6 +13,7 @@ from typing import Any
 from kvx import _native
 from kvx.vllm.disagg import Disaggregation, namespace_id
 from kvx.vllm.scheduler_side import SchedulerSide
+from kvx.vllm.settings import Settings
 
 BLOCK = 16
 NAMESPACE = b"kvx-test-namespace"
@@ -31,7 +32,8 @@ class Blocks:
 
 def consumer() -> SchedulerSide:
     side = SchedulerSide(CONFIG, BLOCK, BLOCK, NAMESPACE)
-    side.disagg = Disaggregation(side.native, CONFIG, BLOCK, NAMESPACE, producer=False, consumer=True, world=1)
+    side.disagg = Disaggregation(side.native, Settings.parse(CONFIG, BLOCK), BLOCK, NAMESPACE, producer=False,
+                                consumer=True, world=1)
     return side
 
 

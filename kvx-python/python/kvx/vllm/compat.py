@@ -3,12 +3,9 @@ resolved KV cache layout, the layout kvx prefers, and the size of the largest st
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any
-
-from kvx import _native
 
 logger = logging.getLogger("kvx.vllm")
 
@@ -88,15 +85,14 @@ def max_store_job_blocks(block_size: int, vllm_config: Any) -> int:
 
 
 def check_host_blocks(
-    config: str, block_size: int, vllm_config: Any, windows: list[tuple[int | None, int]] | None = None
+    host_blocks: int, block_size: int, vllm_config: Any, windows: list[tuple[int | None, int]] | None = None
 ) -> None:
-    """Refuse a host tier smaller than one store job: it could never hold a whole prefill
+    """Refuse a host tier of ``host_blocks`` smaller than one store job: it could never hold a whole prefill
     chunk of a request (the rest of such a job goes only to the file tier, or nowhere without
     one).
     ``windows``: for a hybrid model, each KV cache group's (sliding window in tokens or None for
     full attention, extra tokens vLLM retains); one store job then holds every group's blocks,
     a sliding-window group's at most its window's."""
-    host_blocks = json.loads(_native.parse_config(config, block_size))["host_blocks"]
     per_group = max_store_job_blocks(block_size, vllm_config)
     need = 0
     for window, extra in windows or [(None, 0)]:

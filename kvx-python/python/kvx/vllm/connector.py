@@ -33,6 +33,7 @@ from kvx.vllm.disagg import Disaggregation
 from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
+from kvx.vllm.settings import Settings
 from kvx.vllm.stats import KvxPromMetrics, KvxStats
 from kvx.vllm.worker_side import WorkerSide
 
@@ -55,13 +56,13 @@ def _namespace(vllm_config: Any, kv_cache_config: Any) -> bytes:
     return "|".join(parts).encode()
 
 
-def _remote_roles(kv_transfer_config: Any, config: str) -> tuple[bool, bool]:
+def _remote_roles(kv_transfer_config: Any, settings: Settings) -> tuple[bool, bool]:
     """(exports, loads from a producer) for vLLM's ``kv_role`` and kvx's ``remote`` section:
     ``kv_producer`` exports, ``kv_consumer`` loads, ``kv_both`` does what ``remote`` sets up
     (exports with ``remote.listen``, loads with any ``remote``). A producer or consumer role
     without ``remote`` is refused."""
     role = getattr(kv_transfer_config, "kv_role", "kv_both") or "kv_both"
-    remote = json.loads(config).get("remote")
+    remote = settings.values.get("remote")
     if role in ("kv_producer", "kv_consumer") and remote is None:
         raise ValueError(f"KvxConnector: kv_role {role} needs a `remote` section in kv_connector_extra_config")
     listen = isinstance(remote, dict) and remote.get("listen") is not None
@@ -72,13 +73,13 @@ def _remote_roles(kv_transfer_config: Any, config: str) -> tuple[bool, bool]:
     return produce, consume
 
 
-def _disaggregation(kv_transfer_config: Any, config: str, side: SchedulerSide, block_size: int,
+def _disaggregation(kv_transfer_config: Any, settings: Settings, side: SchedulerSide, block_size: int,
                     namespace: bytes, world: int) -> Disaggregation | None:
     """The scheduler side's P/D part, if the role has one."""
-    produce, consume = _remote_roles(kv_transfer_config, config)
+    produce, consume = _remote_roles(kv_transfer_config, settings)
     if not (produce or consume):
         return None
-    return Disaggregation(side.native, config, block_size, namespace, produce, consume, world)
+    return Disaggregation(side.native, settings, block_size, namespace, produce, consume, world)
 
 
 class KvxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -103,11 +104,12 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         hybrid = describe_groups(kv_cache_config, namespace) if len(groups) > 1 else None
         block_size = groups[0].kv_cache_spec.block_size
         windows = [(g.window, g.extra_retained) for g in hybrid] if hybrid is not None else None
-        compat.check_host_blocks(self.config, block_size, vllm_config, windows)
+        settings = Settings.parse(self.config, block_size)
+        compat.check_host_blocks(settings.values["host_blocks"], block_size, vllm_config, windows)
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        roles = _remote_roles(self._kv_transfer_config, self.config)
+        roles = _remote_roles(self._kv_transfer_config, settings)
         if hybrid is not None and any(roles):
             raise ValueError("KvxConnector: prefill/decode disaggregation of hybrid models is not supported yet")
         if role == KVConnectorRole.SCHEDULER:
@@ -121,14 +123,14 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
                     self.config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size
                 )
                 self._sched.disagg = _disaggregation(
-                    self._kv_transfer_config, self.config, self._sched, block_size, namespace, tp_size * pp_size
+                    self._kv_transfer_config, settings, self._sched, block_size, namespace, tp_size * pp_size
                 )
         else:
             shard = parallel.worker_place(vllm_config).shard()
             if hybrid is not None:
-                self._worker = HybridWorkerSide(self.config, block_size, kv_cache_config.num_blocks, shard=shard)
+                self._worker = HybridWorkerSide(settings, block_size, kv_cache_config.num_blocks, shard=shard)
             else:
-                self._worker = WorkerSide(self.config, block_size, kv_cache_config.num_blocks, shard=shard)
+                self._worker = WorkerSide(settings, block_size, kv_cache_config.num_blocks, shard=shard)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

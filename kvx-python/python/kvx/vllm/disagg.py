@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvx import _native
+from kvx.vllm.settings import Settings
 
 logger = logging.getLogger("kvx.vllm")
 
@@ -58,16 +59,16 @@ class _Remote:
 class Disaggregation:
     """P's exports and D's remote loads for one ``SchedulerSide`` (see the module docs)."""
 
-    def __init__(self, native: Any, config: str, block_size: int, namespace: bytes,
+    def __init__(self, native: Any, settings: Settings, block_size: int, namespace: bytes,
                  producer: bool, consumer: bool, world: int):
         self.native = native
         self.block_size = block_size
         self.ns = namespace_id(namespace)
         self.producer = producer
         self.world = world
-        remote = json.loads(_native.parse_config(config, block_size)).get("remote") or {}
-        self.load_ms = int(remote.get("load_ms", 10_000))
-        self.keeper: Any = _native.LeaseKeeper(config, block_size) if consumer else None
+        # A P/D role always has a `remote` section (the connector refuses one without).
+        self.load_ms = int(settings.values["remote"]["load_ms"])
+        self.keeper: Any = _native.LeaseKeeper(settings.text, block_size) if consumer else None
         self.remote: dict[str, _Remote] = {}
         self.exports = 0
         self.refused = 0

@@ -37,6 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvx import _native
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
+from kvx.vllm.settings import Settings
 from kvx.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger("kvx.vllm")
@@ -362,9 +363,9 @@ class HybridWorkerSide(WorkerSide):
     before the step's stores are queued, and reports a failed load per request."""
 
     def __init__(
-        self, config: str, block_size: int, num_blocks: int, shard: tuple[int, int, int, int] | None = None
+        self, settings: Settings, block_size: int, num_blocks: int, shard: tuple[int, int, int, int] | None = None
     ):
-        super().__init__(config, block_size, num_blocks, shard=shard)
+        super().__init__(settings, block_size, num_blocks, shard=shard)
         self.load_blocks: dict[str, set[int]] = {}
 
     def start(self, meta: KvxConnectorMetadata) -> None:

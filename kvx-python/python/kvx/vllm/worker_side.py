@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from kvx import _native
 from kvx._native import FenceNotHeldError, KvxError
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
+from kvx.vllm.settings import Settings
 
 logger = logging.getLogger("kvx.vllm")
 
@@ -28,10 +28,9 @@ class WorkerSide:
     as long as a load or a delayed free of it may still be reported.
     """
 
-    def __init__(self, config: str, block_size: int, num_blocks: int,
+    def __init__(self, settings: Settings, block_size: int, num_blocks: int,
                  shard: tuple[int, int, int, int] | None = None):
-        _native.parse_config(config, block_size)  # a bad config fails here, not at registration
-        self.config = config
+        self.config = settings.text
         self.block_size = block_size
         self.num_blocks = num_blocks
         # (tp rank, tp size, pp rank, pp size) with several workers: see kvx.vllm.parallel.
@@ -51,7 +50,7 @@ class WorkerSide:
         # The KV cache's CUDA device (None for a CPU cache), and the step last ordered after it.
         self._cuda: Any = None
         self._ordered: KvxConnectorMetadata | None = None
-        timeouts = json.loads(_native.parse_config(config, block_size))["timeouts"]
+        timeouts = settings.values["timeouts"]
         self._fence_ms = int(max(timeouts["load_ms"], timeouts["store_ms"])) + 1000
 
     def register(self, kv_caches: dict) -> None:
