@@ -29,11 +29,16 @@ pub struct TransferStats {
     pub stored_bytes: BTreeMap<&'static str, u64>,
     /// Blocks stored in no tier, by reason (see [`crate::StoreSkips`]).
     pub store_skipped_blocks: BTreeMap<&'static str, u64>,
-    /// Each load's time from its start to its verdict, in seconds.
+    /// Each load's time from its start to its verdict, in seconds (at most
+    /// [`TransferStats::MAX_LATENCIES`] per interval: an engine that never takes its stats
+    /// keeps a bounded list).
     pub load_seconds: Vec<f64>,
 }
 
 impl TransferStats {
+    /// Most load latencies kept between two takes; later ones are not noted.
+    pub const MAX_LATENCIES: usize = 4096;
+
     /// The counts so far; the next ones start from zero.
     pub fn take(&mut self) -> TransferStats {
         std::mem::take(self)
@@ -80,7 +85,9 @@ impl TransferStats {
 
     /// Note one load's latency.
     pub fn load_took(&mut self, took: Duration) {
-        self.load_seconds.push(took.as_secs_f64());
+        if self.load_seconds.len() < Self::MAX_LATENCIES {
+            self.load_seconds.push(took.as_secs_f64());
+        }
     }
 }
 
@@ -121,6 +128,18 @@ mod tests {
         assert!(s.is_empty(), "take leaves nothing behind");
         assert!(!taken.is_empty());
         assert_eq!(taken.loaded_blocks.get("file"), Some(&4));
+    }
+
+    #[test]
+    fn latencies_kept_between_takes_are_bounded() {
+        let mut s = TransferStats::default();
+        for _ in 0..TransferStats::MAX_LATENCIES + 10 {
+            s.load_took(Duration::from_millis(1));
+        }
+        assert_eq!(s.load_seconds.len(), TransferStats::MAX_LATENCIES);
+        s.take();
+        s.load_took(Duration::from_millis(1));
+        assert_eq!(s.load_seconds.len(), 1);
     }
 
     #[test]
