@@ -250,6 +250,8 @@ fn panic_stops_the_driver_and_every_call_errs(at: PanicIn) {
     assert!(!fence.is_ready());
     assert!(is_stopped(fence.poll().unwrap_err()));
     assert!(!timed("fence wait", &mut timing, || fence.wait(soon(5_000))));
+    assert!(!timed("wait_finished", &mut timing, || h
+        .wait_finished(soon(5_000))));
     assert!(
         timed("wait_report", &mut timing, || h
             .wait_report(t2, soon(5_000)))
@@ -416,6 +418,35 @@ fn a_stuck_backend_never_slows_a_call_and_loads_still_time_out() {
         timing[0], timing[1], timing[2], timing[3]
     );
 
+    // wait_finished: with nothing to take it waits until its `until`, not past it; a load's
+    // timeout verdict wakes it by that deadline.
+    let start = Instant::now();
+    assert!(!h.wait_finished(start + Duration::from_millis(30)));
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(30)
+            && waited < Duration::from_millis(30) + TICK + ALLOWANCE,
+        "wait_finished with nothing to take returned after {waited:?} (until: 30 ms)"
+    );
+    let deadline = soon(20);
+    let t = h.submit(load(&pool, be, 6000, 101, deadline)).unwrap();
+    assert!(
+        h.wait_finished(soon(2000)),
+        "the timed-out load is there to take"
+    );
+    let late = Instant::now().saturating_duration_since(deadline);
+    assert!(
+        late < TICK + ALLOWANCE,
+        "woken {late:?} after the load's deadline"
+    );
+    let f = h.get_finished();
+    assert!(
+        f.reports
+            .iter()
+            .any(|r| r.task == t && r.state == TaskState::TimedOut)
+    );
+    h.finish(RequestId(6000)).unwrap();
+
     // A preemption fence over a stuck copy holds only once the backend returns it.
     let t = h.submit(load(&pool, be, 5000, 100, soon(10_000))).unwrap();
     let fence = h.preempt(RequestId(5000)).unwrap();
@@ -436,13 +467,13 @@ fn a_stuck_backend_never_slows_a_call_and_loads_still_time_out() {
     );
     h.finish(RequestId(5000)).unwrap();
     let end = soon(1000);
-    while seen.released.len() < 1001 && Instant::now() < end {
+    while seen.released.len() < 1002 && Instant::now() < end {
         seen.take(h.get_finished());
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(
         seen.released.len(),
-        1001,
+        1002,
         "every finished request is released once"
     );
     let (st, empty) = h.stats().unwrap();

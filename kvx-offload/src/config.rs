@@ -59,6 +59,12 @@ pub struct OffloadConfig {
     /// Longest `start_step` waits for a preemption's fence before handing it back to poll
     /// (default 1; at most 1000).
     pub preempt_wait_ms: u64,
+    /// For an engine that can take a load before the forward of the step that schedules its
+    /// request (vLLM's synchronous loads): a hit whose every block is in the host tier is
+    /// loaded that way, the step's start waiting for the copy (at most the load deadline),
+    /// instead of the request waiting one more engine step for it. Hits with a block in
+    /// another tier stay asynchronous (default false).
+    pub host_loads_in_step: bool,
     /// The file tier (default: none).
     pub file: Option<FileTierConfig>,
     /// The remote tier: export finished requests to remote readers, and load from remote
@@ -79,6 +85,7 @@ impl Default for OffloadConfig {
             copy_threads: 2,
             request_idle_ms: s.request_idle.as_millis() as u64,
             preempt_wait_ms: crate::worker::DEFAULT_PREEMPT_WAIT.as_millis() as u64,
+            host_loads_in_step: false,
             file: None,
             remote: None,
         }

@@ -47,6 +47,15 @@ pub struct ReleasedLoads {
     pub ended: Vec<RequestId>,
 }
 
+impl ReleasedLoads {
+    /// Add `o`'s loads after these.
+    pub fn merge(&mut self, o: ReleasedLoads) {
+        self.finished_recving.extend(o.finished_recving);
+        self.invalid_blocks.extend(o.invalid_blocks);
+        self.ended.extend(o.ended);
+    }
+}
+
 impl LoadHoldBack {
     /// Nothing tracked.
     pub fn new() -> LoadHoldBack {
@@ -108,6 +117,12 @@ impl LoadHoldBack {
             false
         });
         released
+    }
+
+    /// True while `request`'s load is in flight or held back: the engine has not heard of
+    /// its end yet.
+    pub fn holds(&self, request: RequestId) -> bool {
+        self.loading.contains_key(&request) || self.parked.iter().any(|p| p.request == request)
     }
 
     /// Loads in flight plus loads held back (0 when idle).
@@ -222,7 +237,12 @@ mod tests {
         for meta in [local(7, &[3, 4]), remote(7, &[3, 4])] {
             let mut h = LoadHoldBack::new();
             h.step_started(&meta);
+            assert!(h.holds(RequestId(7)) && !h.holds(RequestId(8)));
             let now = h.take(&cut_short(7, &[3, 4]));
+            assert!(
+                h.holds(RequestId(7)),
+                "held back: the engine has not heard of it"
+            );
             assert_eq!(
                 now,
                 ReleasedLoads::default(),
@@ -232,6 +252,7 @@ mod tests {
             // One block released: still held.
             assert_eq!(h.take(&released(&[3])), ReleasedLoads::default());
             let now = h.take(&released(&[4]));
+            assert!(!h.holds(RequestId(7)));
             assert_eq!(now.finished_recving, vec![RequestId(7)]);
             assert_eq!(now.invalid_blocks, ids(&[3, 4]));
             assert!(h.is_empty());

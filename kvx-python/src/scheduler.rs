@@ -20,6 +20,8 @@ pub struct SchedulerSide {
     remote: Option<RemoteTierConfig>,
     /// Workers behind this side (a producer names one server per rank).
     world: u32,
+    /// `host_loads_in_step` of the config.
+    host_loads_in_step: bool,
 }
 
 #[pymethods]
@@ -47,7 +49,15 @@ impl SchedulerSide {
             inner: Mutex::new(side),
             remote: cfg.remote,
             world: tp_size * pp_size,
+            host_loads_in_step: cfg.host_loads_in_step,
         })
+    }
+
+    /// The config's `host_loads_in_step`: a hit wholly in the host tier is loaded before the
+    /// forward of the step that schedules its request.
+    #[getter]
+    fn host_loads_in_step(&self) -> bool {
+        self.host_loads_in_step
     }
 
     /// Tokens beyond `num_computed` that the tiers hold for a request whose full blocks have

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvx_core::{EngineBlockId, KvLayout, lock};
-use kvx_offload::{LoadHoldBack, OffloadBuilder, OffloadRuntime, StepStarted};
+use kvx_core::{EngineBlockId, KvLayout, RequestId, TICK, lock};
+use kvx_offload::{
+    LoadHoldBack, OffloadBuilder, OffloadRuntime, ReleasedLoads, StepStarted, WorkerOutput,
+};
 use kvx_policy::BreakerState;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -27,6 +29,27 @@ struct Running {
     hold_back: LoadHoldBack,
     /// The file tier's roots with a breaker not closed, as the last `take_stats` said.
     breakers_open: usize,
+    /// What `wait_loads` took from the worker side, for the next `get_finished`.
+    taken: Taken,
+}
+
+/// A worker output with the loads the hold-back released from it.
+#[derive(Default)]
+struct Taken {
+    out: WorkerOutput,
+    released: ReleasedLoads,
+}
+
+impl Running {
+    /// Everything that finished since the last call, this call's and what `wait_loads` took.
+    fn take_finished(&mut self) -> PyResult<Taken> {
+        let out = self.worker.get_finished().map_err(kvx_err)?;
+        let released = self.hold_back.take(&out);
+        let mut taken = std::mem::take(&mut self.taken);
+        taken.out.merge(out);
+        taken.released.merge(released);
+        Ok(taken)
+    }
 }
 
 /// The worker side over the engine's KV tensors.
@@ -123,6 +146,7 @@ impl WorkerSide {
                 store_timeout,
                 breakers_open: 0,
                 hold_back: LoadHoldBack::new(),
+                taken: Taken::default(),
             })),
             tensors: Mutex::new(owners),
             layout,
@@ -208,11 +232,7 @@ impl WorkerSide {
     /// What finished since the last call (never blocks). A load whose blocks a cut-short copy
     /// may still write is held back (with its invalid blocks) until kvx releases them.
     fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Finished<'py>> {
-        let (out, released) = self.with(|r| {
-            let out = r.worker.get_finished().map_err(kvx_err)?;
-            let released = r.hold_back.take(&out);
-            Ok((out, released))
-        })?;
+        let Taken { out, released } = self.with(Running::take_finished)?;
         let jobs = if out.jobs.is_empty() {
             Vec::new()
         } else {
@@ -225,6 +245,40 @@ impl WorkerSide {
             PyBytes::new(py, &jobs),
             released.ended.iter().map(|r| r.0).collect(),
         ))
+    }
+
+    /// Wait, at most `timeout_ms`, until the engine may hear of the end of each load of
+    /// `requests` started so far (none still in flight or held back); what finished meanwhile
+    /// stays for `get_finished`. Returns the requests whose load had not ended by then (empty:
+    /// all ended). For loads the engine takes before the step's forward (`host_loads_in_step`).
+    fn wait_loads(
+        &self,
+        py: Python<'_>,
+        requests: Vec<u64>,
+        timeout_ms: u64,
+    ) -> PyResult<Vec<u64>> {
+        let until = Instant::now() + Duration::from_millis(timeout_ms);
+        py.detach(|| {
+            loop {
+                let (left, driver) = self.with(|r| {
+                    let taken = r.take_finished()?;
+                    r.taken = taken;
+                    let left: Vec<u64> = requests
+                        .iter()
+                        .copied()
+                        .filter(|q| r.hold_back.holds(RequestId(*q)))
+                        .collect();
+                    Ok((left, r.runtime.driver().cloned()))
+                })?;
+                let now = Instant::now();
+                let Some(driver) = driver.filter(|_| !left.is_empty() && now < until) else {
+                    return Ok(left);
+                };
+                // A cut-short load waits for a fence the driver's passes do not announce: look
+                // again after one tick at most.
+                driver.wait_finished(until.min(now + TICK));
+            }
+        })
     }
 
     /// Jobs and requests in flight here, and loads held back (0 when idle).

@@ -282,6 +282,20 @@ impl DriverHandle {
         }
     }
 
+    /// Wait, at most until `until`, for something [`DriverHandle::get_finished`] would hand
+    /// out (a report or a released request); true when there is. Returns at once when there
+    /// already is, or the driver stopped; returns early (false) when the driver woke its
+    /// waiters for another reason (a fence held). Takes nothing: for callers that poll
+    /// `get_finished` until a result of theirs came.
+    pub fn wait_finished(&self, until: Instant) -> bool {
+        let mut out = lock(&self.mailbox.out);
+        let now = Instant::now();
+        if out.finished.is_empty() && now < until && self.mailbox.stopped.get().is_none() {
+            out = wait_timeout(&self.mailbox.cv, out, until - now);
+        }
+        !out.finished.is_empty()
+    }
+
     /// Tracker counters as of the driver's last pass, and whether the tracker is completely
     /// empty with no command of this driver still queued. Never blocks.
     pub fn stats(&self) -> Result<(TrackerStats, bool), CoreError> {

@@ -90,3 +90,82 @@ def test_a_stored_block_is_found_in_the_host_tier() -> None:
         assert not sched.request_finished(1)
     finally:
         worker.close()
+
+
+def test_a_load_in_step_has_ended_when_wait_loads_returns() -> None:
+    config = json.dumps({"host_blocks": 4, "host_loads_in_step": True,
+                         "timeouts": {"load_ms": 1000, "store_ms": 1000}})
+    desc, buf = kv_tensor(8)
+    per_block = BLOCK * KV_HEADS * HEAD
+    sched = SchedulerSide(config, BLOCK)
+    worker = WorkerSide(config, BLOCK, [desc], [buf], 8)
+    assert sched.host_loads_in_step and not SchedulerSide(SMALL, BLOCK).host_loads_in_step
+    try:
+        for i in range(2 * 8 * per_block):
+            buf[i] = i % 30011
+        want = [buf[b * per_block + i] for b in (0, 1) for i in range(per_block)]
+        keys = block_keys(b"unit", [b"in-step0", b"in-step1"])
+        assert sched.save_blocks(1, keys, [0, 1])
+        end = time.monotonic() + 10
+        while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
+            assert time.monotonic() < end, "the store never reached the host tier"
+            worker.start_step(sched.build_meta([])[0])
+            jobs = worker.get_finished()[3]
+            if jobs:
+                sched.update_from_worker(jobs)
+            time.sleep(0.001)
+        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
+        assert sched.update_state_after_alloc(2, [4, 5])
+        step, loads, _ = sched.build_meta([])
+        assert loads == [2]
+        worker.start_step(step)
+        assert worker.wait_loads([2], 5000) == []
+        # Ended: the bytes are in blocks 4 and 5 (first half of the K/V axis), before any
+        # get_finished, which then reports it.
+        got = [buf[b * per_block + i] for b in (4, 5) for i in range(per_block)]
+        assert got == want
+        sending, recving, invalid, jobs, _ = worker.get_finished()
+        assert (sending, recving, invalid) == ([], [2], [])
+        sched.update_from_worker(jobs)
+        assert sched.job_count() == 0
+        # Nothing in flight: a request with no load is not waited for.
+        t = time.monotonic()
+        assert worker.wait_loads([2, 9], 5000) == []
+        assert time.monotonic() - t < 0.5
+    finally:
+        worker.close()
+
+
+def test_a_failed_load_in_step_is_reported_when_wait_loads_returns() -> None:
+    # The scheduler's index says the host tier holds two blocks; this worker's host tier is
+    # empty (another worker stored them): the load fails at once, and its invalid blocks are
+    # there for the same step's get_finished.
+    config = json.dumps({"host_blocks": 4, "host_loads_in_step": True,
+                         "timeouts": {"load_ms": 1000, "store_ms": 1000}})
+    desc_a, buf_a = kv_tensor(8)
+    desc_b, buf_b = kv_tensor(8)
+    sched = SchedulerSide(config, BLOCK)
+    storer = WorkerSide(config, BLOCK, [desc_a], [buf_a], 8)
+    loader = WorkerSide(config, BLOCK, [desc_b], [buf_b], 8)
+    try:
+        keys = block_keys(b"unit", [b"other0", b"other1"])
+        assert sched.save_blocks(1, keys, [0, 1])
+        end = time.monotonic() + 10
+        while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
+            assert time.monotonic() < end, "the store never reached the host tier"
+            storer.start_step(sched.build_meta([])[0])
+            jobs = storer.get_finished()[3]
+            if jobs:
+                sched.update_from_worker(jobs)
+            time.sleep(0.001)
+        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
+        assert sched.update_state_after_alloc(2, [4, 5])
+        loader.start_step(sched.build_meta([])[0])
+        assert loader.wait_loads([2], 5000) == []
+        _, recving, invalid, jobs, _ = loader.get_finished()
+        assert recving == [2] and sorted(invalid) == [4, 5]
+        sched.update_from_worker(jobs)
+        assert sched.job_count() == 0
+    finally:
+        storer.close()
+        loader.close()

@@ -42,6 +42,38 @@ def test_host_tier_hit(tmp_path):
         e.close()
 
 
+def test_host_tier_hit_loads_in_the_step_that_schedules_it(tmp_path):
+    e = Engine(tmp_path, {"host_blocks": 32, "host_loads_in_step": True})
+    try:
+        p = prompt(1, 4 * BLOCK + 6)
+        e.add("a", p)
+        e.run()
+        e.add("b", p)
+        e.run()
+        st = e.conn.stats()
+        assert (st["host_hit_blocks"], st["file_hit_blocks"], st["hit_tokens"]) == (4, 0, 4 * BLOCK)
+        b = e.tracked["b"]
+        # Scheduled at once: never waiting for the load, never in finished_recving; its blocks
+        # were exact before its first forward (the harness checks them there).
+        assert b.wait_started == [] and "b" not in e.recv_reported
+        assert b.verified == 4 and b.finished_status == DONE
+        assert e.invalid_reported == []
+        # A hit of a whole prompt loads asynchronously: vLLM computes at least one token in the
+        # step that schedules a request.
+        q = prompt(2, 4 * BLOCK)
+        e.add("c", q)
+        e.run()
+        e.add("d", q)
+        e.run()
+        d = e.tracked["d"]
+        assert len(d.wait_started) == 1 and "d" in e.recv_reported
+        # (Checked below the token vLLM recomputes: the first 3 blocks.)
+        assert d.verified == 3 and d.finished_status == DONE
+        assert e.idle(), e.state()
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize("io_engine", ["uring", "psync"])
 def test_file_tier_hit_after_restart(tmp_path, io_engine):
     d = file_dir(tmp_path)

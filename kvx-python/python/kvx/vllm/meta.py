@@ -17,22 +17,25 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     ids, request numbers); ``loads`` and ``delayed``: vLLM's request id of each request number
     whose load starts, and whose freeing waits for its stores, this step; ``abandoned``: request
     numbers that finished while their load was in flight (vLLM frees their blocks once the load
-    is reported in ``finished_recving``).
+    is reported in ``finished_recving``); ``in_step``: request numbers whose load this step's
+    forward reads (``host_loads_in_step``: never in ``loads``, never in ``finished_recving``).
     """
 
-    __slots__ = ("abandoned", "delayed", "loads", "step")
+    __slots__ = ("abandoned", "delayed", "in_step", "loads", "step")
 
-    def __init__(self, step: bytes, loads: dict[int, str], delayed: dict[int, str], abandoned: list[int]):
+    def __init__(self, step: bytes, loads: dict[int, str], delayed: dict[int, str], abandoned: list[int],
+                 in_step: list[int] | None = None):
         self.step = step
         self.loads = loads
         self.delayed = delayed
         self.abandoned = abandoned
+        self.in_step = in_step or []
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return (self.step, self.loads, self.delayed, self.abandoned)
+        return (self.step, self.loads, self.delayed, self.abandoned, self.in_step)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.step, self.loads, self.delayed, self.abandoned = state
+        self.step, self.loads, self.delayed, self.abandoned, self.in_step = state
 
 
 class KvxWorkerMetadata(KVConnectorWorkerMetadata):

@@ -26,6 +26,9 @@ class _Req:
     # Blocks from this index on are never offered again: a load of one of them failed (vLLM
     # recomputes from there; offering it again would retry the same failure forever).
     cap: int | None = None
+    # The last match loads before the forward of the step that schedules the request
+    # (``host_loads_in_step``): vLLM never waits for it in finished_recving.
+    in_step: bool = False
 
 
 @dataclass
@@ -63,6 +66,8 @@ class SchedulerSide:
         self.names: dict[int, str] = {}
         # Request ids whose load is queued and not yet reported in finished_recving.
         self.loading: set[str] = set()
+        # Request numbers whose load this step's forward waits for (host_loads_in_step).
+        self._in_step: list[int] = []
         # Finished requests vLLM still hears about (finished_sending / finished_recving).
         self.finished: dict[str, int] = {}
         self._abandoned: list[int] = []
@@ -105,7 +110,11 @@ class SchedulerSide:
         tokens, host, file = found
         r.local_tokens = num_computed_tokens
         r.hit = (host, file)
-        return tokens, tokens > 0
+        # vLLM computes at least one token in the step that schedules a request: a hit of the
+        # whole prompt loads asynchronously (vLLM then recomputes its last token).
+        r.in_step = (tokens > 0 and file == 0 and self.native.host_loads_in_step
+                     and num_computed_tokens + tokens < request.num_tokens)
+        return tokens, tokens > 0 and not r.in_step
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.disagg is not None:
@@ -124,8 +133,12 @@ class SchedulerSide:
             self._load_started(request.request_id, r, num_external_tokens)
 
     def _load_started(self, req_id: str, r: _Req, num_external_tokens: int) -> None:
-        """A load was planned for ``req_id``: it is loading, and counted."""
-        self.loading.add(req_id)
+        """A load was planned for ``req_id``: it is loading (before this step's forward, or
+        until reported in finished_recving), and counted."""
+        if r.in_step:
+            self._in_step.append(r.number)
+        else:
+            self.loading.add(req_id)
         self.stats.loads += 1
         self.stats.hit_tokens += num_external_tokens
         self.stats.host_hit_blocks += r.hit[0]
@@ -178,11 +191,13 @@ class SchedulerSide:
                 self.stats.store_jobs += 1
         abandoned, self._abandoned = self._abandoned, []
         step, loads, delayed = self.native.build_meta(abandoned)
+        in_step, self._in_step = self._in_step, []
         return KvxConnectorMetadata(
             step,
-            {n: self.names[n] for n in loads},
+            {n: self.names[n] for n in loads if n not in in_step},
             {n: self.names[n] for n in delayed},
             abandoned,
+            in_step,
         )
 
     def update_connector_output(self, out: Any) -> None:

@@ -52,6 +52,8 @@ class WorkerSide:
         self._ordered: KvxConnectorMetadata | None = None
         timeouts = settings.values["timeouts"]
         self._fence_ms = int(max(timeouts["load_ms"], timeouts["store_ms"])) + 1000
+        # A load the forward reads ends by its deadline; a cut-short copy's fence holds soon after.
+        self._in_step_ms = int(timeouts["load_ms"]) + 1000
 
     def register(self, kv_caches: dict) -> None:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
@@ -139,6 +141,13 @@ class WorkerSide:
             # The rest of the step was done; only a preemption fence ran past the store deadline
             # (a stuck copy). Any other error (driver stopped, bad metadata) propagates.
             logger.error("kvx: %s", e)
+        if meta.in_step:
+            # The forward reads these blocks: their loads end (or fail, reported through
+            # get_block_ids_with_load_errors after this forward) before it starts.
+            left = self.native.wait_loads(meta.in_step, self._in_step_ms)
+            if left:
+                logger.error("kvx: loads of requests %s did not end within %d ms before the forward",
+                             left, self._in_step_ms)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending, finished_recving) as vLLM request ids; never blocks."""
