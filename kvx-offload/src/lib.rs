@@ -86,6 +86,7 @@ mod file_hook;
 mod hold_back;
 mod manager;
 mod meta;
+mod page_store;
 mod remote;
 mod scheduler;
 mod store_skips;
@@ -107,6 +108,7 @@ pub use meta::{
     ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, NO_REQUEST, RemoteLoadJob, StepMeta,
     StoreJob, WorkerOutput, WriteBackJob,
 };
+pub use page_store::PageStore;
 pub use remote::{
     MAX_REMOTE_BLOCKS, REMOTE_TASK_BLOCKS, REMOTE_TASKS, RemoteSource, RemoteTierConfig,
     remote_task_blocks,

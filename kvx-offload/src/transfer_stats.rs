@@ -83,6 +83,33 @@ impl TransferStats {
         add(&mut self.store_skipped_blocks, reason, blocks);
     }
 
+    /// Add `other`'s counts (a scheduler half's skips to its worker half's transfers); its
+    /// latencies are kept up to [`TransferStats::MAX_LATENCIES`].
+    pub fn merge(&mut self, other: TransferStats) {
+        for (map, from) in [
+            (&mut self.loaded_blocks, other.loaded_blocks),
+            (&mut self.loaded_bytes, other.loaded_bytes),
+            (&mut self.stored_blocks, other.stored_blocks),
+            (&mut self.stored_bytes, other.stored_bytes),
+            (&mut self.store_skipped_blocks, other.store_skipped_blocks),
+        ] {
+            for (k, n) in from {
+                add(map, k, n);
+            }
+        }
+        for (map, from) in [
+            (&mut self.load_failed_blocks, other.load_failed_blocks),
+            (&mut self.store_failed_blocks, other.store_failed_blocks),
+        ] {
+            for (k, n) in from {
+                add(map, k, n);
+            }
+        }
+        let room = Self::MAX_LATENCIES.saturating_sub(self.load_seconds.len());
+        self.load_seconds
+            .extend(other.load_seconds.into_iter().take(room));
+    }
+
     /// Note one load's latency.
     pub fn load_took(&mut self, took: Duration) {
         if self.load_seconds.len() < Self::MAX_LATENCIES {
@@ -140,6 +167,33 @@ mod tests {
         s.take();
         s.load_took(Duration::from_millis(1));
         assert_eq!(s.load_seconds.len(), 1);
+    }
+
+    #[test]
+    fn merge_adds_counts_and_keeps_latencies_bounded() {
+        let mut a = TransferStats::default();
+        a.record(Direction::Load, "file", 2, ["timed_out"], 2 << 20);
+        a.load_took(Duration::from_millis(5));
+        let mut b = TransferStats::default();
+        b.record(
+            Direction::Load,
+            "file",
+            3,
+            ["timed_out", "corrupt"],
+            3 << 20,
+        );
+        b.skipped("no_room", 7);
+        for _ in 0..TransferStats::MAX_LATENCIES {
+            b.load_took(Duration::from_millis(1));
+        }
+        a.merge(b);
+        assert_eq!(a.loaded_blocks.get("file"), Some(&5));
+        assert_eq!(a.loaded_bytes.get("file"), Some(&(5 << 20)));
+        assert_eq!(a.load_failed_blocks.get(&("file", "timed_out")), Some(&2));
+        assert_eq!(a.load_failed_blocks.get(&("file", "corrupt")), Some(&1));
+        assert_eq!(a.store_skipped_blocks.get("no_room"), Some(&7));
+        assert_eq!(a.load_seconds.len(), TransferStats::MAX_LATENCIES);
+        assert_eq!(a.load_seconds[0], 0.005);
     }
 
     #[test]

@@ -260,6 +260,12 @@ impl SchedulerSide {
         }
     }
 
+    /// The tiers of the longest prefix of `keys` the tiers hold (probing a shared file tier,
+    /// as a request's lookup does), without a request: a storage backend's "exists".
+    pub fn lookup(&mut self, keys: &[BlockKey]) -> Lookup {
+        self.lookup_with_probes(keys)
+    }
+
     /// The tier of each block the last [`SchedulerSide::get_num_new_matched_tokens`] of `req`
     /// matched, in order (empty when it matched nothing or the match was loaded since): what
     /// that lookup found, without looking again.
