@@ -14,7 +14,7 @@
 //! file tier hold different blocks and their capacities add up; another node sees a block once
 //! its node's host tier let it go.
 
-use std::time::Instant;
+use std::time::SystemTime;
 
 use kvx_core::BlockKey;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -72,7 +72,7 @@ pub struct OffloadManager {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct WriteBack {
     /// Keys now being stored in the file tier, each with its last use in the host tier.
-    pub keys: Vec<(BlockKey, Instant)>,
+    pub keys: Vec<(BlockKey, SystemTime)>,
     /// File-tier keys evicted from the index to make room (forget them).
     pub evicted_file: Vec<BlockKey>,
 }
@@ -119,7 +119,7 @@ impl OffloadManager {
             .map(|e| e.0)
             .filter(|k| !f.is_stored(*k) && !f.is_storing(*k))
             .collect();
-        let mut used: FxHashMap<BlockKey, Instant> = evicted.into_iter().collect();
+        let mut used: FxHashMap<BlockKey, SystemTime> = evicted.into_iter().collect();
         match f.prepare_store(&candidates) {
             Ok(plan) => WriteBack {
                 keys: plan
@@ -464,7 +464,7 @@ mod tests {
             WriteBack::default(),
             "nothing left yet"
         );
-        let t1 = Instant::now();
+        let t1 = SystemTime::now();
         m.touch(&[k(1)]);
         let d = m.prepare_store(&[k(3), k(4)]);
         assert_eq!(d.evicted_host.len(), 2);
@@ -472,7 +472,7 @@ mod tests {
         // k(9) is already in the file tier: only k(1) is written, with its last use.
         assert_eq!(wb.keys.len(), 1);
         assert_eq!(wb.keys[0].0, k(1));
-        assert!(wb.keys[0].1 >= t1 && wb.keys[0].1 <= Instant::now());
+        assert!(wb.keys[0].1 >= t1 && wb.keys[0].1 <= SystemTime::now());
         assert!(m.is_storing(Tier::File, k(1)));
         assert_eq!(m.lookup(&[k(1)]), Lookup::Retry, "being written back");
         m.complete_store(Tier::File, &[k(1)], true);

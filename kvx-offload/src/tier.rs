@@ -1,7 +1,7 @@
 //! The index of one tier: which blocks it holds, which are being stored, which are pinned by a
 //! load, and the eviction order over the rest.
 
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use kvx_core::BlockKey;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -28,8 +28,10 @@ struct Entry {
     pins: u32,
     /// When the block became stored here (or when its store began, while `!stored`).
     since: Instant,
-    /// When the block was last stored, loaded or looked up here.
-    used: Instant,
+    /// When the block was last stored, loaded or looked up here, by the wall clock: what a
+    /// write-back gives its file as modification time (read at the use, never converted from
+    /// the monotonic clock later, which a wall-clock adjustment in between would shift).
+    used: SystemTime,
 }
 
 impl Entry {
@@ -40,7 +42,7 @@ impl Entry {
             doomed: false,
             pins: 0,
             since: now,
-            used: now,
+            used: SystemTime::now(),
         }
     }
 }
@@ -62,7 +64,7 @@ pub(crate) struct TierIndex {
     order: Box<dyn EvictionOrder>,
     /// With [`TierIndex::record_evictions`]: blocks evicted since the last
     /// [`TierIndex::take_evicted`], with their last use.
-    evicted_log: Option<Vec<(BlockKey, Instant)>>,
+    evicted_log: Option<Vec<(BlockKey, SystemTime)>>,
     /// Doomed blocks whose data exists and that just left the index (their last pin ended, or
     /// their store completed): the tier must drop them ([`TierIndex::take_dropped`]).
     dropped: Vec<BlockKey>,
@@ -195,7 +197,7 @@ impl TierIndex {
                 } else if success {
                     e.stored = true;
                     e.since = Instant::now();
-                    e.used = e.since;
+                    e.used = SystemTime::now();
                     self.order.insert(*k);
                 } else {
                     // A block that never became visible: any pin on it came from a stale plan.
@@ -210,7 +212,7 @@ impl TierIndex {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.pins += 1;
-                e.used = Instant::now();
+                e.used = SystemTime::now();
                 if !e.doomed {
                     self.order.touch(*k);
                 }
@@ -262,7 +264,7 @@ impl TierIndex {
 
     /// Mark keys recently used.
     pub(crate) fn touch(&mut self, keys: &[BlockKey]) {
-        let now = Instant::now();
+        let now = SystemTime::now();
         for k in keys {
             if let Some(e) = self.entries.get_mut(k)
                 && e.stored
@@ -281,7 +283,7 @@ impl TierIndex {
 
     /// Blocks evicted to make room since the last call, each with its last use (always empty
     /// without [`TierIndex::record_evictions`]).
-    pub(crate) fn take_evicted(&mut self) -> Vec<(BlockKey, Instant)> {
+    pub(crate) fn take_evicted(&mut self) -> Vec<(BlockKey, SystemTime)> {
         self.evicted_log
             .as_mut()
             .map_or_else(Vec::new, std::mem::take)
@@ -452,9 +454,9 @@ mod tests {
         assert!(t.take_evicted().is_empty(), "not recorded unless asked");
         t.complete_store(&keys(2..3), true);
         t.record_evictions();
-        let before = Instant::now();
+        let before = SystemTime::now();
         t.touch(&[BlockKey(1)]);
-        let after = Instant::now();
+        let after = SystemTime::now();
         t.prepare_store(&keys(3..5)).unwrap();
         let log = t.take_evicted();
         let evicted: Vec<BlockKey> = log.iter().map(|e| e.0).collect();

@@ -141,7 +141,7 @@ pub struct SchedulerSide {
     /// The newest listing of the shared file tier taken into account.
     listing_pass: u64,
     /// Write-back: blocks that left the host tier, to write in this step's write-back job.
-    write_back_pending: Vec<(BlockKey, Instant)>,
+    write_back_pending: Vec<(BlockKey, SystemTime)>,
     /// Write-back jobs in flight: their keys, each with its last use.
     write_backs: FxHashMap<JobId, Vec<(BlockKey, SystemTime)>>,
     /// Workers behind this half (see [`SchedulerSide::set_world`]).

@@ -2,7 +2,7 @@
 //! the mount past this node's index, forgetting blocks a listing of the mount shows gone, and
 //! writing blocks back into the mount as they leave the host tier.
 
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 
 use kvx_core::BlockKey;
 use rustc_hash::FxHashSet;
@@ -36,14 +36,9 @@ impl SchedulerSide {
             return;
         }
         let job = self.job_id();
-        let (now, wall) = (Instant::now(), SystemTime::now());
-        let pending = std::mem::take(&mut self.write_back_pending);
-        let keys = pending.iter().map(|(k, _)| *k).collect();
+        let used = std::mem::take(&mut self.write_back_pending);
+        let keys = used.iter().map(|(k, _)| *k).collect();
         self.meta.write_back.push(WriteBackJob { job, keys });
-        let used = pending
-            .into_iter()
-            .map(|(k, t)| (k, wall - now.saturating_duration_since(t)))
-            .collect();
         self.write_backs.insert(job, used);
     }
 
