@@ -146,6 +146,7 @@ impl PageStore {
     /// How many of `keys`, from the first, the tiers hold now. A block being stored or a
     /// shared mount being probed is waited for, up to the load timeout.
     pub fn exists(&self, keys: &[BlockKey]) -> Result<usize, OffloadError> {
+        self.check_open()?;
         let until = Instant::now() + self.load_timeout;
         self.lookup(keys, until)
     }
@@ -159,6 +160,7 @@ impl PageStore {
         keys: &[BlockKey],
         pages: &[EngineBlockId],
     ) -> Result<Vec<bool>, OffloadError> {
+        self.check_open()?;
         check_lengths(keys, pages)?;
         let until = Instant::now() + self.load_timeout;
         let mut h = lock(&self.halves);
@@ -220,6 +222,7 @@ impl PageStore {
         keys: &[BlockKey],
         pages: &[EngineBlockId],
     ) -> Result<Vec<bool>, OffloadError> {
+        self.check_open()?;
         check_lengths(keys, pages)?;
         let until = Instant::now() + self.store_timeout + Self::MARGIN;
         let mut h = lock(&self.halves);
@@ -260,6 +263,7 @@ impl PageStore {
 
     /// Forget every block the tiers hold (their files are removed): no call finds one again.
     pub fn clear(&self) -> Result<(), OffloadError> {
+        self.check_open()?;
         let mut h = lock(&self.halves);
         h.sched.reset_cache();
         h.poll()
@@ -274,11 +278,34 @@ impl PageStore {
         s
     }
 
-    /// Stop the driver: no kvx thread touches the engine's memory once this returns; later
-    /// calls fail.
+    /// Finish what was accepted (the file writes of earlier stores), waiting at most the
+    /// store timeout, then stop the driver: no kvx thread touches the engine's memory once
+    /// this returns; later calls fail.
     pub fn close(&self) {
-        if let Some(rt) = lock(&self.runtime).take() {
-            rt.shutdown();
+        let Some(rt) = lock(&self.runtime).take() else {
+            return;
+        };
+        {
+            let mut h = lock(&self.halves);
+            match h.worker.drain(self.store_timeout) {
+                Ok(out) => h.sched.update_from_worker(&out),
+                Err(e) => error!(error = %e, "closing the page store: its driver had stopped"),
+            }
+            let left = h.worker.in_flight();
+            if left > 0 {
+                error!(
+                    left,
+                    "closing the page store: transfers still out at the store timeout are abandoned"
+                );
+            }
+        }
+        rt.shutdown();
+    }
+
+    fn check_open(&self) -> Result<(), OffloadError> {
+        match lock(&self.runtime).is_some() {
+            true => Ok(()),
+            false => Err(stopped("the page store is closed")),
         }
     }
 
@@ -326,6 +353,12 @@ impl Drop for PageStore {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+fn stopped(reason: &str) -> OffloadError {
+    OffloadError::Core(kvx_core::CoreError::DriverStopped {
+        reason: reason.into(),
+    })
 }
 
 fn check_lengths(keys: &[BlockKey], pages: &[EngineBlockId]) -> Result<(), OffloadError> {

@@ -132,6 +132,27 @@ fn round_trip_and_exists() -> Result<(), Failed> {
     Ok(())
 }
 
+fn close_writes_what_it_accepted() -> Result<(), Failed> {
+    // Every page fits the host tier: the call returns before the files are written, and the
+    // close that follows at once still writes them.
+    let dir = tempfile::tempdir()?;
+    let ks = keys(6, 5, 0, 0);
+    let (s, mut arena) = store(dir.path(), &Opts::default())?;
+    fill(&mut arena, &ks, &pages(0..5))?;
+    check(s.store(&ks, &pages(0..5))? == vec![true; 5], "stored")?;
+    s.close();
+    check(
+        block_files(dir.path()) == 5,
+        "the close wrote every accepted page",
+    )?;
+    check(s.exists(&ks).is_err(), "a closed store refuses calls")?;
+    drop(s);
+    let (s, _arena) = store(dir.path(), &Opts::default())?;
+    check(s.exists(&ks)? == 5, "a fresh store finds them")?;
+    drop(s);
+    Ok(())
+}
+
 fn corrupt_file_fails_its_page() -> Result<(), Failed> {
     let dir = tempfile::tempdir()?;
     let o = Opts::default();
@@ -308,6 +329,10 @@ fn main() {
     }
     let trials = vec![
         Trial::test("round_trip_and_exists", round_trip_and_exists),
+        Trial::test(
+            "close_writes_what_it_accepted",
+            close_writes_what_it_accepted,
+        ),
         Trial::test("corrupt_file_fails_its_page", corrupt_file_fails_its_page),
         Trial::test(
             "frozen_mount_ends_a_load_by_its_deadline",
