@@ -22,8 +22,9 @@ except ImportError as e:
     pytest.skip(f"sglang is not installed ({e})", allow_module_level=True)
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 PAGE = 4
@@ -56,11 +57,33 @@ def host_pool(layout: str = "page_first", dtype: torch.dtype = torch.bfloat16, p
     return host
 
 
+def mla_host_pool(layout: str = "page_first") -> Any:
+    """A real MLA host pool (latent KV of 16 + rope of 8 per token) in host memory, filled."""
+    kv = MLATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=1)
+    host = MLATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=kv.size,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        target_layer_num=LAYERS,
+    )
+    fill(host)
+    return host
+
+
 def fill(host: Any) -> None:
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.kv_buffer.dtype))
 
 
-def storage_config(kvx: dict, *, tp_rank: int = 0, tp_size: int = 1, model: str = "kvx-test", **extra: Any) -> Any:
+def storage_config(
+    kvx: dict, *, tp_rank: int = 0, tp_size: int = 1, model: str = "kvx-test", mla: bool = False, **extra: Any
+) -> Any:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -68,7 +91,7 @@ def storage_config(kvx: dict, *, tp_rank: int = 0, tp_size: int = 1, model: str 
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=True,
         model_name=model,

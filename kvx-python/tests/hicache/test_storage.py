@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from pools import LAYOUTS, PAGE, backend, file_tier, host_pool, indices, page_bytes, storage_config
+from pools import LAYOUTS, PAGE, backend, file_tier, host_pool, indices, mla_host_pool, page_bytes, storage_config
 
 # kvx's page store returns by its deadline plus a margin of 500 ms (PageStore::MARGIN); the
 # tests hold it to one tick plus 50 ms, the bound of "on time" here.
@@ -37,11 +37,13 @@ def block_files(root: Path) -> list[Path]:
     return sorted(root.rglob("*.kvb"))
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pages_round_trip_through_both_tiers_and_into_a_fresh_backend(tmp_path: Path, layout: str) -> None:
+def test_pages_round_trip_through_both_tiers_and_into_a_fresh_backend(tmp_path: Path, layout: str, mla: bool) -> None:
     root = tmp_path / "kvx"
-    config = storage_config(file_tier(root, host_blocks=4))
-    host = host_pool(layout)
+    config = storage_config(file_tier(root, host_blocks=4), mla=mla)
+    pool = mla_host_pool if mla else host_pool
+    host = pool(layout)
     b = backend(config, host)
     ks = keys(8)
     expect = stored(host, 0, 8)
@@ -59,7 +61,7 @@ def test_pages_round_trip_through_both_tiers_and_into_a_fresh_backend(tmp_path: 
     assert len(block_files(root)) == 8
 
     # A fresh backend (a restarted server) over another pool of the same shape: file hits.
-    host2 = host_pool(layout)
+    host2 = pool(layout)
     b2 = backend(config, host2)
     assert b2.batch_exists(ks) == 8
     assert b2.batch_get_v1(ks[:5], indices(3, 5)) == [True] * 5
