@@ -52,10 +52,11 @@ elif [ "$have" != "$want" ]; then
 fi
 # SGLang for tests/hicache (kvx as SGLang's HiCache storage backend): sglang without its GPU
 # stack. The venv's vLLM already brought torch and nearly everything SGLang's storage modules
-# import; IPython and gguf are the rest. --no-deps keeps vLLM's pins (pip check then lists
-# SGLang's own exact pins, which its storage code does not need).
+# import; IPython and gguf are the rest, and ninja, with which torch builds SGLang's page-hash
+# extension on first use (tests/hicache/test_controller.py). --no-deps keeps vLLM's pins (pip
+# check then lists SGLang's own exact pins, which its storage code does not need).
 "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("sglang") == "0.5.23"' 2>/dev/null || {
-    "$venv/bin/python" -m pip install --quiet IPython gguf
+    "$venv/bin/python" -m pip install --quiet IPython gguf ninja
     "$venv/bin/python" -m pip install --quiet --no-deps "sglang==0.5.23"
 }
 # The test tools, where missing (an installed one is kept as it is).
