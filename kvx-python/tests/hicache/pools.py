@@ -35,16 +35,20 @@ DEVICE_TOKENS = 64
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-def host_pool(layout: str = "page_first", dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
-    """A real MHA host pool (2x the device pool) in host memory, filled with random values."""
-    kv = MHATokenToKVPool(
+def device_pool(dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
+    """A real MHA device pool, in host memory (SGLang's CPU device)."""
+    return MHATokenToKVPool(
         DEVICE_TOKENS, page, dtype, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
     )
+
+
+def mha_host(kv: Any, layout: str) -> Any:
+    """A real MHA host pool of twice ``kv``'s size in host memory, filled with random values."""
     host = MHATokenToKVPoolHost(
         kv.get_device_pool_infos()[0].buffer_info,
         2,
         0,
-        page,
+        kv.page_size,
         layout,
         pin_memory=False,
         device="cpu",
@@ -55,6 +59,11 @@ def host_pool(layout: str = "page_first", dtype: torch.dtype = torch.bfloat16, p
     )
     fill(host)
     return host
+
+
+def host_pool(layout: str = "page_first", dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
+    """A real MHA host pool over a fresh device pool, filled with random values."""
+    return mha_host(device_pool(dtype, page), layout)
 
 
 def mla_host_pool(layout: str = "page_first") -> Any:

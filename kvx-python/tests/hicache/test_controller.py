@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from pools import DEVICE_TOKENS, HEAD_DIM, HEADS, LAYERS, PAGE, file_tier, fill, page_bytes
+from kvx.testing import frozen_mount
+
+from pools import DEVICE_TOKENS, PAGE, device_pool, file_tier, fill, mha_host, page_bytes
 
 # SGLang hashes pages with a C++ extension that torch builds on first use with ninja, which
 # ci.sh installs into the venv: found on PATH next to the interpreter.
@@ -33,30 +34,14 @@ def controller(tmp_path: Path, kvx: dict) -> Iterator[tuple[Any, Any]]:
     # SGLang's modules are imported here, after pools (which skips the module without sglang).
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.runtime_context import get_parallel
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-            kv = MHATokenToKVPool(
-                DEVICE_TOKENS, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=1
-            )
+            kv = device_pool()
             allocator = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", kv, False)
-            host = MHATokenToKVPoolHost(
-                kv.get_device_pool_infos()[0].buffer_info,
-                2,
-                0,
-                PAGE,
-                "page_first",
-                pin_memory=False,
-                device="cpu",
-                device_capacity_tokens=kv.size,
-                start_layer=kv.start_layer,
-                end_layer=kv.end_layer,
-                write_back_staging=kv.hicache_write_back_staging,
-            )
+            host = mha_host(kv, "page_first")
             extra = {
                 "backend_name": "kvx",
                 "module_path": "kvx.sglang",
@@ -136,20 +121,10 @@ def test_backup_then_prefetch_through_kvx_byte_exact(tmp_path: Path) -> None:
 
 
 def test_a_prefetch_from_a_frozen_mount_ends_by_kvx_deadline(tmp_path: Path) -> None:
-    from kvx.testing import FrozenMount
-
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: frozen-mount controller test: {reason}")
-        pytest.skip(reason)
-    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mnt.mkdir()
-    mount = FrozenMount(str(mnt), str(backing))
     load_ms = 300
-    # A host tier of one block: the pages are read from the (frozen) file tier.
-    kvx = file_tier(mnt, host_blocks=1, timeouts={"load_ms": load_ms, "store_ms": 5000})
-    try:
+    with frozen_mount(tmp_path, "frozen-mount controller test") as (mount, mnt):
+        # A host tier of one block: the pages are read from the (frozen) file tier.
+        kvx = file_tier(mnt, host_blocks=1, timeouts={"load_ms": load_ms, "store_ms": 5000})
         with controller(tmp_path, kvx) as (cc, host):
             tokens = list(range(500, 500 + 6 * PAGE))
             backup(cc, host, tokens)
@@ -163,5 +138,3 @@ def test_a_prefetch_from_a_frozen_mount_ends_by_kvx_deadline(tmp_path: Path) -> 
             mount.thaw()
             loaded, _, _ = prefetch(cc, host, "r2", tokens)
             assert loaded == len(tokens)
-    finally:
-        mount.close()

@@ -14,7 +14,19 @@ from typing import Any
 import pytest
 import torch
 
-from pools import LAYOUTS, PAGE, backend, file_tier, host_pool, indices, mla_host_pool, page_bytes, storage_config
+from kvx.testing import frozen_mount
+
+from pools import (
+    LAYOUTS,
+    PAGE,
+    backend,
+    file_tier,
+    host_pool,
+    indices,
+    mla_host_pool,
+    page_bytes,
+    storage_config,
+)
 
 # kvx's page store returns by its deadline plus a margin of 500 ms (PageStore::MARGIN); the
 # tests hold it to one tick plus 50 ms, the bound of "on time" here.
@@ -123,24 +135,16 @@ def test_a_corrupt_file_fails_its_page_and_a_later_store_repairs_it(tmp_path: Pa
 
 
 def test_a_frozen_mount_ends_each_call_by_its_deadline(tmp_path: Path) -> None:
-    from kvx.testing import FrozenMount
-
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: frozen-mount test: {reason}")
-        pytest.skip(reason)
-    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mnt.mkdir()
-    mount = FrozenMount(str(mnt), str(backing))
     load_ms = 300
-    kvx = file_tier(
-        mnt,
-        timeouts={"load_ms": load_ms, "store_ms": load_ms},
-    )
-    kvx["file"]["breaker"] = {"failure_threshold": 3, "window_ms": 10000, "cool_down_ms": 300, "probe_deadline_ms": 300}
-    config = storage_config(kvx)
-    try:
+    with frozen_mount(tmp_path, "frozen-mount test") as (mount, mnt):
+        kvx = file_tier(mnt, timeouts={"load_ms": load_ms, "store_ms": load_ms})
+        kvx["file"]["breaker"] = {
+            "failure_threshold": 3,
+            "window_ms": 10000,
+            "cool_down_ms": 300,
+            "probe_deadline_ms": 300,
+        }
+        config = storage_config(kvx)
         host = host_pool()
         b = backend(config, host)
         ks = keys(6)
@@ -173,8 +177,6 @@ def test_a_frozen_mount_ends_each_call_by_its_deadline(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert holds(host2, 20, expect)
         b2.close()
-    finally:
-        mount.close()
 
 
 def test_sglangs_fault_wrapper_never_gets_wrong_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from harness import Engine
 
 
@@ -21,18 +19,10 @@ def stored_behind_frozen_mount(
     make it the file tier of ``extra`` (its other keys kept), let a first engine store
     ``prompts`` there and go, and yield (the mount, not frozen yet; the engine config). The
     mount is closed afterwards, releasing any file operation still stuck in it."""
-    from kvx.testing import FrozenMount
+    from kvx.testing import frozen_mount
 
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: {test}: {reason}")
-        pytest.skip(reason)
-    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir(exist_ok=True)
-    mnt.mkdir(exist_ok=True)
-    mount = FrozenMount(str(mnt), str(backing))
-    config = {**extra, "file": {"roots": [str(mnt)], "blocks": 16384}}
-    try:
+    with frozen_mount(tmp_path, test) as (mount, mnt):
+        config = {**extra, "file": {"roots": [str(mnt)], "blocks": 16384}}
         e = Engine(tmp_path, config)
         try:
             for i, p in enumerate(prompts):
@@ -40,10 +30,8 @@ def stored_behind_frozen_mount(
             e.run()
         finally:
             e.close()
-        assert any(backing.rglob("*.kvb")), "the first engine stored blocks in the file tier"
+        assert any((tmp_path / "backing").rglob("*.kvb")), "the first engine stored blocks in the file tier"
         yield mount, config
-    finally:
-        mount.close()
 
 
 def loads_and_stores_stuck(e: Any) -> bool:

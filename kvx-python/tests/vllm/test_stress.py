@@ -495,17 +495,9 @@ os.write(1, b"done\\n")
 def test_a_frozen_file_tier_at_start_up_leaves_the_gil_free(tmp_path, build):
     """Building the scheduler side (and reading the config, as the worker side does) waits for
     the file-tier mount; while it waits, the process's other Python threads go on."""
-    from kvx.testing import FrozenMount
+    from kvx.testing import frozen_mount
 
-    reason = FrozenMount.unavailable()
-    if reason is not None:
-        print(f"skip: test_a_frozen_file_tier_at_start_up_leaves_the_gil_free: {reason}")
-        pytest.skip(reason)
-    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    mnt.mkdir()
-    mount = FrozenMount(str(mnt), str(backing))
-    try:
+    with frozen_mount(tmp_path, "test_a_frozen_file_tier_at_start_up_leaves_the_gil_free") as (mount, mnt):
         mount.freeze()
         child = subprocess.Popen([sys.executable, "-c", _GIL_CHILD, build, str(mnt)], stdout=subprocess.PIPE,
                                  text=True)
@@ -526,5 +518,3 @@ def test_a_frozen_file_tier_at_start_up_leaves_the_gil_free(tmp_path, build):
         assert "done\n" in lines
         # 20 ticks a second while the GIL is free; a busy machine still gets a few.
         assert ticks >= 3, f"{ticks} ticks in the second the child waited for the mount: it held the GIL"
-    finally:
-        mount.close()
