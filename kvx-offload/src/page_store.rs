@@ -30,8 +30,10 @@ use crate::{
 /// What came back for one call's request so far.
 #[derive(Default)]
 struct Outcome {
-    /// The load ended (`finished_recving`) or the store's pages were let go (`finished_sending`).
-    ended: bool,
+    /// The load ended (`finished_recving`).
+    loaded: bool,
+    /// The request's pages were let go after its stores (`finished_sending`).
+    released: bool,
     /// Keys the request's jobs moved into engine memory or the host tier.
     ok: FxHashSet<BlockKey>,
     /// A store's file part (its write-through) ended.
@@ -78,9 +80,14 @@ impl Halves {
                 }
             }
         }
-        for req in out.finished_recving.iter().chain(&out.finished_sending) {
+        for req in &out.finished_recving {
             if let Some(o) = self.waiting.get_mut(req) {
-                o.ended = true;
+                o.loaded = true;
+            }
+        }
+        for req in &out.finished_sending {
+            if let Some(o) = self.waiting.get_mut(req) {
+                o.released = true;
             }
         }
         self.in_use.extend(out.blocks_in_use);
@@ -184,9 +191,9 @@ impl PageStore {
             return Err(e);
         }
         h.poll()?;
-        let mut h = self.wait_ended(h, req, until + Self::MARGIN)?;
+        let mut h = self.wait_for(h, req, |o| o.loaded, until + Self::MARGIN)?;
         if h.sched.request_finished(req) {
-            h = self.wait_ended(h, req, until + Self::MARGIN)?;
+            h = self.wait_for(h, req, |o| o.released, until + Self::MARGIN)?;
         }
         // A copy cut short at the deadline may still write a page: wait until none can.
         while pages[..n].iter().any(|p| h.in_use.contains(p))
@@ -245,13 +252,10 @@ impl PageStore {
             .any(|(k, held)| !held && in_tier(&h, Tier::File, k) && !in_tier(&h, Tier::Host, k));
         if h.sched.request_finished(req) {
             h.poll()?;
-            h = self.wait_ended(h, req, until)?;
+            h = self.wait_for(h, req, |o| o.released, until)?;
         }
-        while file_only
-            && !h.waiting.get(&req).is_some_and(|o| o.file_ended)
-            && Instant::now() < until
-        {
-            h = self.pause(h, until)?;
+        if file_only {
+            h = self.wait_for(h, req, |o| o.file_ended, until)?;
         }
         let outcome = h.waiting.remove(&req).unwrap_or_default();
         Ok(keys
@@ -320,14 +324,15 @@ impl PageStore {
         }
     }
 
-    /// Poll until `req` ended or `until` passed.
-    fn wait_ended<'a>(
+    /// Poll until what came back for `req` satisfies `done`, or `until` passed.
+    fn wait_for<'a>(
         &'a self,
         mut h: std::sync::MutexGuard<'a, Halves>,
         req: RequestId,
+        done: impl Fn(&Outcome) -> bool,
         until: Instant,
     ) -> Result<std::sync::MutexGuard<'a, Halves>, OffloadError> {
-        while !h.waiting.get(&req).is_some_and(|o| o.ended) && Instant::now() < until {
+        while !h.waiting.get(&req).is_some_and(&done) && Instant::now() < until {
             h = self.pause(h, until)?;
         }
         Ok(h)
