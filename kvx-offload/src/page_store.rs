@@ -167,10 +167,7 @@ impl PageStore {
         keys: &[BlockKey],
         pages: &[EngineBlockId],
     ) -> Result<Vec<bool>, OffloadError> {
-        self.check_open()?;
-        check_lengths(keys, pages)?;
-        let until = Instant::now() + self.load_timeout;
-        let mut h = lock(&self.halves);
+        let (until, mut h) = self.begin(keys, pages, self.load_timeout)?;
         let req = h.request();
         let tokens = loop {
             match h.sched.get_num_new_matched_tokens(req, keys, 0) {
@@ -229,10 +226,8 @@ impl PageStore {
         keys: &[BlockKey],
         pages: &[EngineBlockId],
     ) -> Result<Vec<bool>, OffloadError> {
-        self.check_open()?;
-        check_lengths(keys, pages)?;
-        let until = Instant::now() + self.store_timeout + Self::MARGIN;
-        let mut h = lock(&self.halves);
+        let (until, mut h) = self.begin(keys, pages, self.store_timeout)?;
+        let until = until + Self::MARGIN;
         let in_tier = |h: &Halves, tier: Tier, k: &BlockKey| {
             let m = h.sched.manager();
             m.is_stored(tier, *k) || m.is_storing(tier, *k)
@@ -304,6 +299,19 @@ impl PageStore {
             }
         }
         rt.shutdown();
+    }
+
+    /// A load's or store's start: the store is open, one page per key; its deadline and the
+    /// halves.
+    fn begin(
+        &self,
+        keys: &[BlockKey],
+        pages: &[EngineBlockId],
+        timeout: Duration,
+    ) -> Result<(Instant, std::sync::MutexGuard<'_, Halves>), OffloadError> {
+        self.check_open()?;
+        check_lengths(keys, pages)?;
+        Ok((Instant::now() + timeout, lock(&self.halves)))
     }
 
     fn check_open(&self) -> Result<(), OffloadError> {

@@ -85,6 +85,7 @@ class KvxStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        self.close()  # a pool registered again replaces the store over the previous one
         memory = page_memory(mem_pool_host)
         c = self._config
         shard = (c.tp_rank, c.tp_size, c.pp_rank, c.pp_size)
