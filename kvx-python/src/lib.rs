@@ -21,7 +21,6 @@
 //! This crate is an extension module: libpython's symbols stay unresolved until Python loads
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
-mod codec;
 mod config;
 mod keeper;
 mod memory;

@@ -8,9 +8,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::codec;
 use crate::config::connector_config;
 use crate::{KvxError, keys_from_bytes};
+use kvx_connector::codec;
 
 /// The scheduler side: decides per step what to load and store, keeps the tier index.
 #[pyclass(module = "kvx._native")]

@@ -17,7 +17,9 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::config::connector_config;
 use crate::memory::{self, TensorDesc};
-use crate::{FenceNotHeldError, KvxError, codec, keys_from_bytes, kvx_err};
+use kvx_connector::codec;
+
+use crate::{FenceNotHeldError, KvxError, keys_from_bytes, kvx_err};
 
 /// The running parts. Field order is drop order: the worker side, then the runtime (its driver
 /// joins the backends' threads).

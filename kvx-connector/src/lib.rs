@@ -1,0 +1,3 @@
+//! The engine-facing core of kvx's connectors.
+
+pub mod codec;
