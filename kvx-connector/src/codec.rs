@@ -1,15 +1,19 @@
-//! A compact byte encoding of what crosses vLLM's process boundary: the scheduler side's
-//! [`StepMeta`] (pickled to every worker each step) and the worker side's job results (sent back
-//! as worker metadata). Little-endian, LEB128 lengths and ids, 16-byte keys.
+//! A compact byte encoding of what crosses an engine's process boundary: the scheduler side's
+//! [`StepMsg`] (pickled to every worker each step) and the worker side's job results (sent back
+//! as worker metadata). LEB128 lengths and ids, 16-byte big-endian keys, a version byte first.
+//! Decoding never panics and allocates no more than the input's length allows: bytes from
+//! another build or a damaged message are a [`DecodeError`].
 
 use kvx_core::{BlockError, BlockKey, EngineBlockId, RequestId};
 use kvx_offload::{
     ExportJob, JobId, JobPart, JobResult, LoadBlock, LoadJob, RemoteLoadJob, RemoteSource,
-    StepMeta, StoreJob, Tier,
+    StepMeta, StoreJob, Tier, WriteBackJob,
 };
 
+use crate::step::StepMsg;
+
 /// Encoding version: the first byte of every message.
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// Why bytes could not be decoded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -61,6 +65,17 @@ impl Writer {
         self.var(s.len() as u64);
         self.0.extend_from_slice(s.as_bytes());
     }
+
+    fn blocks(&mut self, bs: &[EngineBlockId]) {
+        self.var(bs.len() as u64);
+        for b in bs {
+            self.var(u64::from(b.0));
+        }
+    }
+
+    fn flag(&mut self, v: bool) {
+        self.u8(u8::from(v));
+    }
 }
 
 struct Reader<'a> {
@@ -98,6 +113,10 @@ impl<'a> Reader<'a> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
             let b = self.u8()?;
+            // The tenth byte holds bit 63 only; a last byte 0 after others is not minimal.
+            if (shift == 63 && b > 1) || (shift > 0 && b == 0) {
+                return Err(DecodeError(format!("bad varint at byte {}", self.pos - 1)));
+            }
             v |= u64::from(b & 0x7f) << shift;
             if b & 0x80 == 0 {
                 return Ok(v);
@@ -140,6 +159,19 @@ impl<'a> Reader<'a> {
             .map_err(|_| DecodeError("text is not UTF-8".into()))
     }
 
+    fn blocks(&mut self) -> Result<Vec<EngineBlockId>, DecodeError> {
+        let n = self.count(1)?;
+        (0..n).map(|_| self.u32().map(EngineBlockId)).collect()
+    }
+
+    fn flag(&mut self, what: &str) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            c => Err(DecodeError(format!("bad {what} flag {c}"))),
+        }
+    }
+
     fn done(&self) -> Result<(), DecodeError> {
         if self.pos == self.buf.len() {
             Ok(())
@@ -167,9 +199,65 @@ fn tier_of(c: u8) -> Result<Tier, DecodeError> {
     }
 }
 
+/// Encode one step's message.
+pub fn encode_step(s: &StepMsg) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.var(s.step);
+    write_meta(&mut w, &s.meta);
+    w.var(s.names.len() as u64);
+    for (r, name) in &s.names {
+        w.var(r.0);
+        w.text(name);
+    }
+    w.reqs(&s.loads);
+    w.reqs(&s.delayed);
+    w.reqs(&s.abandoned);
+    w.reqs(&s.in_step);
+    w.blocks(&s.fence);
+    w.0
+}
+
+/// Decode one step's message.
+pub fn decode_step(buf: &[u8]) -> Result<StepMsg, DecodeError> {
+    let mut r = Reader::new(buf)?;
+    let step = r.var()?;
+    let meta = read_meta(&mut r)?;
+    let n = r.count(2)?;
+    let mut names = Vec::with_capacity(n);
+    for _ in 0..n {
+        let req = RequestId(r.var()?);
+        names.push((req, r.text()?));
+    }
+    let msg = StepMsg {
+        step,
+        meta,
+        names,
+        loads: r.reqs()?,
+        delayed: r.reqs()?,
+        abandoned: r.reqs()?,
+        in_step: r.reqs()?,
+        fence: r.blocks()?,
+    };
+    r.done()?;
+    Ok(msg)
+}
+
 /// Encode one step's instructions.
 pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
     let mut w = Writer::new();
+    write_meta(&mut w, m);
+    w.0
+}
+
+/// Decode one step's instructions.
+pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
+    let mut r = Reader::new(buf)?;
+    let m = read_meta(&mut r)?;
+    r.done()?;
+    Ok(m)
+}
+
+fn write_meta(w: &mut Writer, m: &StepMeta) {
     w.var(m.loads.len() as u64);
     for l in &m.loads {
         w.var(l.job.0);
@@ -196,8 +284,14 @@ pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
     w.reqs(&m.preempted);
     w.reqs(&m.finished);
     w.reqs(&m.delayed_free);
+    w.var(m.write_back.len() as u64);
+    for j in &m.write_back {
+        w.var(j.job.0);
+        w.keys(&j.keys);
+    }
     w.keys(&m.evict_host);
     w.keys(&m.evict_file);
+    w.keys(&m.remove_file);
     match &m.retain_host {
         None => w.u8(0),
         Some(keep) => {
@@ -205,7 +299,7 @@ pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
             w.keys(keep);
         }
     }
-    w.u8(u8::from(m.submit_stores_now));
+    w.flag(m.submit_stores_now);
     w.var(m.exports.len() as u64);
     for x in &m.exports {
         w.var(x.request.0);
@@ -227,12 +321,9 @@ pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
             w.var(u64::from(e.0));
         }
     }
-    w.0
 }
 
-/// Decode one step's instructions.
-pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
-    let mut r = Reader::new(buf)?;
+fn read_meta(r: &mut Reader<'_>) -> Result<StepMeta, DecodeError> {
     let mut m = StepMeta::default();
     for _ in 0..r.count(3)? {
         let job = JobId(r.var()?);
@@ -278,18 +369,21 @@ pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
     m.preempted = r.reqs()?;
     m.finished = r.reqs()?;
     m.delayed_free = r.reqs()?;
+    for _ in 0..r.count(2)? {
+        let job = JobId(r.var()?);
+        m.write_back.push(WriteBackJob {
+            job,
+            keys: r.keys()?,
+        });
+    }
     m.evict_host = r.keys()?;
     m.evict_file = r.keys()?;
-    m.retain_host = match r.u8()? {
-        0 => None,
-        1 => Some(r.keys()?),
-        c => return Err(DecodeError(format!("bad retain flag {c}"))),
+    m.remove_file = r.keys()?;
+    m.retain_host = match r.flag("retain")? {
+        false => None,
+        true => Some(r.keys()?),
     };
-    m.submit_stores_now = match r.u8()? {
-        0 => false,
-        1 => true,
-        c => return Err(DecodeError(format!("bad submit-now flag {c}"))),
-    };
+    m.submit_stores_now = r.flag("submit-now")?;
     for _ in 0..r.count(3)? {
         let request = RequestId(r.var()?);
         let export = r.var()?;
@@ -323,7 +417,6 @@ pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
             blocks,
         });
     }
-    r.done()?;
     Ok(m)
 }
 
@@ -426,3 +519,6 @@ pub fn decode_jobs(buf: &[u8]) -> Result<(u32, Vec<JobResult>), DecodeError> {
     r.done()?;
     Ok((rank, out))
 }
+
+#[cfg(test)]
+mod tests;
