@@ -73,6 +73,14 @@ impl Writer {
         }
     }
 
+    fn keyed(&mut self, bs: &[(BlockKey, EngineBlockId)]) {
+        self.var(bs.len() as u64);
+        for (k, e) in bs {
+            self.key(*k);
+            self.var(u64::from(e.0));
+        }
+    }
+
     fn flag(&mut self, v: bool) {
         self.u8(u8::from(v));
     }
@@ -162,6 +170,13 @@ impl<'a> Reader<'a> {
     fn blocks(&mut self) -> Result<Vec<EngineBlockId>, DecodeError> {
         let n = self.count(1)?;
         (0..n).map(|_| self.u32().map(EngineBlockId)).collect()
+    }
+
+    fn keyed(&mut self) -> Result<Vec<(BlockKey, EngineBlockId)>, DecodeError> {
+        let n = self.count(17)?;
+        (0..n)
+            .map(|_| Ok((self.key()?, EngineBlockId(self.u32()?))))
+            .collect()
     }
 
     fn flag(&mut self, what: &str) -> Result<bool, DecodeError> {
@@ -273,11 +288,7 @@ fn write_meta(w: &mut Writer, m: &StepMeta) {
     for s in &m.stores {
         w.var(s.job.0);
         w.var(s.request.0);
-        w.var(s.blocks.len() as u64);
-        for (k, e) in &s.blocks {
-            w.key(*k);
-            w.var(u64::from(e.0));
-        }
+        w.keyed(&s.blocks);
         w.keys(&s.write_file);
         w.keys(&s.file_only);
     }
@@ -304,11 +315,7 @@ fn write_meta(w: &mut Writer, m: &StepMeta) {
     for x in &m.exports {
         w.var(x.request.0);
         w.var(x.export);
-        w.var(x.blocks.len() as u64);
-        for (k, e) in &x.blocks {
-            w.key(*k);
-            w.var(u64::from(e.0));
-        }
+        w.keyed(&x.blocks);
     }
     w.var(m.remote_loads.len() as u64);
     for l in &m.remote_loads {
@@ -350,12 +357,7 @@ fn read_meta(r: &mut Reader<'_>) -> Result<StepMeta, DecodeError> {
     for _ in 0..r.count(4)? {
         let job = JobId(r.var()?);
         let request = RequestId(r.var()?);
-        let n = r.count(17)?;
-        let mut blocks = Vec::with_capacity(n);
-        for _ in 0..n {
-            let k = r.key()?;
-            blocks.push((k, EngineBlockId(r.u32()?)));
-        }
+        let blocks = r.keyed()?;
         let write_file = r.keys()?;
         let file_only = r.keys()?;
         m.stores.push(StoreJob {
@@ -387,12 +389,7 @@ fn read_meta(r: &mut Reader<'_>) -> Result<StepMeta, DecodeError> {
     for _ in 0..r.count(3)? {
         let request = RequestId(r.var()?);
         let export = r.var()?;
-        let n = r.count(17)?;
-        let mut blocks = Vec::with_capacity(n);
-        for _ in 0..n {
-            let k = r.key()?;
-            blocks.push((k, EngineBlockId(r.u32()?)));
-        }
+        let blocks = r.keyed()?;
         m.exports.push(ExportJob {
             request,
             export,
