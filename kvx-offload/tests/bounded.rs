@@ -35,12 +35,18 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// One engine-facing call of the worker half, its result dropped.
 type Call = Box<dyn Fn(&mut Rig) -> Result<(), OffloadError>>;
 
+/// Time one call: fail if its time less the time the OS did not run the calling thread (its
+/// run-queue wait, steal) or kvx's threads (their run-queue wait) is over `CALL_BOUND`. The
+/// machine is shared: the OS taking the CPU away is not the call waiting.
 fn timed<R>(what: &str, worst: &mut Duration, f: impl FnOnce() -> R) -> R {
-    let t0 = Instant::now();
-    let r = f();
-    let took = t0.elapsed();
-    *worst = (*worst).max(took);
-    assert!(took <= CALL_BOUND, "{what} took {took:?}");
+    let clock = kvx_thread_clock::ThreadClock::also_excusing("kvx-");
+    let (r, took) = clock.time(f);
+    *worst = (*worst).max(took.wall);
+    assert!(
+        took.unexcused() <= CALL_BOUND,
+        "{what} took {took} ({})",
+        clock.source()
+    );
     r
 }
 
@@ -74,6 +80,10 @@ fn ops_that_never_complete_leave_every_call_bounded() {
     // verdict: the test's own work between polls (computing and saving a block, sleeping) is
     // not the connector's.
     let mut last_poll: Option<Instant> = None;
+    // The driver thread's unscheduled time (run-queue wait, steal), sampled at each poll: a
+    // verdict late because the OS did not run the driver thread is excused that much.
+    let mut driver = kvx_thread_clock::UnscheduledLog::new("kvx-driver");
+    driver.sample();
     let mut latest_missing = Duration::ZERO;
     let by = Duration::from_millis(LOAD_MS) + TICK + Duration::from_millis(5) + ALLOWANCE;
     let mut next_block = 2u32;
@@ -110,6 +120,7 @@ fn ops_that_never_complete_leave_every_call_bounded() {
             Err(e) => panic!("start_step: {e}"),
         }
         let polled = Instant::now();
+        driver.sample();
         let out = timed("get_finished", &mut worst, || r.w().get_finished()).unwrap();
         let missing_at = last_poll.replace(polled);
         r.sched.update_from_worker(&out);
@@ -117,10 +128,12 @@ fn ops_that_never_complete_leave_every_call_bounded() {
             let (_, t0, ids) = loads.iter().find(|l| l.0 == *got).expect("a load of ours");
             // Still missing at the previous poll (zero if that came before the load started).
             let missing = missing_at.map_or(Duration::ZERO, |at| at.saturating_duration_since(*t0));
+            let unscheduled = missing_at.map_or(Duration::ZERO, |at| driver.between(*t0, at));
             latest_missing = latest_missing.max(missing);
             assert!(
-                missing <= by,
-                "{got}'s verdict was still missing {missing:?} after its load started (bound {by:?})"
+                missing <= by + unscheduled,
+                "{got}'s verdict was still missing {missing:?} after its load started (bound \
+                 {by:?} plus the {unscheduled:?} the driver thread was not scheduled)"
             );
             assert!(
                 ids.iter().all(|b| out.invalid_blocks.contains(b)),
@@ -206,13 +219,9 @@ fn a_preemption_fence_holds_only_once_the_ops_returned() {
     gate.close();
     r.sched.request_preempted(RequestId(1));
     let meta = r.sched.build_meta();
-    let t0 = Instant::now();
-    let started = r.w().start_step(meta);
-    assert!(
-        t0.elapsed() <= CALL_BOUND,
-        "start_step took {:?}",
-        t0.elapsed()
-    );
+    let started = timed("start_step", &mut Duration::default(), || {
+        r.w().start_step(meta)
+    });
     let Ok(StepStarted::FenceOutstanding(fence)) = started else {
         panic!("the preemption fence cannot hold while the store is out: {started:?}");
     };
@@ -256,9 +265,7 @@ fn reset_during_a_load_copy_fences_the_engine_blocks() {
     assert!(r.finish(3));
     r.step(); // the load copies start (each sleeps `delay` first); the store is queued
     r.step(); // the store is submitted
-    let t0 = Instant::now();
-    let reset = r.w().reset().unwrap();
-    assert!(t0.elapsed() <= CALL_BOUND, "reset took {:?}", t0.elapsed());
+    let reset = timed("reset", &mut Duration::default(), || r.w().reset()).unwrap();
     r.sched.reset();
     assert_eq!(
         reset.delayed_free,
@@ -326,7 +333,6 @@ fn a_backend_panic_turns_every_call_into_an_error() {
         e.to_string().contains("test fuse"),
         "the panic message is kept: {e}"
     );
-    let bound = Duration::from_millis(100);
     let calls: Vec<(&str, Call)> = vec![
         (
             "start_step",
@@ -348,9 +354,7 @@ fn a_backend_panic_turns_every_call_into_an_error() {
         ),
     ];
     for (what, call) in calls {
-        let t0 = Instant::now();
-        let res = call(&mut r);
-        assert!(t0.elapsed() <= bound, "{what} took {:?}", t0.elapsed());
+        let res = timed(what, &mut Duration::default(), || call(&mut r));
         match res {
             Err(OffloadError::Core(CoreError::DriverStopped { reason })) => {
                 assert!(reason.contains("test fuse"), "{what}: {reason}")
