@@ -76,7 +76,8 @@ pub use cpu::{CpuBackend, CpuBackendConfig};
 #[cfg(feature = "tokio")]
 pub use driver::TaskFuture;
 pub use driver::{
-    Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, Finished, Stopped, TICK,
+    Driver, DriverBuilder, DriverConfig, DriverHandle, FenceHandle, FenceWait, Finished, Stopped,
+    TICK,
 };
 pub use error::CoreError;
 pub use ids::*;

@@ -526,6 +526,81 @@ impl Seen {
     }
 }
 
+#[test]
+fn a_fence_waits_for_its_copies_until_their_deadline_and_no_longer() {
+    let state = Arc::new(StuckState::default());
+    let mut b = DriverBuilder::new(DriverConfig::default());
+    let be = b.backend(Box::new(Stuck(state.clone())));
+    let driver = b.spawn().unwrap();
+    let h = driver.handle();
+    let pool = BufferPool::new(8, 512, DEFAULT_ALIGN).unwrap();
+    let grace = Duration::from_millis(1);
+    let clock = kvx_thread_clock::ThreadClock::also_excusing("kvx-");
+
+    // Nothing out on a block: the fence holds within a tick.
+    let (waited, took) = clock.time(|| {
+        h.fence_blocks(&[EngineBlockId(7)])
+            .unwrap()
+            .wait_for_copies(grace)
+    });
+    assert_eq!(waited, FenceWait::Held);
+    assert!(took.unexcused() <= TICK + ALLOWANCE, "{took}");
+
+    // A copy that is stuck past its deadline: the wait outlasts the grace up to the deadline,
+    // then ends with the copy overdue (one tick later, when the driver sees it still out).
+    let deadline_ms = 150;
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(deadline_ms);
+    let _t = h.submit(load(&pool, be, 1, 1, deadline)).unwrap();
+    let fence = h.preempt(RequestId(1)).unwrap();
+    let (waited, took) = clock.time(|| fence.wait_for_copies(grace));
+    let FenceWait::Overdue { late } = waited else {
+        panic!("a stuck copy's fence held: {waited:?}");
+    };
+    assert!(
+        Instant::now() >= deadline + TICK,
+        "ended before the copy was due: {took}"
+    );
+    assert!(late >= TICK, "{late:?}");
+    assert!(
+        took.unexcused() <= Duration::from_millis(deadline_ms) + TICK + ALLOWANCE,
+        "{took} for a copy due in {deadline_ms} ms"
+    );
+    assert!(!fence.is_ready());
+
+    // A copy that returns before its deadline: the wait outlasts the grace until it returns.
+    let _t = h.submit(load(&pool, be, 2, 2, soon(10_000))).unwrap();
+    let fence = h.preempt(RequestId(2)).unwrap();
+    let thaw = {
+        let state = state.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(60));
+            Stuck::thaw(&state);
+        })
+    };
+    let t0 = Instant::now();
+    assert_eq!(fence.wait_for_copies(grace), FenceWait::Held);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(60),
+        "held before the copy returned"
+    );
+    assert!(fence.is_ready());
+    thaw.join().unwrap();
+
+    // A stopped driver: the fence never holds, and the wait says so at once.
+    let state = Arc::new(StuckState::default());
+    let mut b = DriverBuilder::new(DriverConfig::default());
+    let be = b.backend(Box::new(Stuck(state.clone())));
+    let driver = b.spawn().unwrap();
+    let h = driver.handle();
+    let _t = h.submit(load(&pool, be, 3, 3, soon(10_000))).unwrap();
+    let fence = h.preempt(RequestId(3)).unwrap();
+    drop(driver);
+    let (waited, took) = clock.time(|| fence.wait_for_copies(grace));
+    assert_eq!(waited, FenceWait::Stopped);
+    assert!(took.unexcused() <= TICK + ALLOWANCE, "{took}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reset during a load copy with the real CPU backend.
 

@@ -48,7 +48,7 @@ create_exception!(
     _native,
     FenceNotHeldError,
     KvxError,
-    "A preemption fence did not hold within the store deadline: a copy may still write those blocks."
+    "A fence does not hold: a copy of its blocks is still out past its deadline (or the driver stopped) and may still touch them."
 );
 
 /// A kvx failure as a Python `KvxError`.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvx_core::{EngineBlockId, KvLayout, RequestId, TICK, lock};
+use kvx_core::{EngineBlockId, FenceWait, KvLayout, RequestId, TICK, lock};
 use kvx_offload::{
     LoadHoldBack, OffloadBuilder, OffloadRuntime, ReleasedLoads, StepStarted, WorkerOutput,
 };
@@ -26,7 +26,8 @@ use crate::{FenceNotHeldError, KvxError, keys_from_bytes, kvx_err};
 struct Running {
     worker: kvx_offload::WorkerSide,
     runtime: OffloadRuntime,
-    store_timeout: Duration,
+    /// How long a step waits for a fence beyond the copies it waits for (`preempt_wait_ms`).
+    fence_grace: Duration,
     /// Ended loads (local and remote) held back until no copy can write their blocks.
     hold_back: LoadHoldBack,
     /// The file tier's roots with a breaker not closed, as the last `take_stats` said.
@@ -126,7 +127,7 @@ impl WorkerSide {
             .collect();
         let layout = memory::describe(&descs, num_blocks)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let store_timeout = Duration::from_millis(cfg.timeouts.store_ms);
+        let fence_grace = Duration::from_millis(cfg.preempt_wait_ms);
         let lay = layout.clone();
         let built = py.detach(move || {
             // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
@@ -145,7 +146,7 @@ impl WorkerSide {
             running: Mutex::new(Some(Running {
                 worker: built.worker,
                 runtime: built.runtime,
-                store_timeout,
+                fence_grace,
                 breakers_open: 0,
                 hold_back: LoadHoldBack::new(),
                 taken: Taken::default(),
@@ -157,31 +158,27 @@ impl WorkerSide {
     }
 
     /// Start a step with the scheduler side's encoded instructions: drop evicted blocks, start
-    /// loads, queue stores, flush and fence preempted requests (waiting at most the store
-    /// deadline for that fence), pass finished requests on. The other methods answer while it
-    /// waits for the fence.
+    /// loads, queue stores, flush and fence preempted requests, pass finished requests on. The
+    /// preempted requests' fence is waited for `preempt_wait_ms`, and beyond it while the copies
+    /// it waits for are within their deadlines (plus one tick); a fence that still does not
+    /// hold (a copy stuck past its deadline, or the driver stopped) raises `FenceNotHeldError`:
+    /// the engine must not reuse those blocks. The other methods answer while it waits.
     fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
         let meta = codec::decode_meta(meta).map_err(kvx_err)?;
         py.detach(|| {
             let started = self.with(|r| {
                 r.hold_back.step_started(&meta);
                 let started = r.worker.start_step(meta).map_err(kvx_err)?;
-                Ok((started, r.store_timeout))
+                Ok((started, r.fence_grace))
             })?;
-            // The forward may overwrite the preempted requests' blocks right after this call:
-            // wait for the fence here (their stores' deadline bounds it).
-            let (StepStarted::FenceOutstanding(fence), store_timeout) = started else {
+            // The forward may overwrite the preempted requests' blocks right after this call.
+            let (StepStarted::FenceOutstanding(fence), grace) = started else {
                 return Ok(());
             };
-            if fence.wait(Instant::now() + store_timeout) {
-                Ok(())
-            } else {
-                Err(FenceNotHeldError::new_err(format!(
-                    "preemption fence of {:?} did not hold within the store deadline: their \
-                     blocks may still be written",
-                    fence.requests()
-                )))
-            }
+            let requests = fence.requests().to_vec();
+            fence_held(fence.wait_for_copies(grace), || {
+                format!("the preemption fence of {requests:?}")
+            })
         })
     }
 
@@ -200,34 +197,29 @@ impl WorkerSide {
         })
     }
 
-    /// Flush the stores queued on engine `blocks` and wait, at most the store deadline, until
-    /// no copy touches them any more. For blocks the engine freed while a store of them may
-    /// still be queued (sliding-window blocks that left the window) and hands to another use
-    /// in this step: call it before the step's own stores are queued (`start_step`). Raises
-    /// `FenceNotHeldError` if the fence did not hold in time. The other methods answer while it
-    /// waits.
+    /// Flush the stores queued on engine `blocks` and wait until no copy touches them any
+    /// more: `preempt_wait_ms`, and beyond it while those copies are within their deadlines.
+    /// For blocks the engine freed while a store of them may still be queued (sliding-window
+    /// blocks that left the window) and hands to another use in this step: call it before the
+    /// step's own stores are queued (`start_step`). Raises `FenceNotHeldError` if the fence
+    /// does not hold (a copy stuck past its deadline, or the driver stopped). The other
+    /// methods answer while it waits.
     fn fence_blocks(&self, py: Python<'_>, blocks: Vec<u32>) -> PyResult<()> {
         if blocks.is_empty() {
             return Ok(());
         }
         let ids: Vec<EngineBlockId> = blocks.into_iter().map(EngineBlockId).collect();
         py.detach(|| {
-            let (fence, store_timeout) = self.with(|r| {
+            let (fence, grace) = self.with(|r| {
                 let d = r
                     .runtime
                     .driver()
                     .ok_or_else(|| kvx_err("driver stopped"))?;
-                Ok((d.fence_blocks(&ids).map_err(kvx_err)?, r.store_timeout))
+                Ok((d.fence_blocks(&ids).map_err(kvx_err)?, r.fence_grace))
             })?;
-            if fence.wait(Instant::now() + store_timeout) {
-                Ok(())
-            } else {
-                Err(FenceNotHeldError::new_err(format!(
-                    "the fence over {} reused engine blocks did not hold within the store \
-                     deadline: a store of them may still be copying",
-                    ids.len()
-                )))
-            }
+            fence_held(fence.wait_for_copies(grace), || {
+                format!("the fence over {} reused engine blocks", ids.len())
+            })
         })
     }
 
@@ -419,5 +411,21 @@ impl WorkerSide {
             }
         });
         lock(&self.tensors).clear();
+    }
+}
+
+/// `FenceNotHeldError` unless the fence held; `what` names the fence.
+fn fence_held(waited: FenceWait, what: impl FnOnce() -> String) -> PyResult<()> {
+    match waited {
+        FenceWait::Held => Ok(()),
+        FenceWait::Overdue { late } => Err(FenceNotHeldError::new_err(format!(
+            "{} did not hold: a copy of its blocks is still out {late:?} past its deadline (a \
+             stuck device); the blocks may still be read or written",
+            what()
+        ))),
+        FenceWait::Stopped => Err(FenceNotHeldError::new_err(format!(
+            "{} never holds: kvx's driver stopped with copies of its blocks out",
+            what()
+        ))),
     }
 }

@@ -19,8 +19,8 @@ use crate::ids::{BackendId, EngineBlockId, RequestId, TaskId};
 use crate::sync::{lock, wait_timeout};
 use crate::task::{TaskReport, TaskSpec};
 use crate::tracker::{Bond, TrackerConfig, TrackerStats};
-pub use fence::FenceHandle;
 use fence::FenceSlot;
+pub use fence::{FenceHandle, FenceWait};
 #[cfg(feature = "tokio")]
 pub use future::TaskFuture;
 use mailbox::{Cmd, Mailbox};

@@ -185,6 +185,8 @@ impl Loop {
             if holds {
                 slot.set();
                 fence_held = true;
+            } else if let Some(due) = tracker.fence_due(f) {
+                slot.note_due(due, now);
             }
             !holds
         });

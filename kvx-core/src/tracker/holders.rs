@@ -139,6 +139,22 @@ impl Holders {
             .all(|b| self.lines.get(b).is_none_or(|l| l.first.0 > seq))
     }
 
+    /// Add the holders registered at or before `seq` on `blocks` to `out` (each once).
+    pub(crate) fn up_to(&self, blocks: &[EngineBlockId], seq: u64, out: &mut Vec<Holder>) {
+        for b in blocks {
+            if let Some(line) = self.lines.get(b) {
+                for (at, x) in line.iter() {
+                    if *at > seq {
+                        break;
+                    }
+                    if !out.contains(x) {
+                        out.push(*x);
+                    }
+                }
+            }
+        }
+    }
+
     /// Every block with a holder (sorted).
     pub(crate) fn blocks(&self) -> Vec<EngineBlockId> {
         let mut v: Vec<EngineBlockId> = self.lines.keys().copied().collect();
@@ -178,6 +194,9 @@ mod tests {
         assert!(h.is_first(&[b], Holder::Task(1)));
         assert!(h.is_first(&[a], Holder::Task(2)));
         assert!(!h.clear_up_to(&[a], fence));
+        let mut up_to = Vec::new();
+        h.up_to(&[a, b], fence, &mut up_to);
+        assert!(!up_to.is_empty() && up_to.len() <= 2, "{up_to:?}");
         h.remove(&[b], Holder::Task(1));
         h.remove(&[a, b], Holder::Task(2));
         assert!(h.clear_up_to(&[a, b], fence));

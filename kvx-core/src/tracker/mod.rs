@@ -129,6 +129,8 @@ struct OpEntry {
     req_slot: u32,
     backend: BackendId,
     zombie: bool,
+    /// Its task's deadline: a copy out past it (a zombie's) is overdue.
+    deadline: Instant,
     bytes: u64,
     /// Engine blocks a zombie op may still touch (taken over from its task when it ended;
     /// empty while the task lives, or when the backend does not touch engine memory).

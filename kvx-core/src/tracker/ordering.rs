@@ -5,6 +5,7 @@
 use super::holders::Holder;
 use super::{Fence, Phase, Tracker};
 use crate::ids::EngineBlockId;
+use std::time::Instant;
 
 impl Tracker {
     /// Stop deferring the task in `slot` and, if it is blocked, everything ahead of it.
@@ -98,5 +99,21 @@ impl Tracker {
     /// True once the fence holds.
     pub fn fence_holds(&self, fence: &Fence) -> bool {
         self.holders.clear_up_to(&fence.blocks, fence.seq)
+    }
+
+    /// When the copies a fence waits for are due: the latest deadline of the tasks it waits
+    /// for, a zombie op counting its task's (passed) deadline; `None` once the fence holds.
+    /// A fence whose due time plus one tick has passed waits for a copy no deadline bounds
+    /// any more (a stuck device).
+    pub fn fence_due(&self, fence: &Fence) -> Option<Instant> {
+        let mut holders = Vec::new();
+        self.holders.up_to(&fence.blocks, fence.seq, &mut holders);
+        holders
+            .into_iter()
+            .filter_map(|h| match h {
+                Holder::Task(slot) => self.tasks.get(slot).map(|t| t.deadline),
+                Holder::Op(slot) => self.ops.get(slot).map(|o| o.deadline),
+            })
+            .max()
     }
 }

@@ -224,6 +224,7 @@ impl Tracker {
             req_slot: t.req_slot,
             backend,
             zombie: false,
+            deadline: t.deadline,
             bytes: op.buffer_bytes(),
             engine_blocks: EngineSet::default(),
         });

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvx_core::{CoreError, FenceHandle, RequestId};
+use kvx_core::{CoreError, FenceHandle, FenceWait, RequestId};
 
 use super::WorkerSide;
 use crate::error::OffloadError;
@@ -44,6 +44,19 @@ impl PreemptionFence {
     /// Wait until the fence holds (true) or `until` passes or the driver stops (false).
     pub fn wait(&self, until: Instant) -> bool {
         self.fences.iter().all(|f| f.wait(until))
+    }
+
+    /// Wait `grace`, and beyond it while the copies the fence waits for are within their
+    /// deadlines (see [`FenceHandle::wait_for_copies`]): `Held`, or why it does not hold.
+    pub fn wait_for_copies(&self, grace: Duration) -> FenceWait {
+        let start = Instant::now();
+        for f in &self.fences {
+            match f.wait_for_copies(grace.saturating_sub(start.elapsed())) {
+                FenceWait::Held => {}
+                other => return other,
+            }
+        }
+        FenceWait::Held
     }
 }
 

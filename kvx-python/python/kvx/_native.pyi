@@ -6,7 +6,8 @@ class KvxError(Exception):
     """A kvx operation failed (closed worker, malformed message, driver stopped, fence not held)."""
 
 class FenceNotHeldError(KvxError):
-    """A preemption fence did not hold within the store deadline."""
+    """A fence (of preempted requests, or of reused blocks) does not hold: a copy of its blocks is
+    still out past its deadline, or the driver stopped. The engine must not reuse those blocks."""
 
 def block_keys(namespace: bytes, hashes: list[bytes]) -> bytes:
     """kvx block keys (16 bytes each, concatenated) of engine block hashes within ``namespace``."""

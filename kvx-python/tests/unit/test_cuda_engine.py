@@ -29,7 +29,7 @@ from types import ModuleType
 
 import pytest
 
-from kvx import SchedulerSide, WorkerSide, block_keys
+from kvx import FenceNotHeldError, SchedulerSide, WorkerSide, block_keys
 
 ROOT = Path(__file__).resolve().parents[3]
 STANDIN = Path(os.environ.get("KVX_CUDA_STANDIN", ROOT / "target/debug/libkvx_cuda_standin.so"))
@@ -239,6 +239,41 @@ def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: c
         standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0)
         if step is not None:
             step.join(10)
+        worker.close()
+
+
+def test_a_preemption_fence_over_a_copy_stuck_past_its_deadline_raises_out_of_the_step(
+    standin: ctypes.CDLL,
+) -> None:
+    """A preempted request whose store hangs in a device copy: the step waits for the fence
+    only until the store's deadline (plus a tick), not a whole store deadline from the
+    preemption, and then raises FenceNotHeldError (the forward must not overwrite blocks the
+    copy may still read); it is never only logged."""
+    store_s = 1.5
+    cfg = json.dumps({"host_blocks": 4, "timeouts": {"load_ms": 2000, "store_ms": int(store_s * 1000)}})
+    ptr = ctypes.c_uint64()
+    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
+    sched = SchedulerSide(cfg, BLOCK)
+    desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
+    worker = WorkerSide(cfg, BLOCK, [desc], [], NUM_BLOCKS)
+    try:
+        keys = block_keys(b"overdue", [b"block0", b"block1"])
+        assert sched.save_blocks(1, keys, [0, 1])
+        assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
+        stored_from = time.monotonic()
+        worker.start_step(sched.build_meta([])[0])  # the store is out, and stuck
+        # Most of the store's deadline passes before the engine preempts the request.
+        time.sleep(store_s - 0.3)
+        sched.request_preempted(1)
+        preempted = time.monotonic()
+        with pytest.raises(FenceNotHeldError, match="past its deadline"):
+            worker.start_step(sched.build_meta([])[0])
+        raised = time.monotonic()
+        assert raised >= stored_from + store_s, "the step gave up before the copy was due"
+        # The old bound (a store deadline from the preemption) would be 1.5 s here.
+        assert raised - preempted < store_s - 0.5, f"the step waited {raised - preempted:.3f} s after the preemption"
+    finally:
+        standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0)
         worker.close()
 
 

@@ -374,11 +374,9 @@ class HybridWorkerSide(WorkerSide):
         if isinstance(meta, HybridConnectorMetadata):
             if meta.fence and self.native is not None:
                 self.order_after_engine(meta)
-                # Before start_step queues this step's stores (a fence flushes queued stores).
-                try:
-                    self.native.fence_blocks(meta.fence)
-                except _native.FenceNotHeldError as e:
-                    logger.error("kvx: %s", e)
+                # Before start_step queues this step's stores (a fence flushes queued stores). A
+                # fence that does not hold raises FenceNotHeldError out of the step.
+                self.native.fence_blocks(meta.fence)
             for name, blocks in meta.load_blocks.items():
                 self.load_blocks[name] = set(blocks)
         super().start(meta)

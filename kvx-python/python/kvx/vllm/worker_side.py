@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from kvx import _native
-from kvx._native import FenceNotHeldError, KvxError
+from kvx._native import KvxError
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 from kvx.vllm.settings import Settings
 
@@ -135,12 +135,10 @@ class WorkerSide:
         self.loading.update(meta.loads)
         self.sending.update(meta.delayed)
         self.abandoned.update(n for n in meta.abandoned if n in self.loading)
-        try:
-            self.native.start_step(meta.step)
-        except FenceNotHeldError as e:
-            # The rest of the step was done; only a preemption fence ran past the store deadline
-            # (a stuck copy). Any other error (driver stopped, bad metadata) propagates.
-            logger.error("kvx: %s", e)
+        # A preemption fence that does not hold (a copy stuck past its deadline) raises
+        # FenceNotHeldError out of the step: the forward would overwrite blocks a copy may still
+        # read or write, so the engine must not run it.
+        self.native.start_step(meta.step)
         if meta.in_step:
             # The forward reads these blocks: their loads end (or fail, reported through
             # get_block_ids_with_load_errors after this forward) before it starts.
