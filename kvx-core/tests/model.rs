@@ -308,6 +308,17 @@ impl Model {
         // A fence holds only when nothing it waits for is outstanding.
         let outstanding: HashSet<OpId> = self.outstanding.iter().map(|(_, o)| o.id).collect();
         for f in &self.fences {
+            // A fence not holding says when its copies are due: no earlier than the deadline of
+            // any live task it waits for.
+            let due = self.t.fence_due(&f.fence);
+            assert_eq!(due.is_none(), self.t.fence_holds(&f.fence), "{due:?}");
+            if let Some(due) = due {
+                for t in &f.tasks {
+                    if let Some(live) = self.live.get(t) {
+                        assert!(due >= live.deadline, "{t} is due after the fence");
+                    }
+                }
+            }
             if self.t.fence_holds(&f.fence) {
                 for op in &f.ops {
                     assert!(
