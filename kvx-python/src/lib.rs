@@ -31,6 +31,8 @@ mod stall;
 mod stats;
 mod worker;
 
+use kvx_connector::keys;
+use kvx_connector::{KEY_BYTES, Namespace};
 use kvx_core::BlockKey;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
@@ -56,35 +58,30 @@ fn kvx_err(e: impl ToString) -> PyErr {
     KvxError::new_err(e.to_string())
 }
 
-/// Split concatenated 16-byte keys.
+/// Split concatenated keys (`KEY_BYTES` each).
 fn keys_from_bytes(b: &[u8]) -> PyResult<Vec<BlockKey>> {
-    if b.len() % 16 != 0 {
-        return Err(PyValueError::new_err(format!(
-            "block keys: {} bytes is not a multiple of 16",
+    keys::keys_from_bytes(b).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "block keys: {} bytes is not a multiple of {KEY_BYTES}",
             b.len()
-        )));
-    }
-    Ok(b.chunks_exact(16)
-        .map(|c| BlockKey::from_be_bytes(c.try_into().expect("16 bytes")))
-        .collect())
+        ))
+    })
 }
 
-/// kvx block keys (16 bytes each, concatenated) of engine block hashes, within `namespace`
+/// kvx block keys (`KEY_BYTES` each, concatenated) of engine block hashes, within `namespace`
 /// (a model/layout identity, so two engines sharing a file tier never mix blocks).
 #[pyfunction]
 fn block_keys<'py>(py: Python<'py>, namespace: &[u8], hashes: Vec<Vec<u8>>) -> Bound<'py, PyBytes> {
-    let ns = BlockKey::chain(None, namespace);
-    let mut out = Vec::with_capacity(hashes.len() * 16);
-    for h in &hashes {
-        out.extend_from_slice(&BlockKey::chain(Some(ns), h).to_be_bytes());
-    }
-    PyBytes::new(py, &out)
+    let ns = Namespace::new(namespace);
+    let keys: Vec<BlockKey> = hashes.iter().map(|h| ns.key(h)).collect();
+    PyBytes::new(py, &keys::key_bytes(&keys))
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvxError", m.py().get_type::<KvxError>())?;
     m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
+    m.add("KEY_BYTES", KEY_BYTES)?;
     m.add_class::<scheduler::SchedulerSide>()?;
     m.add_class::<worker::WorkerSide>()?;
     m.add_class::<keeper::LeaseKeeper>()?;

@@ -144,18 +144,26 @@ fn stopped_brick(g: &Gluster, engine: IoEngine) {
     c.send("frozen 200 204 0 4 1");
     let mut stored = Vec::new();
     let mut store_late = Duration::ZERO;
+    // kvx's threads of node A (this process): a verdict late because the OS did not run them
+    // is excused that much.
+    let mut unscheduled = kvx_thread_clock::UnscheduledLog::new("kvx-");
     for i in 8..16 {
         let deadline = Instant::now() + LOAD_DEADLINE;
+        unscheduled.sample();
         let (ok, at) = a.store_by(key(i), 2, deadline);
-        store_late = store_late.max(at.saturating_duration_since(deadline));
+        unscheduled.sample();
+        let late = at.saturating_duration_since(deadline);
+        let excused = unscheduled.between(deadline, at);
+        assert!(
+            late <= MARGIN + excused,
+            "a store ended {late:?} after its deadline (bound {MARGIN:?} plus the {excused:?} \
+             kvx's threads were not scheduled)"
+        );
+        store_late = store_late.max(late);
         if ok {
             stored.push(i);
         }
     }
-    assert!(
-        store_late <= MARGIN,
-        "a store ended {store_late:?} after its deadline (bound {MARGIN:?})"
-    );
     assert!(breaker_open(&a), "A's breaker opened");
     let bound = PROBE_DEADLINE + MARGIN;
     for n in [&mut b, &mut c] {

@@ -9,8 +9,10 @@ class FenceNotHeldError(KvxError):
     """A fence (of preempted requests, or of reused blocks) does not hold: a copy of its blocks is
     still out past its deadline, or the driver stopped. The engine must not reuse those blocks."""
 
+KEY_BYTES: int  # bytes of one block key
+
 def block_keys(namespace: bytes, hashes: list[bytes]) -> bytes:
-    """kvx block keys (16 bytes each, concatenated) of engine block hashes within ``namespace``."""
+    """kvx block keys (KEY_BYTES each, concatenated) of engine block hashes within ``namespace``."""
 
 def parse_config(extra: str, block_tokens: int) -> str:
     """The connector's config for ``extra`` (JSON) and vLLM's ``block_tokens``, as JSON with every key."""

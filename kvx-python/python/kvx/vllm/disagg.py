@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvx import _native
+from kvx._native import KEY_BYTES
 from kvx.vllm.settings import Settings
 
 logger = logging.getLogger("kvx.vllm")
@@ -96,8 +97,8 @@ class Disaggregation:
                 raise ValueError(f"the blocks belong to namespace {ns}, this engine's is {self.ns}")
             if producers != self.world:
                 raise ValueError(f"{producers} producer ranks, this engine has {self.world} workers")
-            n = min(len(keys), len(own_keys)) // 16
-            if n == 0 or keys[: n * 16] != own_keys[: n * 16]:
+            n = min(len(keys), len(own_keys)) // KEY_BYTES
+            if n == 0 or keys[: n * KEY_BYTES] != own_keys[: n * KEY_BYTES]:
                 raise ValueError("the source's blocks are not this request's prompt")
             self.keeper.keep(number, source)
         except Exception as e:  # a peer's bytes: never out of a vLLM hook
@@ -105,7 +106,7 @@ class Disaggregation:
             logger.warning("kvx: request %s computes its prompt here: kv_transfer_params: %s",
                            request.request_id, e)
             return None
-        return _Remote(number=number, source=source, keys=keys[: n * 16], seen=time.monotonic())
+        return _Remote(number=number, source=source, keys=keys[: n * KEY_BYTES], seen=time.monotonic())
 
     def match(self, request: Any, number: int, own_keys: bytes, num_computed: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens`` of a remote request: ``(None, False)`` while P has
@@ -130,7 +131,7 @@ class Disaggregation:
             logger.warning("kvx: request %s computes its prompt here: the producer's lease: %s", rid, status)
             self._end(rid, done=False)
             return 0, False
-        tokens = len(r.keys) // 16 * self.block_size - num_computed
+        tokens = len(r.keys) // KEY_BYTES * self.block_size - num_computed
         if tokens <= 0:
             # A full local hit: nothing to read, P may free the blocks now.
             self._end(rid, done=True)
@@ -183,12 +184,12 @@ class Disaggregation:
             return None
         if getattr(request.status, "name", str(request.status)) not in _SENDABLE:
             return None
-        n = min(len(keys) // 16, len(block_ids), len(request.prompt_token_ids or ()) // self.block_size)
+        n = min(len(keys) // KEY_BYTES, len(block_ids), len(request.prompt_token_ids or ()) // self.block_size)
         if n == 0:
             return None
         export = secrets.randbits(63)
         try:
-            source = self.native.export_finished(number, export, self.ns, keys[: n * 16], list(block_ids[:n]))
+            source = self.native.export_finished(number, export, self.ns, keys[: n * KEY_BYTES], list(block_ids[:n]))
         except Exception as e:
             logger.warning("kvx: request %s is not sent to a remote decode: %s", request.request_id, e)
             return None

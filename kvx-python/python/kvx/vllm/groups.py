@@ -35,14 +35,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
+from kvx._native import KEY_BYTES
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.settings import Settings
 from kvx.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger("kvx.vllm")
-
-KEY = 16  # bytes of one kvx block key
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class HybridSchedulerSide(SchedulerSide):
     ):
         super().__init__(config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size)
         self.groups = groups
-        # Per request id: each group's keys (16 bytes each) and how many hashes they cover.
+        # Per request id: each group's keys (KEY_BYTES each) and how many hashes they cover.
         self._gkeys: dict[str, list[bytearray]] = {}
         self._ghashes: dict[str, int] = {}
         self._plans: dict[str, _Plan] = {}
@@ -192,12 +191,12 @@ class HybridSchedulerSide(SchedulerSide):
         bs = self.block_size
         first = num_computed_tokens // bs
         # The last token is always computed by vLLM (its logits; a sliding window needs it).
-        end = min(len(keys[0]) // KEY, max(0, request.num_tokens - 1) // bs)
+        end = min(len(keys[0]) // KEY_BYTES, max(0, request.num_tokens - 1) // bs)
         if r.cap is not None:
             end = min(end, r.cap)
         for g in self.groups:
             if g.window is None and end > first:
-                n = self._present(r.number, bytes(keys[g.index][first * KEY : end * KEY]))
+                n = self._present(r.number, bytes(keys[g.index][first * KEY_BYTES : end * KEY_BYTES]))
                 if n is None:
                     return self._none(r.number)
                 end = first + n
@@ -208,7 +207,7 @@ class HybridSchedulerSide(SchedulerSide):
                     continue
                 want = self._wanted(g, first, end)
                 lo = want[0] if want else end
-                n = self._present(r.number, bytes(keys[g.index][lo * KEY : end * KEY]))
+                n = self._present(r.number, bytes(keys[g.index][lo * KEY_BYTES : end * KEY_BYTES]))
                 if n is None:
                     return self._none(r.number)
                 if n < end - lo:
@@ -222,12 +221,12 @@ class HybridSchedulerSide(SchedulerSide):
             return 0, False
         plan = _Plan(first, end, [self._wanted(g, first, end) for g in self.groups])
         composite = b"".join(
-            bytes(keys[g.index][j * KEY : (j + 1) * KEY]) for g in self.groups for j in plan.wanted[g.index]
+            bytes(keys[g.index][j * KEY_BYTES : (j + 1) * KEY_BYTES]) for g in self.groups for j in plan.wanted[g.index]
         )
         found = self.native.get_num_new_matched_tokens(r.number, composite, 0)
         if found is None:
             return self._none(r.number)
-        if found[0] != len(composite) // KEY * bs:
+        if found[0] != len(composite) // KEY_BYTES * bs:
             self._present(r.number, b"")
             return 0, False
         self._plans[request.request_id] = plan
@@ -288,7 +287,7 @@ class HybridSchedulerSide(SchedulerSide):
             done = r.request.num_computed_tokens
             n = so.num_scheduled_tokens[req_id]
             keys = self.group_keys(r.request)
-            upto = min(end, len(keys[0]) // KEY)
+            upto = min(end, len(keys[0]) // KEY_BYTES)
             if upto <= first:
                 continue
             ids = self.cache_manager.get_block_ids(req_id)
@@ -301,7 +300,7 @@ class HybridSchedulerSide(SchedulerSide):
                     b = ids[g.index][j]
                     if b == 0:
                         continue
-                    pairs_k.append(bytes(keys[g.index][j * KEY : (j + 1) * KEY]))
+                    pairs_k.append(bytes(keys[g.index][j * KEY_BYTES : (j + 1) * KEY_BYTES]))
                     pairs_b.append(b)
                     if g.window is not None:
                         sw.append(b)
@@ -323,9 +322,9 @@ class HybridSchedulerSide(SchedulerSide):
             return
         index: dict[bytes, int] = {}
         for k in self._gkeys.get(name, []):
-            index.update({bytes(k[i : i + KEY]): i // KEY for i in range(0, len(k), KEY)})
-        for i in range(0, len(failed), KEY):
-            idx = index.get(failed[i : i + KEY])
+            index.update({bytes(k[i : i + KEY_BYTES]): i // KEY_BYTES for i in range(0, len(k), KEY_BYTES)})
+        for i in range(0, len(failed), KEY_BYTES):
+            idx = index.get(failed[i : i + KEY_BYTES])
             if idx is not None:
                 r.cap = idx if r.cap is None else min(r.cap, idx)
         self.stats.failed_loads += 1

@@ -9,6 +9,7 @@ from typing import Any
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
+from kvx._native import KEY_BYTES
 from kvx.vllm.disagg import Disaggregation
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
@@ -103,7 +104,7 @@ class SchedulerSide:
         if self.disagg is not None and self.disagg.wants(request):
             return self.disagg.match(request, r.number, keys, num_computed_tokens)
         if r.cap is not None:
-            keys = keys[: r.cap * 16]
+            keys = keys[: r.cap * KEY_BYTES]
         found = self.native.get_num_new_matched_tokens(r.number, keys, num_computed_tokens)
         if found is None:
             return None, False
@@ -182,12 +183,13 @@ class SchedulerSide:
         self._preempted(so)
         for req_id, r, first, end in self._completing(so):
             keys = self._keys(r)
-            upto = min(end, len(keys) // 16)
+            upto = min(end, len(keys) // KEY_BYTES)
             if upto <= first:
                 continue
             # Only this job's blocks: get_block_ids would copy the whole block table (O(context)).
             blocks = self.cache_manager.get_blocks(req_id).blocks[0][first:upto]
-            if self.native.save_blocks(r.number, keys[first * 16 : upto * 16], [b.block_id for b in blocks]):
+            job_keys = keys[first * KEY_BYTES : upto * KEY_BYTES]
+            if self.native.save_blocks(r.number, job_keys, [b.block_id for b in blocks]):
                 self.stats.store_jobs += 1
         abandoned, self._abandoned = self._abandoned, []
         step, loads, delayed = self.native.build_meta(abandoned)
@@ -219,9 +221,9 @@ class SchedulerSide:
         r = self.reqs.get(self.names.get(number, ""))
         if r is None:
             return
-        index = {r.keys[i : i + 16]: i // 16 for i in range(0, len(r.keys), 16)}
-        for i in range(0, len(failed), 16):
-            idx = index.get(failed[i : i + 16])
+        index = {r.keys[i : i + KEY_BYTES]: i // KEY_BYTES for i in range(0, len(r.keys), KEY_BYTES)}
+        for i in range(0, len(failed), KEY_BYTES):
+            idx = index.get(failed[i : i + KEY_BYTES])
             if idx is not None:
                 r.cap = idx if r.cap is None else min(r.cap, idx)
         self.stats.failed_loads += 1
