@@ -191,16 +191,20 @@ def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: c
         page.close()
 
 
+def standin_sides(standin: ctypes.CDLL, cfg: str) -> tuple[SchedulerSide, WorkerSide]:
+    """A scheduler side, and a worker side over a fresh KV "tensor" in stand-in device memory."""
+    ptr = ctypes.c_uint64()
+    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
+    desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
+    return SchedulerSide(cfg, BLOCK), WorkerSide(cfg, BLOCK, [desc], [], NUM_BLOCKS)
+
+
 def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: ctypes.CDLL) -> None:
     """A preempted request whose store is stuck in a hung device copy: the step that fences it
     waits (its blocks may still be read), and meanwhile the worker's other methods, called from
     another thread as a metrics thread would, answer within a tick + 50 ms instead of waiting
     for that fence."""
-    ptr = ctypes.c_uint64()
-    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
-    sched = SchedulerSide(SMALL, BLOCK)
-    desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
-    worker = WorkerSide(SMALL, BLOCK, [desc], [], NUM_BLOCKS)
+    sched, worker = standin_sides(standin, SMALL)
     step: threading.Thread | None = None
     try:
         keys = block_keys(b"fenced", [b"block0", b"block1"])
@@ -251,11 +255,7 @@ def test_a_preemption_fence_over_a_copy_stuck_past_its_deadline_raises_out_of_th
     copy may still read); it is never only logged."""
     store_s = 1.5
     cfg = json.dumps({"host_blocks": 4, "timeouts": {"load_ms": 2000, "store_ms": int(store_s * 1000)}})
-    ptr = ctypes.c_uint64()
-    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
-    sched = SchedulerSide(cfg, BLOCK)
-    desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
-    worker = WorkerSide(cfg, BLOCK, [desc], [], NUM_BLOCKS)
+    sched, worker = standin_sides(standin, cfg)
     try:
         keys = block_keys(b"overdue", [b"block0", b"block1"])
         assert sched.save_blocks(1, keys, [0, 1])
@@ -298,11 +298,7 @@ def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blo
     producer = WorkerSide(p_cfg, BLOCK, [p_desc], [p_mem], NUM_BLOCKS)
     # The consumer: stand-in device memory, a short remote-load deadline.
     d_cfg = json.dumps({"host_blocks": 4, "remote": {"load_ms": 300}})
-    ptr = ctypes.c_uint64()
-    assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
-    d_sched = SchedulerSide(d_cfg, BLOCK)
-    d_desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
-    consumer = WorkerSide(d_cfg, BLOCK, [d_desc], [], NUM_BLOCKS)
+    d_sched, consumer = standin_sides(standin, d_cfg)
     try:
         keys = block_keys(b"hold-back", [b"block0", b"block1"])
         source = p_sched.export_finished(1, 1, "hold-back", keys, [0, 1])
