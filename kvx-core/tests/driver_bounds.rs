@@ -529,7 +529,12 @@ impl Seen {
 #[test]
 fn a_fence_waits_for_its_copies_until_their_deadline_and_no_longer() {
     let state = Arc::new(StuckState::default());
-    let mut b = DriverBuilder::new(DriverConfig::default());
+    // A driver thread that sleeps up to a second when nothing wakes it: a fence's copies
+    // becoming overdue must wake it, not its safety-net park.
+    let mut b = DriverBuilder::new(DriverConfig {
+        max_park: Duration::from_secs(1),
+        ..DriverConfig::default()
+    });
     let be = b.backend(Box::new(Stuck(state.clone())));
     let driver = b.spawn().unwrap();
     let h = driver.handle();
@@ -553,10 +558,19 @@ fn a_fence_waits_for_its_copies_until_their_deadline_and_no_longer() {
     let deadline = start + Duration::from_millis(deadline_ms);
     let _t = h.submit(load(&pool, be, 1, 1, deadline)).unwrap();
     let fence = h.preempt(RequestId(1)).unwrap();
+    let mut driver_thread = kvx_thread_clock::UnscheduledLog::new("kvx-driver");
+    driver_thread.sample();
     let (waited, took) = clock.time(|| fence.wait_for_copies(grace));
+    driver_thread.sample();
     let FenceWait::Overdue { late } = waited else {
         panic!("a stuck copy's fence held: {waited:?}");
     };
+    let unscheduled = driver_thread.between(deadline, Instant::now());
+    assert!(
+        late <= TICK + ALLOWANCE + unscheduled,
+        "the driver saw the copy overdue only {late:?} after its deadline ({unscheduled:?} of \
+         it unscheduled)"
+    );
     assert!(
         Instant::now() >= deadline + TICK,
         "ended before the copy was due: {took}"

@@ -20,7 +20,7 @@ use crate::tracker::{BackendCommand, Event, Fence, Tracker};
 
 use super::fence::FenceSlot;
 use super::mailbox::{Cmd, Mailbox, Watcher};
-use super::{DriverConfig, Stopped};
+use super::{DriverConfig, Stopped, TICK};
 
 /// Records a stop even if the thread unwinds past every other handler, so no caller can wait
 /// on a driver that is gone.
@@ -44,6 +44,7 @@ pub(super) fn run(mailbox: Arc<Mailbox>, cfg: DriverConfig, backends: Vec<Box<dy
         backends,
         batch: VecDeque::new(),
         fences: Vec::new(),
+        fence_check: None,
         watchers: FxHashMap::default(),
         completions: Vec::new(),
         reports: Vec::new(),
@@ -91,6 +92,9 @@ struct Loop {
     /// panic does not drop their watchers before the stop is recorded).
     batch: VecDeque<Cmd>,
     fences: Vec<(Fence, Arc<FenceSlot>)>,
+    /// The next moment a pending fence's copies become overdue (their due time plus a tick):
+    /// the thread makes a pass then, so a waiter learns it without waiting for `max_park`.
+    fence_check: Option<Instant>,
     watchers: FxHashMap<TaskId, Watcher>,
     completions: Vec<OpCompletion>,
     /// Reports for the outbox, collected during a pass.
@@ -119,7 +123,11 @@ impl Loop {
     fn run(&mut self, max_park: Duration) {
         while !self.mailbox.stop_requested.load(Ordering::Acquire) {
             if !self.turn() {
-                let park = match self.tracker.poll_timeout() {
+                let wake = match (self.tracker.poll_timeout(), self.fence_check) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let park = match wake {
                     Some(at) => at.saturating_duration_since(Instant::now()).min(max_park),
                     None => max_park,
                 };
@@ -180,6 +188,7 @@ impl Loop {
         }
         let tracker = &self.tracker;
         let mut fence_held = false;
+        let mut fence_check: Option<Instant> = None;
         self.fences.retain(|(f, slot)| {
             let holds = tracker.fence_holds(f);
             if holds {
@@ -187,9 +196,14 @@ impl Loop {
                 fence_held = true;
             } else if let Some(due) = tracker.fence_due(f) {
                 slot.note_due(due, now);
+                let overdue_at = due + TICK;
+                if overdue_at > now {
+                    fence_check = Some(fence_check.map_or(overdue_at, |c| c.min(overdue_at)));
+                }
             }
             !holds
         });
+        self.fence_check = fence_check;
         self.publish(released, fence_held);
         busy
     }
