@@ -3,11 +3,10 @@ resolved KV cache layout, the layout kvx prefers, and the size of the largest st
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
-logger = logging.getLogger("kvx.vllm")
+from kvx.vllm.log import logger
 
 #: Versions of vLLM this package was tested with (``pyproject.toml`` declares the range).
 TESTED_VLLM = ("0.32.0", "0.33.0")

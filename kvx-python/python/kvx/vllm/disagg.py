@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -30,9 +29,8 @@ from typing import Any
 
 from kvx import _native
 from kvx._native import KEY_BYTES
+from kvx.vllm.log import logger
 from kvx.vllm.settings import Settings
-
-logger = logging.getLogger("kvx.vllm")
 
 # vLLM's statuses of a request that ended normally (an aborted prefill is not sent).
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")

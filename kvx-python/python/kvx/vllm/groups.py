@@ -26,7 +26,6 @@ Scheduler side, for a request whose local prefix ends at block ``first``:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +35,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
 from kvx._native import KEY_BYTES
+from kvx.vllm.log import logger
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.settings import Settings
 from kvx.vllm.worker_side import WorkerSide
-
-logger = logging.getLogger("kvx.vllm")
 
 
 @dataclass(frozen=True)
