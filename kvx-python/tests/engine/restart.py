@@ -58,6 +58,10 @@ def kvx_failures(output: str) -> list[str]:
     return [line for line in output.splitlines() if any(m in line for m in marks)]
 
 
+# The line kvx's worker logs when vLLM's worker shutdown stopped its driver (worker_side.py).
+KVX_SHUTDOWN = "kvx: worker shutdown: driver and backends stopped"
+
+
 def stop(s: Server, root: Path, sig: signal.Signals, group: bool) -> dict[str, Any]:
     """Signal the server; how it exited, and what its file tier holds then."""
     before = len(block_files(root))
@@ -65,6 +69,8 @@ def stop(s: Server, root: Path, sig: signal.Signals, group: bool) -> dict[str, A
     return {
         "code": r["code"],
         "seconds": r["seconds"],
+        "left": r["left"],
+        "kvx_shutdowns": r["output"].count(KVX_SHUTDOWN),
         "dead_errors": dead_errors(r["output"]),
         "kvx_failures": kvx_failures(r["output"]),
         "tracebacks": r["output"].count("Traceback"),
@@ -75,11 +81,13 @@ def stop(s: Server, root: Path, sig: signal.Signals, group: bool) -> dict[str, A
 
 
 def stop_and_restart(
-    tmp: Path, model_dir: str, stored: str, late: str, sig: signal.Signals, group: bool
+    tmp: Path, model_dir: str, stored: str, late: str, sig: signal.Signals, group: bool,
+    drain_s: int | None = None,
 ) -> dict[str, Any]:
     """``stored``: the set whose stores land before the signal; ``late``: the set answered
     just before it. ``group``: signal the server's process group (a terminal's Ctrl-C), else
-    the server process alone (a container stop)."""
+    the server process alone (a container stop). ``drain_s``: the first server's
+    ``--shutdown-timeout`` (drain mode); the restarted one stops in vLLM's default mode."""
     root = tmp / "root"
     root.mkdir()
     out: dict[str, Any] = {}
@@ -87,7 +95,7 @@ def stop_and_restart(
     def send(s: Server, key: str, name: str) -> None:
         out[key] = s.generate(prompts.prompts(name), prompts.max_tokens(name))
 
-    s = Server("first", tmp, model_dir, kvx_config(root)).ready()
+    s = Server("first", tmp, model_dir, kvx_config(root), drain_s=drain_s).ready()
     try:
         send(s, "stored", stored)
         wait_files(root, prompts.blocks(stored))
@@ -103,11 +111,16 @@ def stop_and_restart(
     return out
 
 
-def check_clean(stop: dict, what: str) -> None:
-    """Exited within the bound, no EngineDeadError but vLLM's own shutdown race, nothing of kvx
-    failed, no temporary file visible."""
+def check_clean(stop: dict, what: str, drained: bool = False) -> None:
+    """Exited within the bound, and no process of its group (the engine core and the worker,
+    where kvx's driver runs) outlived it; no EngineDeadError but vLLM's own shutdown race,
+    nothing of kvx failed, no temporary file visible. ``drained``: drain mode, where vLLM
+    stops its worker, and the worker's shutdown stopped kvx's driver (its log line)."""
     print(f"{what}: {stop}")
     assert stop["code"] is not None and stop["seconds"] <= EXIT_BOUND_S, stop
+    assert stop["left"] == [], stop
+    if drained:
+        assert stop["kvx_shutdowns"] == 1, stop
     assert stop["dead_errors"]["other"] == 0, stop
     assert stop["kvx_failures"] == [], stop
     assert stop["unexpected"] == [], stop

@@ -34,6 +34,39 @@ COUNTERS = {
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 
 
+# How long a process of the server's group (its engine core and worker, where kvx's driver
+# runs) may outlive the server: teardown and reaping on a loaded 2-core machine.
+OUTLIVE_S = 2.0
+
+
+def group_members(pgid: int) -> list[str]:
+    """The live processes of a process group ("pid name"), zombies left out."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            out.append(f"{entry} {name}")
+    return out
+
+
+def outliving(pgid: int, within: float) -> list[str]:
+    """The processes of the group still alive ``within`` seconds from now (none: at once)."""
+    end = time.monotonic() + within
+    while True:
+        left = group_members(pgid)
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,14 +97,19 @@ class Server:
     """One ``vllm serve`` process, in a process group of its own (its engine core and worker
     are in it too)."""
 
-    def __init__(self, name: str, tmp: Path, model: str, kvx: dict | None):
+    def __init__(self, name: str, tmp: Path, model: str, kvx: dict | None, drain_s: int | None = None):
+        """``drain_s``: vLLM's ``--shutdown-timeout`` (drain mode: the engine core stops its
+        workers, whose ``shutdown()`` runs the connector's); ``None``: vLLM's default, abort."""
         self.name, self.model = name, model
         self.port = free_port()
+        args = settings.serve_args(model, kvx, self.port)
+        if drain_s is not None:
+            args += ["--shutdown-timeout", str(drain_s)]
         self.log = tmp / f"{name}.log"
         self._log = open(self.log, "w")
         self.began = time.monotonic()
         self.p = subprocess.Popen(
-            [sys.executable, str(HERE / "serve_main.py"), *settings.serve_args(model, kvx, self.port)],
+            [sys.executable, str(HERE / "serve_main.py"), *args],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -152,9 +190,10 @@ class Server:
         except subprocess.TimeoutExpired:
             code = None
         took = time.monotonic() - t
+        left = outliving(self.p.pid, OUTLIVE_S)
         self.kill()
         self._log.close()
-        return {"code": code, "seconds": took, "output": self.log.read_text(errors="replace")}
+        return {"code": code, "seconds": took, "left": left, "output": self.log.read_text(errors="replace")}
 
     def kill(self) -> None:
         """SIGKILL whatever of the process group is left."""
