@@ -85,6 +85,14 @@ def log_tail(path: Path, lines: int = 60) -> str:
         return f"(no log: {e})"
 
 
+# ``vllm.LLM``'s engine core in the engine process itself (vLLM's InprocClient); the worker,
+# with kvx's worker side, stays a process of its own, so the step metadata still crosses a
+# process boundary. A start then spawns one interpreter fewer: about 30 s less here, of the
+# ~60 s a start took. ``vllm serve`` (server.py) keeps vLLM's default, a separate engine core,
+# and so does an engine whose connector must go on stepping between ``generate`` calls.
+IN_PROCESS_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 _stopping: list[threading.Thread] = []
 
 
@@ -97,9 +105,11 @@ def wait_stopped() -> None:
 class Engine:
     """One engine process; ``start`` returns at once, ``ready`` waits for the engine."""
 
-    def __init__(self, name: str, tmp: Path, cfg: dict, cpu: str | None = None):
+    def __init__(self, name: str, tmp: Path, cfg: dict, cpu: str | None = None, core_process: bool = False):
         """``cpu``: the core its worker's one compute thread is bound to (vLLM's
-        ``VLLM_CPU_OMP_THREADS_BIND``); ``None``: vLLM's own choice (the first core)."""
+        ``VLLM_CPU_OMP_THREADS_BIND``); ``None``: vLLM's own choice (the first core).
+        ``core_process``: the engine core in a process of its own, stepping in its busy loop
+        between ``generate`` calls too (an in-process core steps only inside them)."""
         self.name = name
         self.log = tmp / f"{name}.log"
         self.began = time.monotonic()
@@ -112,7 +122,9 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env=engine_env() | ({} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": cpu}),
+            env=engine_env()
+            | ({} if core_process else IN_PROCESS_CORE)
+            | ({} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": cpu}),
             cwd=str(tmp),
             start_new_session=True,
         )

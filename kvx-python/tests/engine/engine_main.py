@@ -1,5 +1,5 @@
-"""One real vLLM engine (``vllm.LLM`` on vLLM's CPU platform: its engine-core process, its
-worker process, real forward passes of the test model) driven by JSON lines on stdin, one
+"""One real vLLM engine (``vllm.LLM`` on vLLM's CPU platform: its engine core in this
+process, its worker process, real forward passes of the test model) driven by JSON lines on stdin, one
 result line on stdout per command (``engine.Engine`` is the other end).
 
 Run as ``python engine_main.py CONFIG_JSON``. CONFIG_JSON: ``model`` (a directory), ``kvx``

@@ -9,7 +9,11 @@ engine steps without pause (vLLM's loop for requests awaiting ``finished_sending
 spinning on its core; vLLM binds every engine's worker to the first core, and on this kernel
 (6.18, EEVDF, one autogroup per engine session) a thread pinned beside that spin can get no
 CPU at all: D's worker got 0 ticks in 10 s while P's got 96%, and D never answered. On one
-machine, as here, two engines need cores of their own; on two nodes they have them."""
+machine, as here, two engines need cores of their own; on two nodes they have them.
+
+P's engine core runs in a process of its own, as in ``vllm serve``: a request's blocks are
+exported to D by the engine step after the one that finished it, which an engine core in the
+test's process (the suite's default) would not run once ``generate`` returned."""
 
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def scenario(tmp: Path, model_dir: str) -> dict[str, Any]:
     p_cfg = {"role": "kv_producer", "extra": {"host_blocks": 64, "remote": remote_p}}
     d_cfg = {"role": "kv_consumer", "policy": "recompute", "extra": {"host_blocks": 64, "remote": {"load_ms": 5000}}}
     # Both start at once (each start is tens of seconds).
-    P = Engine("P", tmp, {"model": model_dir, "kvx": p_cfg})
+    P = Engine("P", tmp, {"model": model_dir, "kvx": p_cfg}, core_process=True)
     D = Engine("D", tmp, {"model": model_dir, "kvx": d_cfg}, cpu="1")
     out: dict[str, Any] = {}
     try:
