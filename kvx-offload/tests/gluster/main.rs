@@ -48,13 +48,16 @@ fn verify_clean(root: &std::path::Path) -> u64 {
 
 /// a. Three nodes, each on its own mount of a replica-2 volume: blocks A stores are found and
 /// loaded byte-exact by B and C; with A storing, B loading and C collecting at once, the
-/// collectors keep the volume under its quota; `kvx verify` is clean afterwards.
+/// collectors keep the volume under its quota; `kvx verify` is clean afterwards. What the
+/// nodes see is tested here, not when (tests b and d hold probes to their deadline): their
+/// probes wait [`PATIENT_PROBE`] (one answered past the usual deadline under load, 16 blocks
+/// of 32 then missed, the breaker open).
 fn three_nodes_share_the_volume(g: &Gluster, engine: IoEngine) {
     let mut v = g.volume(Layout::Replica2).expect("volume");
     let roots = roots(&mut v, 3);
-    let a = Node::open(&roots[0], engine);
-    let mut b = ChildNode::spawn(&roots[1], engine);
-    let mut c = ChildNode::spawn(&roots[2], engine);
+    let a = Node::open_probing(&roots[0], engine, PATIENT_PROBE);
+    let mut b = ChildNode::spawn_probing(&[], &roots[1], engine, PATIENT_PROBE);
+    let mut c = ChildNode::spawn_probing(&[], &roots[2], engine, PATIENT_PROBE);
     assert_eq!(b.ask("find 0 8", "found"), vec![0], "nothing stored yet");
     let keys: Vec<_> = (0..32).map(key).collect();
     a.store(&keys, 1);

@@ -18,13 +18,14 @@ use libtest_mimic::{Arguments, Trial};
 use node::*;
 
 /// A and two child nodes on one directory: B and C, opened before A stores anything, find every
-/// block by probing and load it byte-exact.
+/// block by probing and load it byte-exact. What the nodes see is tested here, not when (the
+/// frozen-mount test holds probes to their deadline): their probes wait [`PATIENT_PROBE`].
 fn three_nodes_share_blocks(engine: IoEngine) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temp dir");
     let root = dir.path().join("kv");
-    let a = Node::open(&root, engine);
-    let mut b = ChildNode::spawn(&root, engine);
-    let mut c = ChildNode::spawn(&root, engine);
+    let a = Node::open_probing(&root, engine, PATIENT_PROBE);
+    let mut b = ChildNode::spawn_probing(&[], &root, engine, PATIENT_PROBE);
+    let mut c = ChildNode::spawn_probing(&[], &root, engine, PATIENT_PROBE);
     // Before A stores, the probes find nothing.
     assert_eq!(b.ask("find 0 8", "found"), vec![0]);
     let keys: Vec<_> = (0..32).map(key).collect();

@@ -34,6 +34,11 @@ pub fn payload(k: BlockKey, generation: u8) -> Vec<u8> {
         .collect()
 }
 
+/// The probe deadline of nodes in a test of what they see rather than of when: a probe that
+/// answers past [`PROBE_DEADLINE`] is `Absent` by design (and a failure for the breaker), and
+/// one did, by 1.6 ms, beside a compile and `dd` on a 2-core machine (2 runs in 16).
+pub const PATIENT_PROBE: Duration = SOON;
+
 /// The settings of every node: a shared root, psync or uring, a short breaker cool-down.
 pub fn config(root: &Path, engine: IoEngine) -> PosixConfig {
     let mut c = PosixConfig::new(root);
@@ -46,6 +51,15 @@ pub fn config(root: &Path, engine: IoEngine) -> PosixConfig {
         touch_on_load: true,
         ..SharedMount::default()
     });
+    c
+}
+
+/// [`config`] with probes that time out after `probe_deadline`.
+pub fn config_probing(root: &Path, engine: IoEngine, probe_deadline: Duration) -> PosixConfig {
+    let mut c = config(root, engine);
+    if let Some(shared) = c.shared.as_mut() {
+        shared.probe_deadline = probe_deadline;
+    }
     c
 }
 
@@ -80,7 +94,13 @@ pub enum Loaded {
 impl Node {
     /// Open a node on `root`.
     pub fn open(root: &Path, engine: IoEngine) -> Node {
-        let store = PosixStore::open(config(root, engine)).expect("open store");
+        Node::open_probing(root, engine, PROBE_DEADLINE)
+    }
+
+    /// Open a node on `root` whose probes time out after `probe_deadline`.
+    pub fn open_probing(root: &Path, engine: IoEngine, probe_deadline: Duration) -> Node {
+        let store =
+            PosixStore::open(config_probing(root, engine, probe_deadline)).expect("open store");
         let files = store.handle();
         let mut b = DriverBuilder::new(DriverConfig::default());
         let posix = b.backend(Box::new(store));
@@ -207,7 +227,7 @@ impl Node {
 }
 
 /// Serve commands on stdin as a child node on `root` (the value of [`NODE_ENV`]:
-/// `<engine> <root>`). Commands and answers, one line each:
+/// `<engine> <probe deadline in ms> <root>`). Commands and answers, one line each:
 ///
 /// - `find A B` → `found P` (keys A..B whose probe said present);
 /// - `load A B G` → `load EXACT OTHER MIXED INVALID` (exact: generation G; other: another
@@ -222,9 +242,11 @@ impl Node {
 ///   is 1, so that they, not the probes, meet the mount before the breaker opens);
 /// - `quit`.
 pub fn serve(spec: &str) {
-    let (engine, root) = spec.split_once(' ').expect("node spec: <engine> <root>");
-    let engine: IoEngine = engine.parse().expect("engine");
-    let node = Node::open(Path::new(root), engine);
+    let mut words = spec.splitn(3, ' ');
+    let mut word = || words.next().expect("node spec: <engine> <probe ms> <root>");
+    let engine: IoEngine = word().parse().expect("engine");
+    let probe = Duration::from_millis(word().parse().expect("probe deadline"));
+    let node = Node::open_probing(Path::new(word()), engine, probe);
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready").expect("stdout");
     out.flush().expect("stdout");
@@ -380,9 +402,20 @@ impl ChildNode {
     /// Start this test binary as a node on `root` under the command `prefix` (which must exec
     /// it, as `nsenter --net=...` does) and wait for its `ready`.
     pub fn spawn_under(prefix: &[String], root: &Path, engine: IoEngine) -> ChildNode {
+        ChildNode::spawn_probing(prefix, root, engine, PROBE_DEADLINE)
+    }
+
+    /// [`ChildNode::spawn_under`], the node's probes timing out after `probe_deadline`.
+    pub fn spawn_probing(
+        prefix: &[String],
+        root: &Path,
+        engine: IoEngine,
+        probe_deadline: Duration,
+    ) -> ChildNode {
         let exe: PathBuf = std::env::current_exe().expect("test binary");
+        let spec = format!("{engine} {} {}", probe_deadline.as_millis(), root.display());
         let mut child = command_under(prefix, exe)
-            .env(NODE_ENV, format!("{engine} {}", root.display()))
+            .env(NODE_ENV, spec)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
