@@ -77,16 +77,6 @@ fn side() -> SchedulerSide {
     .expect("a scheduler side")
 }
 
-/// A consumer of one worker, its keeper, a scheduler side and the time it starts at.
-fn consumer() -> (Disagg, Keeper, SchedulerSide, Instant) {
-    (
-        disagg(false, true, 1),
-        Keeper::default(),
-        side(),
-        Instant::now(),
-    )
-}
-
 fn keys(first: u128, n: usize) -> Vec<BlockKey> {
     (0..n as u128).map(|i| BlockKey(first + i)).collect()
 }
@@ -111,39 +101,43 @@ fn params(namespace: &str, producers: usize, keys: &[BlockKey]) -> Value {
     json!({"do_remote_prefill": true, "kvx": kvx})
 }
 
-/// A lookup of request `id` (number `number`).
-fn ask<'a>(
-    id: &'a str,
-    number: RequestId,
-    params: Option<&'a Value>,
-    own: &'a [BlockKey],
-    num_computed: u64,
-) -> Asking<'a> {
-    Asking {
-        id,
-        number,
-        params,
-        own,
-        num_computed,
-    }
-}
-
 #[test]
 fn a_live_lease_offers_the_remote_blocks_and_the_load_releases_it_done() {
-    let (mut d, mut k, mut s, t0) = consumer();
+    let (mut d, mut k, mut s, t0) = (
+        disagg(false, true, 1),
+        Keeper::default(),
+        side(),
+        Instant::now(),
+    );
     let own = keys(100, 4);
     let p = params(NS, 1, &own);
     assert!(d.wants("a", Some(&p)));
     // Pending: later, until the load deadline.
     assert_eq!(
-        d.lookup(&ask("a", RequestId(1), Some(&p), &own, 0), &mut k, t0),
+        d.lookup(
+            &Asking {
+                id: "a",
+                number: RequestId(1),
+                params: Some(&p),
+                own: &own,
+                num_computed: 0
+            },
+            &mut k,
+            t0
+        ),
         RemoteMatch::Later
     );
     assert_eq!(k.kept, [1]);
     k.states.insert(1, LeaseState::Live);
     // One block is the engine's own: three load.
     let m = d.lookup(
-        &ask("a", RequestId(1), Some(&p), &own, BLOCK),
+        &Asking {
+            id: "a",
+            number: RequestId(1),
+            params: Some(&p),
+            own: &own,
+            num_computed: BLOCK,
+        },
         &mut k,
         t0 + Duration::from_millis(10),
     );
@@ -160,7 +154,17 @@ fn a_live_lease_offers_the_remote_blocks_and_the_load_releases_it_done() {
     assert_eq!(blocks, [(1, 51), (2, 52), (3, 53)]);
     // While it loads, a lookup offers nothing more; the report releases the lease, done.
     assert_eq!(
-        d.lookup(&ask("a", RequestId(1), Some(&p), &own, BLOCK), &mut k, t0),
+        d.lookup(
+            &Asking {
+                id: "a",
+                number: RequestId(1),
+                params: Some(&p),
+                own: &own,
+                num_computed: BLOCK
+            },
+            &mut k,
+            t0
+        ),
         RemoteMatch::Local(None)
     );
     assert!(k.released.is_empty());
@@ -179,19 +183,41 @@ fn a_lease_pending_past_the_load_deadline_is_given_up_and_computed_here() {
     let p = params(NS, 1, &own);
     let just_before = t0 + Duration::from_millis(LOAD_MS - 1);
     assert_eq!(
-        d.lookup(&ask("a", RequestId(3), Some(&p), &own, 0), &mut k, t0),
+        d.lookup(
+            &Asking {
+                id: "a",
+                number: RequestId(3),
+                params: Some(&p),
+                own: &own,
+                num_computed: 0
+            },
+            &mut k,
+            t0
+        ),
         RemoteMatch::Later
     );
     assert_eq!(
         d.lookup(
-            &ask("a", RequestId(3), Some(&p), &own, 0),
+            &Asking {
+                id: "a",
+                number: RequestId(3),
+                params: Some(&p),
+                own: &own,
+                num_computed: 0
+            },
             &mut k,
             just_before
         ),
         RemoteMatch::Later
     );
     let m = d.lookup(
-        &ask("a", RequestId(3), Some(&p), &own, 0),
+        &Asking {
+            id: "a",
+            number: RequestId(3),
+            params: Some(&p),
+            own: &own,
+            num_computed: 0,
+        },
         &mut k,
         t0 + Duration::from_millis(LOAD_MS),
     );
@@ -216,12 +242,32 @@ fn a_lost_lease_is_computed_here_with_the_reason() {
     let own = keys(1, 2);
     let p = params(NS, 1, &own);
     assert_eq!(
-        d.lookup(&ask("a", RequestId(3), Some(&p), &own, 0), &mut k, t0),
+        d.lookup(
+            &Asking {
+                id: "a",
+                number: RequestId(3),
+                params: Some(&p),
+                own: &own,
+                num_computed: 0
+            },
+            &mut k,
+            t0
+        ),
         RemoteMatch::Later
     );
     k.states
         .insert(3, LeaseState::Lost("the producer refused".into()));
-    let m = d.lookup(&ask("a", RequestId(3), Some(&p), &own, 0), &mut k, t0);
+    let m = d.lookup(
+        &Asking {
+            id: "a",
+            number: RequestId(3),
+            params: Some(&p),
+            own: &own,
+            num_computed: 0,
+        },
+        &mut k,
+        t0,
+    );
     assert_eq!(
         m,
         RemoteMatch::Local(Some(
@@ -251,7 +297,13 @@ fn params_that_do_not_fit_are_that_requests_error_only() {
     for (p, want) in cases {
         let (mut d, mut k) = (disagg(false, true, 1), Keeper::default());
         let m = d.lookup(
-            &ask("a", RequestId(1), Some(&p), &own, 0),
+            &Asking {
+                id: "a",
+                number: RequestId(1),
+                params: Some(&p),
+                own: &own,
+                num_computed: 0,
+            },
             &mut k,
             Instant::now(),
         );
@@ -269,13 +321,38 @@ fn params_that_do_not_fit_are_that_requests_error_only() {
 
 #[test]
 fn an_allocation_that_does_not_fit_ends_the_remote_part() {
-    let (mut d, mut k, mut s, t0) = consumer();
+    let (mut d, mut k, mut s, t0) = (
+        disagg(false, true, 1),
+        Keeper::default(),
+        side(),
+        Instant::now(),
+    );
     let own = keys(1, 2);
     let p = params(NS, 1, &own);
-    d.lookup(&ask("a", RequestId(1), Some(&p), &own, 0), &mut k, t0);
+    d.lookup(
+        &Asking {
+            id: "a",
+            number: RequestId(1),
+            params: Some(&p),
+            own: &own,
+            num_computed: 0,
+        },
+        &mut k,
+        t0,
+    );
     k.states.insert(1, LeaseState::Live);
     assert_eq!(
-        d.lookup(&ask("a", RequestId(1), Some(&p), &own, 0), &mut k, t0),
+        d.lookup(
+            &Asking {
+                id: "a",
+                number: RequestId(1),
+                params: Some(&p),
+                own: &own,
+                num_computed: 0
+            },
+            &mut k,
+            t0
+        ),
         RemoteMatch::Load(2 * BLOCK)
     );
     // The engine gave fewer blocks than it allocated tokens for.
@@ -288,9 +365,29 @@ fn an_allocation_that_does_not_fit_ends_the_remote_part() {
     assert!(s.build_meta().remote_loads.is_empty());
     // No external tokens allocated: ended, P may free.
     let (mut d, mut k) = (disagg(false, true, 1), Keeper::default());
-    d.lookup(&ask("b", RequestId(2), Some(&p), &own, 0), &mut k, t0);
+    d.lookup(
+        &Asking {
+            id: "b",
+            number: RequestId(2),
+            params: Some(&p),
+            own: &own,
+            num_computed: 0,
+        },
+        &mut k,
+        t0,
+    );
     k.states.insert(2, LeaseState::Live);
-    d.lookup(&ask("b", RequestId(2), Some(&p), &own, 0), &mut k, t0);
+    d.lookup(
+        &Asking {
+            id: "b",
+            number: RequestId(2),
+            params: Some(&p),
+            own: &own,
+            num_computed: 0,
+        },
+        &mut k,
+        t0,
+    );
     assert_eq!(
         d.allocated("b", &[7, 8], 0, &mut s, &mut k),
         Allocated::Ended(None)
@@ -454,7 +551,7 @@ proptest! {
                 Op::Lookup { r, fits, computed } => {
                     let n = number(r, generation[r]);
                     let p = if fits { &good } else { &bad };
-                    let m = d.lookup(&ask(&format!("r{r}"), n, Some(p), &own, computed * BLOCK), &mut k, now);
+                    let m = d.lookup(&Asking { id: &format!("r{r}"), number: n, params: Some(p), own: &own, num_computed: computed * BLOCK }, &mut k, now);
                     if ended.get(&n.0).copied().unwrap_or(false) {
                         // Its remote part ended: served as any other, without a new reason.
                         prop_assert_eq!(&m, &RemoteMatch::Local(None), "after its end");
