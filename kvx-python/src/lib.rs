@@ -22,7 +22,7 @@
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
 mod config;
-mod disagg;
+mod keeper;
 mod memory;
 mod page_store;
 mod scheduler;
@@ -84,8 +84,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KEY_BYTES", KEY_BYTES)?;
     m.add_class::<scheduler::SchedulerSide>()?;
     m.add_class::<worker::WorkerSide>()?;
-    m.add_class::<disagg::Disaggregation>()?;
+    m.add_class::<keeper::LeaseKeeper>()?;
     m.add_class::<page_store::PageStore>()?;
+    m.add_function(wrap_pyfunction!(keeper::remote_source, m)?)?;
     #[cfg(feature = "testing")]
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;

@@ -13,15 +13,13 @@ use crate::{KvxError, keys_from_bytes};
 use kvx_connector::codec;
 
 /// The scheduler side: decides per step what to load and store, keeps the tier index.
-#[pyclass(module = "kvx._native", frozen)]
+#[pyclass(module = "kvx._native")]
 pub struct SchedulerSide {
-    pub(crate) inner: Mutex<kvx_offload::SchedulerSide>,
+    inner: Mutex<kvx_offload::SchedulerSide>,
     /// The remote tier's settings (what a producer's sources name).
-    pub(crate) remote: Option<RemoteTierConfig>,
+    remote: Option<RemoteTierConfig>,
     /// Workers behind this side (a producer names one server per rank).
-    pub(crate) world: u32,
-    /// vLLM's tokens per block.
-    pub(crate) block_tokens: u32,
+    world: u32,
     /// `host_loads_in_step` of the config.
     host_loads_in_step: bool,
 }
@@ -51,7 +49,6 @@ impl SchedulerSide {
             inner: Mutex::new(side),
             remote: cfg.remote,
             world: tp_size * pp_size,
-            block_tokens,
             host_loads_in_step: cfg.host_loads_in_step,
         })
     }

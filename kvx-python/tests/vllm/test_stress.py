@@ -491,7 +491,7 @@ os.write(1, b"done\\n")
 """
 
 
-@pytest.mark.parametrize("build", ["SchedulerSide", "parse_config"])
+@pytest.mark.parametrize("build", ["SchedulerSide", "parse_config", "LeaseKeeper"])
 def test_a_frozen_file_tier_at_start_up_leaves_the_gil_free(tmp_path, build):
     """Building the scheduler side (and reading the config, as the worker side does) waits for
     the file-tier mount; while it waits, the process's other Python threads go on."""

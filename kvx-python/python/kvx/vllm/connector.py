@@ -73,13 +73,13 @@ def _remote_roles(kv_transfer_config: Any, settings: Settings) -> tuple[bool, bo
     return produce, consume
 
 
-def _disaggregation(kv_transfer_config: Any, settings: Settings, side: SchedulerSide,
-                    namespace: bytes) -> Disaggregation | None:
+def _disaggregation(kv_transfer_config: Any, settings: Settings, side: SchedulerSide, block_size: int,
+                    namespace: bytes, world: int) -> Disaggregation | None:
     """The scheduler side's P/D part, if the role has one."""
     produce, consume = _remote_roles(kv_transfer_config, settings)
     if not (produce or consume):
         return None
-    return Disaggregation(side.native, namespace, produce, consume)
+    return Disaggregation(side.native, settings, block_size, namespace, produce, consume, world)
 
 
 class KvxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -122,7 +122,9 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sched = SchedulerSide(
                     self.config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size
                 )
-                self._sched.disagg = _disaggregation(self._kv_transfer_config, settings, self._sched, namespace)
+                self._sched.disagg = _disaggregation(
+                    self._kv_transfer_config, settings, self._sched, block_size, namespace, tp_size * pp_size
+                )
         else:
             shard = parallel.worker_place(vllm_config).shard()
             if hybrid is not None:

@@ -149,7 +149,7 @@ class SchedulerSide:
         r = self.reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             return {}
-        if self.disagg is not None and self.disagg.is_remote(request.request_id):
+        if self.disagg is not None and request.request_id in self.disagg.remote:
             return {CacheHitSource.P2P: num_external_tokens}
         file = r.hit[1]
         out = {}
