@@ -28,11 +28,6 @@ from harness import _HASHER, BLOCK, HEAD, VOCAB, chain, prompt
 
 LAYERS = 2
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
-# Worker processes fork from one server process that imported vLLM and the worker's modules
-# once (multiprocessing's forkserver; nothing of torch has run there): a spawned worker
-# imported them itself, about 15 s of CPU each here.
-_WORKERS = mp.get_context("forkserver")
-_WORKERS.set_forkserver_preload(["parallel_worker", "kvx.vllm"])
 
 
 def model_dir(root: Path) -> str:
@@ -71,12 +66,13 @@ class ParallelEngine:
         self.world = tp * pp
         mdir = model_dir(tmp)
         self.cfg = pw.build_config(mdir, tp, pp, extra, policy, num_blocks, kv_role)
+        ctx = mp.get_context("spawn")
         port = free_port()
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         for rank in range(self.world):
-            here, there = _WORKERS.Pipe()
-            p = _WORKERS.Process(target=pw.main, args=(rank, tp, pp, port, mdir, extra, policy, num_blocks,
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=pw.main, args=(rank, tp, pp, port, mdir, extra, policy, num_blocks,
                                                   LAYERS, there, kv_role), daemon=True)
             p.start()
             self.conns.append(here)
