@@ -22,6 +22,7 @@
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
 mod config;
+mod groups;
 mod keeper;
 mod memory;
 mod page_store;
@@ -83,6 +84,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
     m.add("KEY_BYTES", KEY_BYTES)?;
     m.add_class::<scheduler::SchedulerSide>()?;
+    m.add_class::<groups::KvCacheGroups>()?;
     m.add_class::<worker::WorkerSide>()?;
     m.add_class::<keeper::LeaseKeeper>()?;
     m.add_class::<page_store::PageStore>()?;

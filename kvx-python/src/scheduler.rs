@@ -15,7 +15,7 @@ use kvx_connector::codec;
 /// The scheduler side: decides per step what to load and store, keeps the tier index.
 #[pyclass(module = "kvx._native")]
 pub struct SchedulerSide {
-    inner: Mutex<kvx_offload::SchedulerSide>,
+    pub(crate) inner: Mutex<kvx_offload::SchedulerSide>,
     /// The remote tier's settings (what a producer's sources name).
     remote: Option<RemoteTierConfig>,
     /// Workers behind this side (a producer names one server per rank).

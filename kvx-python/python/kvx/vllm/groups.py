@@ -7,26 +7,20 @@ the bytes of engine block ``b`` across the distinct registered tensors are exact
 layers of the group holding ``b`` wrote: the worker side copies blocks as today, and only the
 keys tell the groups apart (each group has its own key namespace: its index and its spec).
 
-Scheduler side, for a request whose local prefix ends at block ``first``:
-
-- a hit of blocks ``[first, end)`` is one every group can serve: each full-attention group holds
-  all of them, each sliding-window group holds the blocks vLLM keeps for a prefix of ``end``
-  blocks (those its manager does not skip, ``get_num_skipped_tokens``); ``end`` shrinks until
-  all groups agree, and the whole load is one kvx job over the blocks of every group;
-- stores: full-attention groups store every computed full block; a sliding-window group stores
-  only the blocks still in its window once the step's tokens are computed (a block already out
-  of the window is never read again and vLLM frees it at once);
-- vLLM frees sliding-window blocks while the request runs, possibly while their store is still
-  queued: a block that was a sliding-window store source and is handed out again is fenced
-  (its queued stores flushed and waited for) before the step's forward may write it;
-- a failed load is reported per request (``failed_recving``): vLLM refuses block-level
-  ``invalid_block_ids`` with more than one group; the request restarts from its local prefix and
-  is offered only the blocks before the first failed one (of any group).
+What a hit is, what each group stores and which reused sliding-window blocks to fence is
+decided in Rust (kvx-connector's ``groups``, through ``kvx._native.KvCacheGroups``): a hit is
+the longest prefix every group can serve, one kvx job over the blocks of every group; a
+sliding-window group stores only the blocks still in its window; a block that was a
+sliding-window store source and is handed out again is fenced before the step's forward may
+write it. Here: vLLM's specs and scheduler output turned into plain data, and a failed load
+reported per request (``failed_recving``): vLLM refuses block-level ``invalid_block_ids`` with
+more than one group; the request restarts from its local prefix and is offered only the blocks
+before the first failed one (of any group).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -34,7 +28,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
-from kvx._native import KEY_BYTES
 from kvx.vllm.log import logger
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
@@ -104,16 +97,6 @@ class HybridConnectorMetadata(KvxConnectorMetadata):
         super().__setstate__(base)
 
 
-@dataclass
-class _Plan:
-    """A hit waiting for vLLM's allocation: blocks ``[first, end)``, and per group the block
-    indices to load."""
-
-    first: int
-    end: int
-    wanted: list[list[int]] = field(default_factory=list)
-
-
 class HybridSchedulerSide(SchedulerSide):
     """The scheduler side over several KV cache groups (see the module docs)."""
 
@@ -129,139 +112,52 @@ class HybridSchedulerSide(SchedulerSide):
     ):
         super().__init__(config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size)
         self.groups = groups
-        # Per request id: each group's keys (KEY_BYTES each) and how many hashes they cover.
-        self._gkeys: dict[str, list[bytearray]] = {}
-        self._ghashes: dict[str, int] = {}
-        self._plans: dict[str, _Plan] = {}
-        # Sliding-window store sources whose store may still be queued or copying.
-        self._sw_sources: set[int] = set()
+        self.hybrid = _native.KvCacheGroups(
+            [(g.window, g.extra_retained) for g in groups], [g.namespace for g in groups], block_size, self.ratio
+        )
         # Engine blocks of each load queued this step, by request id, for the worker.
         self._load_blocks: dict[str, list[int]] = {}
-        self.fenced_blocks = 0
 
-    def skipped(self, g: Group, tokens: int) -> int:
-        """Tokens of a prefix of ``tokens`` that group ``g`` does not keep: asked of vLLM's own
-        manager of the group when bound, else from the group's spec."""
-        try:
-            manager = self.cache_manager.coordinator.single_type_managers[g.index]
-            return int(manager.get_num_skipped_tokens(tokens))
-        except (AttributeError, IndexError, TypeError):
-            return g.skipped(tokens)
+    @property
+    def fenced_blocks(self) -> int:
+        return self.hybrid.fenced_blocks
 
-    # -- keys ------------------------------------------------------------------------------
-    def group_keys(self, request: Any) -> list[bytearray]:
+    def group_keys(self, request: Any) -> list[bytes]:
         """Each group's keys of the request's full blocks."""
-        rid = request.request_id
-        keys = self._gkeys.setdefault(rid, [bytearray() for _ in self.groups])
-        done = self._ghashes.get(rid, 0)
-        hashes = request.block_hashes
-        n = len(hashes) // self.ratio
-        if n * self.ratio > done:
-            new = [bytes(hashes[(i + 1) * self.ratio - 1]) for i in range(done // self.ratio, n)]
-            for g in self.groups:
-                keys[g.index] += _native.block_keys(g.namespace, new)
-            self._ghashes[rid] = n * self.ratio
-        return keys
-
-    def _forget(self, req_id: str) -> None:
-        self._gkeys.pop(req_id, None)
-        self._ghashes.pop(req_id, None)
-        self._plans.pop(req_id, None)
-
-    def _wanted(self, g: Group, first: int, end: int) -> list[int]:
-        """Block indices of ``[first, end)`` group ``g`` reads for a prefix of ``end`` blocks."""
-        lo = max(first, self.skipped(g, end * self.block_size) // self.block_size)
-        return list(range(lo, end))
-
-    def _present(self, number: int, keys: bytes) -> int | None:
-        """How many of ``keys`` (from the first) the tiers hold; None: ask again later."""
-        if not keys:
-            return 0
-        found = self.native.get_num_new_matched_tokens(number, keys, 0)
-        return None if found is None else found[0] // self.block_size
+        r = self._req(request)
+        self.hybrid.extend_keys(r.number, request.block_hashes)
+        return [self.hybrid.keys(r.number, g.index) for g in self.groups]
 
     # -- vLLM's scheduler-side calls -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         r = self._req(request)
         self.stats.lookups += 1
-        self._plans.pop(request.request_id, None)
-        keys = self.group_keys(request)
-        bs = self.block_size
-        first = num_computed_tokens // bs
+        self.hybrid.extend_keys(r.number, request.block_hashes)
+        first = num_computed_tokens // self.block_size
         # The last token is always computed by vLLM (its logits; a sliding window needs it).
-        end = min(len(keys[0]) // KEY_BYTES, max(0, request.num_tokens - 1) // bs)
+        end = max(0, request.num_tokens - 1) // self.block_size
         if r.cap is not None:
             end = min(end, r.cap)
-        for g in self.groups:
-            if g.window is None and end > first:
-                n = self._present(r.number, bytes(keys[g.index][first * KEY_BYTES : end * KEY_BYTES]))
-                if n is None:
-                    return self._none(r.number)
-                end = first + n
-        while end > first:
-            shrunk = False
-            for g in self.groups:
-                if g.window is None:
-                    continue
-                want = self._wanted(g, first, end)
-                lo = want[0] if want else end
-                n = self._present(r.number, bytes(keys[g.index][lo * KEY_BYTES : end * KEY_BYTES]))
-                if n is None:
-                    return self._none(r.number)
-                if n < end - lo:
-                    end = lo + n  # the hit must end before the first block this group lacks
-                    shrunk = True
-                    break
-            if not shrunk:
-                break
-        if end <= first:
-            self._present(r.number, b"")  # drop kvx's pending lookup
-            return 0, False
-        plan = _Plan(first, end, [self._wanted(g, first, end) for g in self.groups])
-        composite = b"".join(
-            bytes(keys[g.index][j * KEY_BYTES : (j + 1) * KEY_BYTES]) for g in self.groups for j in plan.wanted[g.index]
-        )
-        found = self.native.get_num_new_matched_tokens(r.number, composite, 0)
+        found = self.hybrid.lookup(self.native, r.number, first, end)
         if found is None:
-            return self._none(r.number)
-        if found[0] != len(composite) // KEY_BYTES * bs:
-            self._present(r.number, b"")
+            return None, False
+        tokens, host, file = found
+        if tokens == 0:
             return 0, False
-        self._plans[request.request_id] = plan
         r.local_tokens = num_computed_tokens
-        r.hit = (found[1], found[2])
-        tokens = (end - first) * bs
+        r.hit = (host, file)
         return tokens, True
-
-    def _none(self, number: int) -> tuple[int | None, bool]:
-        self._present(number, b"")
-        return None, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
         r = self._req(request)
-        plan = self._plans.pop(request.request_id, None)
-        if plan is None:
+        engine = self.hybrid.allocated(self.native, r.number, [list(ids) for ids in blocks.get_block_ids()])
+        if engine is None:
             logger.error("kvx: %s: an allocation for a load kvx did not plan", request.request_id)
             return
-        ids = blocks.get_block_ids()
-        engine: list[int] = []
-        for g in self.groups:
-            wanted = set(plan.wanted[g.index])
-            for j in range(plan.first, plan.end):
-                b = ids[g.index][j] if j < len(ids[g.index]) else 0
-                if (j in wanted) != (b != 0):
-                    raise RuntimeError(
-                        f"KvxConnector: group {g.index} of {request.request_id}: block {j} is "
-                        f"{'the null block' if b == 0 else f'engine block {b}'}, kvx planned "
-                        f"{'a load' if j in wanted else 'none'}"
-                    )
-                if b:
-                    engine.append(b)
-        if self.native.update_state_after_alloc(r.number, engine):
-            self._load_started(request.request_id, r, num_external_tokens)
-            self._load_blocks[request.request_id] = engine
+        self._load_started(request.request_id, r, num_external_tokens)
+        self._load_blocks[request.request_id] = engine
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         r = self.reqs.get(request.request_id)
@@ -276,35 +172,16 @@ class HybridSchedulerSide(SchedulerSide):
 
     def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
         # Blocks handed out this step that a queued sliding-window store may still read.
-        fence = sorted(self._sw_sources.intersection(_new_blocks(so)))
-        self._sw_sources.difference_update(fence)
-        self.fenced_blocks += len(fence)
+        fence = self.hybrid.fence(sorted(_new_blocks(so)))
         self._preempted(so)
-        bs = self.block_size
         for req_id, r, first, end in self._completing(so):
-            done = r.request.num_computed_tokens
-            n = so.num_scheduled_tokens[req_id]
-            keys = self.group_keys(r.request)
-            upto = min(end, len(keys[0]) // KEY_BYTES)
-            if upto <= first:
+            self.hybrid.extend_keys(r.number, r.request.block_hashes)
+            if min(end, self.hybrid.key_blocks(r.number)) <= first:
                 continue
-            ids = self.cache_manager.get_block_ids(req_id)
-            pairs_k: list[bytes] = []
-            pairs_b: list[int] = []
-            sw: list[int] = []
-            for g in self.groups:
-                lo = max(first, self.skipped(g, done + n) // bs)
-                for j in range(lo, upto):
-                    b = ids[g.index][j]
-                    if b == 0:
-                        continue
-                    pairs_k.append(bytes(keys[g.index][j * KEY_BYTES : (j + 1) * KEY_BYTES]))
-                    pairs_b.append(b)
-                    if g.window is not None:
-                        sw.append(b)
-            if pairs_b and self.native.save_blocks(r.number, b"".join(pairs_k), pairs_b):
+            computed = r.request.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            tables = [list(ids) for ids in self.cache_manager.get_block_ids(req_id)]
+            if self.hybrid.save(self.native, r.number, first, end, computed, tables):
                 self.stats.store_jobs += 1
-                self._sw_sources.update(sw)
         abandoned, self._abandoned = self._abandoned, []
         step, loads, delayed = self.native.build_meta(abandoned)
         names = {n: self.names[n] for n in loads}
@@ -314,26 +191,23 @@ class HybridSchedulerSide(SchedulerSide):
 
     def _cap(self, number: int, failed: bytes) -> None:
         """Stop offering a request the blocks from its first failed one on, in any group."""
-        name = self.names.get(number, "")
-        r = self.reqs.get(name)
+        r = self.reqs.get(self.names.get(number, ""))
         if r is None:
             return
-        index: dict[bytes, int] = {}
-        for k in self._gkeys.get(name, []):
-            index.update({bytes(k[i : i + KEY_BYTES]): i // KEY_BYTES for i in range(0, len(k), KEY_BYTES)})
-        for i in range(0, len(failed), KEY_BYTES):
-            idx = index.get(failed[i : i + KEY_BYTES])
-            if idx is not None:
-                r.cap = idx if r.cap is None else min(r.cap, idx)
+        index = self.hybrid.first_failed(number, failed)
+        if index is not None:
+            r.cap = index if r.cap is None else min(r.cap, index)
         self.stats.failed_loads += 1
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._forget(request.request_id)
+        r = self.reqs.get(request.request_id)
+        if r is not None:
+            self.hybrid.forget(r.number)
         return super().request_finished(request, block_ids)
 
     def state_counts(self) -> dict[str, int]:
         out = super().state_counts()
-        out["group_requests"] = len(self._gkeys) + len(self._plans) + len(self._load_blocks)
+        out["group_requests"] = self.hybrid.request_count() + len(self._load_blocks)
         return out
 
 

@@ -1,0 +1,550 @@
+//! Hybrid models: several KV cache groups (full attention, sliding window) over one engine block
+//! pool, as vLLM's hybrid KV cache manager gives them.
+//!
+//! Each group has its own block table and key namespace; a block id belongs to one group at a
+//! time, and the bytes of a block are what the layers of the group holding it wrote, so the
+//! worker copies blocks as for one group and only the keys tell the groups apart.
+//!
+//! For a request whose local prefix ends at block `first`:
+//!
+//! - a hit of blocks `[first, end)` is one every group can serve: a full-attention group holds
+//!   all of them, a sliding-window group the blocks the engine keeps for a prefix of `end`
+//!   blocks ([`Group::skipped`]); [`Groups::plan`] finds the longest such `end`, and the load is
+//!   one kvx job over the blocks of every group;
+//! - a step stores, of the blocks it completes, every one of a full-attention group and those
+//!   still in the window of a sliding-window group ([`Groups::stores`]);
+//! - the engine frees sliding-window blocks while the request runs, possibly while a store of
+//!   them is queued: [`Hybrid::fence`] names the blocks handed out again that a queued store may
+//!   still read, to be fenced before the step's forward writes them.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::ops::Range;
+
+use kvx_core::{BlockKey, EngineBlockId, RequestId};
+use kvx_offload::{Lookup, SchedulerSide, Tier};
+
+use crate::Namespace;
+
+/// One KV cache group as kvx treats it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    /// `None`: full attention (every block of a prefix is read); else the window in tokens.
+    window: Option<u64>,
+    /// Tokens kept beyond the window's trailing edge (vLLM's `extra_retained_tokens`).
+    extra_retained: u64,
+}
+
+impl Group {
+    /// A full-attention group.
+    pub const FULL: Group = Group {
+        window: None,
+        extra_retained: 0,
+    };
+
+    /// A sliding-window group of `window` tokens (at least 1) that keeps `extra_retained`
+    /// tokens more.
+    pub fn sliding(window: u64, extra_retained: u64) -> Group {
+        Group {
+            window: Some(window),
+            extra_retained,
+        }
+    }
+
+    /// True for a sliding-window group.
+    pub fn is_sliding(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// Tokens of a prefix of `tokens` the engine no longer keeps (vLLM's
+    /// `get_num_skipped_tokens`): those before the window of the next token, less the extra
+    /// retained ones.
+    pub fn skipped(&self, tokens: u64) -> u64 {
+        match self.window {
+            None => 0,
+            Some(window) => (tokens + 1).saturating_sub(window + self.extra_retained),
+        }
+    }
+}
+
+/// A group list kvx cannot serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GroupsError {
+    /// No group at all.
+    NoGroups,
+    /// A block of zero tokens.
+    ZeroBlockTokens,
+    /// A sliding window of zero tokens.
+    ZeroWindow { group: usize },
+}
+
+impl fmt::Display for GroupsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GroupsError::NoGroups => write!(f, "no KV cache group"),
+            GroupsError::ZeroBlockTokens => write!(f, "a KV block of 0 tokens"),
+            GroupsError::ZeroWindow { group } => {
+                write!(f, "KV cache group {group}: a sliding window of 0 tokens")
+            }
+        }
+    }
+}
+
+impl std::error::Error for GroupsError {}
+
+/// The blocks of a hit, `[first, end)`, and each group's blocks to load (a suffix of the hit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub first: u64,
+    pub end: u64,
+    pub wanted: Vec<Range<u64>>,
+}
+
+impl Plan {
+    /// Blocks of the hit (0 when there is none).
+    pub fn blocks(&self) -> u64 {
+        self.end.saturating_sub(self.first)
+    }
+}
+
+/// An engine allocation that does not match the plan: a block the plan loads got the null
+/// block, or one it does not load got a real block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocMismatch {
+    pub group: usize,
+    pub index: u64,
+    /// 0: the null block.
+    pub engine_block: u32,
+    pub planned_load: bool,
+}
+
+impl fmt::Display for AllocMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let got = match self.engine_block {
+            0 => "the null block".to_string(),
+            b => format!("engine block {b}"),
+        };
+        let planned = if self.planned_load { "a load" } else { "none" };
+        write!(
+            f,
+            "group {}: block {} is {got}, kvx planned {planned}",
+            self.group, self.index
+        )
+    }
+}
+
+impl std::error::Error for AllocMismatch {}
+
+/// The groups of one engine and its block size, and what follows from them alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Groups {
+    groups: Vec<Group>,
+    block_tokens: u64,
+}
+
+impl Groups {
+    /// Checked: at least one group, blocks and windows of at least one token.
+    pub fn new(groups: Vec<Group>, block_tokens: u64) -> Result<Groups, GroupsError> {
+        if groups.is_empty() {
+            return Err(GroupsError::NoGroups);
+        }
+        if block_tokens == 0 {
+            return Err(GroupsError::ZeroBlockTokens);
+        }
+        if let Some(group) = groups.iter().position(|g| g.window == Some(0)) {
+            return Err(GroupsError::ZeroWindow { group });
+        }
+        Ok(Groups {
+            groups,
+            block_tokens,
+        })
+    }
+
+    /// How many groups.
+    pub fn len(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Never true ([`Groups::new`] refuses an empty list).
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// The blocks of `[first, end)` group `g` reads for a prefix of `end` blocks.
+    pub fn wanted(&self, g: usize, first: u64, end: u64) -> Range<u64> {
+        let kept_from = self.groups[g].skipped(end * self.block_tokens) / self.block_tokens;
+        first.max(kept_from).min(end)..end
+    }
+
+    /// The longest hit `[first, e)`, `e <= end`, every group can serve. `held(g, blocks)` says
+    /// how many leading blocks of `blocks` the tiers hold in group `g`'s namespace, `None`:
+    /// ask again later (then so is the answer). A hit of no block has `end <= first`.
+    ///
+    /// Why the longest: a block `m` a sliding-window group lacks lies in that group's window
+    /// for every end from `m + 1` to the end being tried (windows only move forward as the end
+    /// grows), so the next end that can be served is at most `m`.
+    pub fn plan(
+        &self,
+        first: u64,
+        end: u64,
+        mut held: impl FnMut(usize, Range<u64>) -> Option<u64>,
+    ) -> Option<Plan> {
+        let mut end = end;
+        for (g, group) in self.groups.iter().enumerate() {
+            if !group.is_sliding() && end > first {
+                end = first + held(g, first..end)?.min(end - first);
+            }
+        }
+        'shrink: while end > first {
+            for (g, group) in self.groups.iter().enumerate() {
+                if !group.is_sliding() {
+                    continue;
+                }
+                let want = self.wanted(g, first, end);
+                if want.is_empty() {
+                    continue;
+                }
+                let n = held(g, want.clone())?;
+                if n < want.end - want.start {
+                    end = want.start + n;
+                    continue 'shrink;
+                }
+            }
+            break;
+        }
+        let end = end.max(first);
+        Some(Plan {
+            first,
+            end,
+            wanted: (0..self.groups.len())
+                .map(|g| self.wanted(g, first, end))
+                .collect(),
+        })
+    }
+
+    /// The engine blocks the plan loads, group by group, from the engine's block table of each
+    /// group (`0`: the null block; a table too short reads as null blocks).
+    pub fn engine_blocks(
+        &self,
+        plan: &Plan,
+        tables: &[Vec<u32>],
+    ) -> Result<Vec<EngineBlockId>, AllocMismatch> {
+        let mut out = Vec::new();
+        for (g, want) in plan.wanted.iter().enumerate() {
+            let table = tables.get(g).map_or(&[][..], Vec::as_slice);
+            for index in plan.first..plan.end {
+                let engine_block = block_at(table, index);
+                let planned_load = want.contains(&index);
+                if planned_load != (engine_block != 0) {
+                    return Err(AllocMismatch {
+                        group: g,
+                        index,
+                        engine_block,
+                        planned_load,
+                    });
+                }
+                if planned_load {
+                    out.push(EngineBlockId(engine_block));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// What a step that completes blocks `[first, upto)` of a request, `computed` tokens of it
+    /// computed once the step ran, stores: `(group, block index, engine block)`, every block of
+    /// a full-attention group and those a sliding-window group still keeps; null blocks never.
+    pub fn stores(
+        &self,
+        first: u64,
+        upto: u64,
+        computed: u64,
+        tables: &[Vec<u32>],
+    ) -> Vec<(usize, u64, EngineBlockId)> {
+        let mut out = Vec::new();
+        for (g, group) in self.groups.iter().enumerate() {
+            let table = tables.get(g).map_or(&[][..], Vec::as_slice);
+            let from = first.max(group.skipped(computed) / self.block_tokens);
+            for index in from..upto {
+                let b = block_at(table, index);
+                if b != 0 {
+                    out.push((g, index, EngineBlockId(b)));
+                }
+            }
+        }
+        out
+    }
+}
+
+fn block_at(table: &[u32], index: u64) -> u32 {
+    usize::try_from(index)
+        .ok()
+        .and_then(|i| table.get(i).copied())
+        .unwrap_or(0)
+}
+
+/// A hit the tiers hold for a request: tokens to load, and the blocks of them each tier holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Hit {
+    pub tokens: u64,
+    pub host_blocks: usize,
+    pub file_blocks: usize,
+}
+
+/// One request's keys in every group's namespace, and how many engine hashes they cover.
+#[derive(Debug, Default)]
+struct RequestKeys {
+    by_group: Vec<Vec<BlockKey>>,
+    hashes: usize,
+}
+
+/// The hybrid-model state of a connector's scheduler side over kvx-offload's
+/// [`SchedulerSide`]: each request's keys per group, the hits waiting for the engine's
+/// allocation, and the sliding-window blocks a queued store may still read.
+#[derive(Debug)]
+pub struct Hybrid {
+    groups: Groups,
+    namespaces: Vec<Namespace>,
+    /// Engine hashes per kvx block (the engine may hash finer than its KV blocks).
+    hashes_per_block: usize,
+    keys: HashMap<RequestId, RequestKeys>,
+    plans: HashMap<RequestId, Plan>,
+    sliding_sources: HashSet<EngineBlockId>,
+    fenced: u64,
+}
+
+impl Hybrid {
+    /// The state for `groups`, whose keys chain from `namespaces` (one per group), with
+    /// `hashes_per_block` engine hashes per block (at least 1).
+    pub fn new(
+        groups: Groups,
+        namespaces: Vec<Namespace>,
+        hashes_per_block: usize,
+    ) -> Result<Hybrid, String> {
+        if namespaces.len() != groups.len() {
+            return Err(format!(
+                "{} key namespaces for {} KV cache groups",
+                namespaces.len(),
+                groups.len()
+            ));
+        }
+        if hashes_per_block == 0 {
+            return Err("0 engine hashes per block".into());
+        }
+        Ok(Hybrid {
+            groups,
+            namespaces,
+            hashes_per_block,
+            keys: HashMap::new(),
+            plans: HashMap::new(),
+            sliding_sources: HashSet::new(),
+            fenced: 0,
+        })
+    }
+
+    /// The groups.
+    pub fn groups(&self) -> &Groups {
+        &self.groups
+    }
+
+    /// How many engine hashes of `req` its keys cover (hashes from there on are new).
+    pub fn hashes_seen(&self, req: RequestId) -> usize {
+        self.keys.get(&req).map_or(0, |k| k.hashes)
+    }
+
+    /// Extend `req`'s keys with the engine's block hashes from [`Hybrid::hashes_seen`] on
+    /// (`new`, in order); a trailing part of a block waits for its last hash.
+    pub fn extend_keys<'a>(&mut self, req: RequestId, new: impl IntoIterator<Item = &'a [u8]>) {
+        let groups = self.groups.len();
+        let keys = self.keys.entry(req).or_insert_with(|| RequestKeys {
+            by_group: vec![Vec::new(); groups],
+            hashes: 0,
+        });
+        for (i, hash) in new.into_iter().enumerate() {
+            let n = keys.hashes + i + 1;
+            if n % self.hashes_per_block == 0 {
+                for (g, ns) in self.namespaces.iter().enumerate() {
+                    keys.by_group[g].push(ns.key(hash));
+                }
+            }
+        }
+        let blocks = keys.by_group[0].len();
+        keys.hashes = blocks * self.hashes_per_block;
+    }
+
+    /// Group `group`'s keys of `req`'s full blocks (none for a request or group unknown).
+    pub fn keys(&self, req: RequestId, group: usize) -> &[BlockKey] {
+        self.keys
+            .get(&req)
+            .and_then(|k| k.by_group.get(group))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Full blocks of `req` with keys.
+    pub fn key_blocks(&self, req: RequestId) -> u64 {
+        self.keys
+            .get(&req)
+            .map_or(0, |k| k.by_group[0].len() as u64)
+    }
+
+    /// The lowest block index, in any group, of a key in `failed` (a load of it failed).
+    pub fn first_failed(&self, req: RequestId, failed: &[BlockKey]) -> Option<u64> {
+        let keys = self.keys.get(&req)?;
+        let failed: HashSet<&BlockKey> = failed.iter().collect();
+        keys.by_group
+            .iter()
+            .filter_map(|g| g.iter().position(|k| failed.contains(k)))
+            .min()
+            .map(|i| i as u64)
+    }
+
+    /// The longest hit of blocks `[first, end)` every group can serve, registered with `side`
+    /// as `req`'s pending lookup (one job over every group's blocks); `None`: ask again later.
+    /// A hit of no tokens leaves no pending lookup.
+    pub fn lookup(
+        &mut self,
+        side: &mut SchedulerSide,
+        req: RequestId,
+        first: u64,
+        end: u64,
+    ) -> Option<Hit> {
+        self.plans.remove(&req);
+        let empty = Vec::new();
+        let by_group = self.keys.get(&req).map_or(&empty, |k| &k.by_group);
+        let end = end.min(by_group.first().map_or(0, |k| k.len() as u64));
+        let plan = self.groups.plan(first, end, |g, blocks| {
+            match side.lookup(slice(&by_group[g], blocks)) {
+                Lookup::Retry => None,
+                Lookup::Hit(tiers) => Some(tiers.len() as u64),
+            }
+        });
+        let Some(plan) = plan else {
+            side.get_num_new_matched_tokens(req, &[], 0);
+            return None;
+        };
+        if plan.blocks() == 0 {
+            // Drops a lookup still pending from an earlier call.
+            side.get_num_new_matched_tokens(req, &[], 0);
+            return Some(Hit::default());
+        }
+        let composite: Vec<BlockKey> = plan
+            .wanted
+            .iter()
+            .enumerate()
+            .flat_map(|(g, want)| slice(&by_group[g], want.clone()).iter().copied())
+            .collect();
+        let bt = u64::from(side.block_tokens());
+        let found = side.get_num_new_matched_tokens(req, &composite, 0)?;
+        if found != composite.len() as u64 * bt {
+            // A block went between the plan's lookups and this one.
+            side.get_num_new_matched_tokens(req, &[], 0);
+            return Some(Hit::default());
+        }
+        let tiers = side.matched_tiers(req);
+        let host_blocks = tiers.iter().filter(|t| **t == Tier::Host).count();
+        let hit = Hit {
+            tokens: plan.blocks() * bt,
+            host_blocks,
+            file_blocks: tiers.len() - host_blocks,
+        };
+        self.plans.insert(req, plan);
+        Some(hit)
+    }
+
+    /// The engine allocated `tables` (one block table per group) for `req`'s last hit: its
+    /// load is queued with `side`. The engine blocks it loads, or `None` when no hit was
+    /// waiting; an allocation that does not match the hit is an error and queues nothing.
+    pub fn allocated(
+        &mut self,
+        side: &mut SchedulerSide,
+        req: RequestId,
+        tables: &[Vec<u32>],
+    ) -> Result<Option<Vec<EngineBlockId>>, String> {
+        let Some(plan) = self.plans.remove(&req) else {
+            return Ok(None);
+        };
+        let blocks = self
+            .groups
+            .engine_blocks(&plan, tables)
+            .map_err(|e| e.to_string())?;
+        match side.update_state_after_alloc(req, &blocks) {
+            Ok(Some(_)) => Ok(Some(blocks)),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Queue the store of what a step that completes blocks `[first, upto)` of `req` stores
+    /// (`computed` tokens once it ran; see [`Groups::stores`]); true if a store was queued.
+    pub fn save(
+        &mut self,
+        side: &mut SchedulerSide,
+        req: RequestId,
+        first: u64,
+        upto: u64,
+        computed: u64,
+        tables: &[Vec<u32>],
+    ) -> bool {
+        let Some(keys) = self.keys.get(&req) else {
+            return false;
+        };
+        let upto = upto.min(keys.by_group[0].len() as u64);
+        let stores = self.groups.stores(first, upto, computed, tables);
+        if stores.is_empty() {
+            return false;
+        }
+        let pairs: Vec<(BlockKey, EngineBlockId)> = stores
+            .iter()
+            .map(|&(g, index, b)| (keys.by_group[g][index as usize], b))
+            .collect();
+        if side.save_blocks(req, &pairs).is_none() {
+            return false;
+        }
+        let sliding = stores
+            .iter()
+            .filter(|(g, ..)| self.groups.groups[*g].is_sliding());
+        self.sliding_sources.extend(sliding.map(|&(.., b)| b));
+        true
+    }
+
+    /// Of the engine blocks handed out this step, those a queued sliding-window store may still
+    /// read, sorted: the worker fences them before the step's stores are queued (and so before
+    /// the forward writes them). Each is named once.
+    pub fn fence(
+        &mut self,
+        handed_out: impl IntoIterator<Item = EngineBlockId>,
+    ) -> Vec<EngineBlockId> {
+        let mut out: Vec<EngineBlockId> = handed_out
+            .into_iter()
+            .filter(|b| self.sliding_sources.remove(b))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        self.fenced += out.len() as u64;
+        out
+    }
+
+    /// The engine is done with `req`: its keys and any waiting hit go.
+    pub fn forget(&mut self, req: RequestId) {
+        self.keys.remove(&req);
+        self.plans.remove(&req);
+    }
+
+    /// Blocks fenced so far.
+    pub fn fenced_blocks(&self) -> u64 {
+        self.fenced
+    }
+
+    /// Requests with keys or a waiting hit (0 when the engine is idle).
+    pub fn request_count(&self) -> usize {
+        self.keys.len() + self.plans.len()
+    }
+}
+
+fn slice(keys: &[BlockKey], blocks: Range<u64>) -> &[BlockKey] {
+    let end = (blocks.end as usize).min(keys.len());
+    &keys[(blocks.start as usize).min(end)..end]
+}
+
+#[cfg(test)]
+mod tests;
