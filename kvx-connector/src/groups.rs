@@ -24,7 +24,7 @@ use std::ops::Range;
 use kvx_core::{BlockKey, EngineBlockId, RequestId};
 use kvx_offload::{Lookup, SchedulerSide, Tier};
 
-use crate::Namespace;
+use crate::keys::Keyring;
 
 /// One KV cache group as kvx treats it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -291,111 +291,32 @@ pub struct Hit {
     pub file_blocks: usize,
 }
 
-/// One request's keys in every group's namespace, and how many engine hashes they cover.
-#[derive(Debug, Default)]
-struct RequestKeys {
-    by_group: Vec<Vec<BlockKey>>,
-    hashes: usize,
-}
-
 /// The hybrid-model state of a connector's scheduler side over kvx-offload's
-/// [`SchedulerSide`]: each request's keys per group, the hits waiting for the engine's
-/// allocation, and the sliding-window blocks a queued store may still read.
+/// [`SchedulerSide`] and the requests' keys per group (a [`Keyring`] with a namespace per
+/// group): the hits waiting for the engine's allocation, and the sliding-window blocks a
+/// queued store may still read.
 #[derive(Debug)]
 pub struct Hybrid {
     groups: Groups,
-    namespaces: Vec<Namespace>,
-    /// Engine hashes per kvx block (the engine may hash finer than its KV blocks).
-    hashes_per_block: usize,
-    keys: HashMap<RequestId, RequestKeys>,
     plans: HashMap<RequestId, Plan>,
     sliding_sources: HashSet<EngineBlockId>,
     fenced: u64,
 }
 
 impl Hybrid {
-    /// The state for `groups`, whose keys chain from `namespaces` (one per group), with
-    /// `hashes_per_block` engine hashes per block (at least 1).
-    pub fn new(
-        groups: Groups,
-        namespaces: Vec<Namespace>,
-        hashes_per_block: usize,
-    ) -> Result<Hybrid, String> {
-        if namespaces.len() != groups.len() {
-            return Err(format!(
-                "{} key namespaces for {} KV cache groups",
-                namespaces.len(),
-                groups.len()
-            ));
-        }
-        if hashes_per_block == 0 {
-            return Err("0 engine hashes per block".into());
-        }
-        Ok(Hybrid {
+    /// The state for `groups`.
+    pub fn new(groups: Groups) -> Hybrid {
+        Hybrid {
             groups,
-            namespaces,
-            hashes_per_block,
-            keys: HashMap::new(),
             plans: HashMap::new(),
             sliding_sources: HashSet::new(),
             fenced: 0,
-        })
+        }
     }
 
     /// The groups.
     pub fn groups(&self) -> &Groups {
         &self.groups
-    }
-
-    /// How many engine hashes of `req` its keys cover (hashes from there on are new).
-    pub fn hashes_seen(&self, req: RequestId) -> usize {
-        self.keys.get(&req).map_or(0, |k| k.hashes)
-    }
-
-    /// Extend `req`'s keys with the engine's block hashes from [`Hybrid::hashes_seen`] on
-    /// (`new`, in order); a trailing part of a block waits for its last hash.
-    pub fn extend_keys<'a>(&mut self, req: RequestId, new: impl IntoIterator<Item = &'a [u8]>) {
-        let groups = self.groups.len();
-        let keys = self.keys.entry(req).or_insert_with(|| RequestKeys {
-            by_group: vec![Vec::new(); groups],
-            hashes: 0,
-        });
-        for (i, hash) in new.into_iter().enumerate() {
-            let n = keys.hashes + i + 1;
-            if n % self.hashes_per_block == 0 {
-                for (g, ns) in self.namespaces.iter().enumerate() {
-                    keys.by_group[g].push(ns.key(hash));
-                }
-            }
-        }
-        let blocks = keys.by_group[0].len();
-        keys.hashes = blocks * self.hashes_per_block;
-    }
-
-    /// Group `group`'s keys of `req`'s full blocks (none for a request or group unknown).
-    pub fn keys(&self, req: RequestId, group: usize) -> &[BlockKey] {
-        self.keys
-            .get(&req)
-            .and_then(|k| k.by_group.get(group))
-            .map_or(&[], Vec::as_slice)
-    }
-
-    /// Full blocks of `req` with keys.
-    pub fn key_blocks(&self, req: RequestId) -> u64 {
-        self.keys
-            .get(&req)
-            .map_or(0, |k| k.by_group[0].len() as u64)
-    }
-
-    /// The lowest block index, in any group, of a key in `failed` (a load of it failed).
-    pub fn first_failed(&self, req: RequestId, failed: &[BlockKey]) -> Option<u64> {
-        let keys = self.keys.get(&req)?;
-        let failed: HashSet<&BlockKey> = failed.iter().collect();
-        keys.by_group
-            .iter()
-            .filter_map(|g| g.iter().position(|k| failed.contains(k)))
-            .min()
-            .map(|i| i as u64)
     }
 
     /// The longest hit of blocks `[first, end)` every group can serve, registered with `side`
@@ -404,16 +325,15 @@ impl Hybrid {
     pub fn lookup(
         &mut self,
         side: &mut SchedulerSide,
+        keys: &Keyring,
         req: RequestId,
         first: u64,
         end: u64,
     ) -> Option<Hit> {
         self.plans.remove(&req);
-        let empty = Vec::new();
-        let by_group = self.keys.get(&req).map_or(&empty, |k| &k.by_group);
-        let end = end.min(by_group.first().map_or(0, |k| k.len() as u64));
+        let end = end.min(keys.blocks(req));
         let plan = self.groups.plan(first, end, |g, blocks| {
-            match side.lookup(slice(&by_group[g], blocks)) {
+            match side.lookup(slice(keys.keys(req, g), blocks)) {
                 Lookup::Retry => None,
                 Lookup::Hit(tiers) => Some(tiers.len() as u64),
             }
@@ -431,7 +351,7 @@ impl Hybrid {
             .wanted
             .iter()
             .enumerate()
-            .flat_map(|(g, want)| slice(&by_group[g], want.clone()).iter().copied())
+            .flat_map(|(g, want)| slice(keys.keys(req, g), want.clone()).iter().copied())
             .collect();
         let bt = u64::from(side.block_tokens());
         let found = side.get_num_new_matched_tokens(req, &composite, 0)?;
@@ -476,26 +396,25 @@ impl Hybrid {
 
     /// Queue the store of what a step that completes blocks `[first, upto)` of `req` stores
     /// (`computed` tokens once it ran; see [`Groups::stores`]); true if a store was queued.
+    #[allow(clippy::too_many_arguments)]
     pub fn save(
         &mut self,
         side: &mut SchedulerSide,
+        keys: &Keyring,
         req: RequestId,
         first: u64,
         upto: u64,
         computed: u64,
         tables: &[Vec<u32>],
     ) -> bool {
-        let Some(keys) = self.keys.get(&req) else {
-            return false;
-        };
-        let upto = upto.min(keys.by_group[0].len() as u64);
+        let upto = upto.min(keys.blocks(req));
         let stores = self.groups.stores(first, upto, computed, tables);
         if stores.is_empty() {
             return false;
         }
         let pairs: Vec<(BlockKey, EngineBlockId)> = stores
             .iter()
-            .map(|&(g, index, b)| (keys.by_group[g][index as usize], b))
+            .map(|&(g, index, b)| (keys.keys(req, g)[index as usize], b))
             .collect();
         if side.save_blocks(req, &pairs).is_none() {
             return false;
@@ -524,9 +443,8 @@ impl Hybrid {
         out
     }
 
-    /// The engine is done with `req`: its keys and any waiting hit go.
+    /// The engine is done with `req`: any hit of it still waiting goes.
     pub fn forget(&mut self, req: RequestId) {
-        self.keys.remove(&req);
         self.plans.remove(&req);
     }
 
@@ -535,9 +453,9 @@ impl Hybrid {
         self.fenced
     }
 
-    /// Requests with keys or a waiting hit (0 when the engine is idle).
+    /// Requests with a hit waiting for the engine's allocation (0 when the engine is idle).
     pub fn request_count(&self) -> usize {
-        self.keys.len() + self.plans.len()
+        self.plans.len()
     }
 }
 

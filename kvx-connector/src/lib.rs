@@ -1,13 +1,17 @@
-//! The engine-facing core of kvx's connectors. Here so far: [`codec`], the compact encoding of
-//! what crosses an engine's process boundary each step (the scheduler side's [`StepMsg`] and
-//! [`kvx_offload::StepMeta`], the workers' job results), with property tests under `cargo test`;
-//! [`keys`], block keys from an engine's block hashes under a [`Namespace`]; and [`groups`],
-//! hybrid models' KV cache groups (the hit every group can serve, what each group stores, the
-//! sliding-window blocks to fence).
+//! The engine-facing core of kvx's connectors. [`scheduler::Scheduler`] is a connector's
+//! scheduler side as an engine adapter drives it, requests named by the engine's id: the
+//! request table ([`requests`]), each request's block keys ([`keys`], under a [`Namespace`] per
+//! KV cache group), hybrid models' KV cache groups ([`groups`]: the hit every group can serve,
+//! what each group stores, the sliding-window blocks to fence), over kvx-offload's scheduler
+//! side. [`codec`] is the compact encoding of what crosses an engine's process boundary each
+//! step (the scheduler side's [`StepMsg`] and [`kvx_offload::StepMeta`], the workers' job
+//! results), with property tests under `cargo test`.
 
 pub mod codec;
 pub mod groups;
 pub mod keys;
+pub mod requests;
+pub mod scheduler;
 mod step;
 
 pub use keys::{KEY_BYTES, Namespace};

@@ -16,29 +16,22 @@ from kvx.vllm.scheduler_side import SchedulerSide
 
 def build_connector_meta_before(self: SchedulerSide, so: Any) -> KvxConnectorMetadata:
     """The pre-fix body (the preemption loop and metadata are unchanged by the fix)."""
-    for req_id in so.preempted_req_ids or ():
-        r = self.reqs.get(req_id)
-        if r is not None:
-            self.native.request_preempted(r.number)
-            self.stats.preemptions += 1
+    self._preempted(so)
     for req_id, n in so.num_scheduled_tokens.items():
-        r = self.reqs.get(req_id)
-        if r is None or n <= 0:
+        request = self.requests.get(req_id)
+        if request is None or n <= 0:
             continue
-        done = r.request.num_computed_tokens
-        keys = self._keys(r)
+        done = request.num_computed_tokens
+        keyed = self.native.extend_keys(req_id, request.block_hashes)
         first = done // self.block_size
-        upto = min((done + n) // self.block_size, len(keys) // 16)
+        upto = min((done + n) // self.block_size, keyed)
         if upto <= first:
             continue
         ids = self.cache_manager.get_block_ids(req_id)[0]
-        if self.native.save_blocks(r.number, keys[first * 16 : upto * 16], ids[first:upto]):
+        if self.native.save_blocks(req_id, request.block_hashes, first, list(ids[first:upto])):
             self.stats.store_jobs += 1
-    abandoned, self._abandoned = self._abandoned, []
-    step, loads, delayed = self.native.build_meta(abandoned)
-    return KvxConnectorMetadata(
-        step, {n: self.names[n] for n in loads}, {n: self.names[n] for n in delayed}, abandoned
-    )
+    step, loads, delayed, abandoned, in_step = self.native.build_meta()
+    return KvxConnectorMetadata(step, dict(loads), dict(delayed), abandoned, in_step)
 
 
 class KvxConnectorBefore(KvxConnector):

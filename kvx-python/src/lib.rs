@@ -9,10 +9,10 @@
 //! ```text
 //! from kvx import _native
 //! config = json.dumps({"host_blocks": 1024, "file": {"roots": ["/mnt/nvme/kvx"], "blocks": 100000}})
-//! sched = _native.SchedulerSide(config, 16)
+//! sched = _native.SchedulerSide(config, 16, [b"model|bf16|16"])
 //! worker = _native.WorkerSide(config, 16, [(name, t.data_ptr(), list(t.shape), list(t.stride()),
 //!                                          t.element_size(), str(t.device))], [t], num_blocks)
-//! meta, loads, delayed = sched.build_meta([])
+//! meta, loads, delayed, abandoned, in_step = sched.build_meta()
 //! worker.start_step(meta)
 //! sending, recving, invalid, jobs, ended = worker.get_finished()
 //! failed_loads = sched.update_from_worker(jobs)
@@ -22,7 +22,6 @@
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
 mod config;
-mod groups;
 mod keeper;
 mod memory;
 mod page_store;
@@ -84,7 +83,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FenceNotHeldError", m.py().get_type::<FenceNotHeldError>())?;
     m.add("KEY_BYTES", KEY_BYTES)?;
     m.add_class::<scheduler::SchedulerSide>()?;
-    m.add_class::<groups::KvCacheGroups>()?;
     m.add_class::<worker::WorkerSide>()?;
     m.add_class::<keeper::LeaseKeeper>()?;
     m.add_class::<page_store::PageStore>()?;

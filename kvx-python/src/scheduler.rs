@@ -1,21 +1,29 @@
-//! `SchedulerSide`: kvx-offload's scheduler side for Python (vLLM's scheduler process).
+//! `SchedulerSide`: kvx-connector's scheduler core ([`kvx_connector::scheduler::Scheduler`])
+//! for Python (vLLM's scheduler process): requests named by vLLM's id, their keys, lifecycle and
+//! hybrid KV cache groups, over kvx-offload's scheduler side.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use kvx_connector::Namespace;
+use kvx_connector::codec;
+use kvx_connector::groups::{Group, Groups};
+use kvx_connector::keys::{Keyring, key_bytes};
+use kvx_connector::scheduler::Scheduler;
 use kvx_core::{BlockKey, EngineBlockId, RequestId, lock};
 use kvx_offload::{RemoteSource, RemoteTierConfig, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PySequence};
 
 use crate::config::connector_config;
 use crate::{KvxError, keys_from_bytes};
-use kvx_connector::codec;
 
-/// The scheduler side: decides per step what to load and store, keeps the tier index.
+/// The scheduler side: decides per step what to load and store, keeps the tier index and the
+/// request table (vLLM's request ids, kvx's numbers for them, each request's keys, match, load
+/// and finishing). Requests are named by the engine's id; `admit` gives kvx's number of one.
 #[pyclass(module = "kvx._native")]
 pub struct SchedulerSide {
-    pub(crate) inner: Mutex<kvx_offload::SchedulerSide>,
+    core: Mutex<Scheduler>,
     /// The remote tier's settings (what a producer's sources name).
     remote: Option<RemoteTierConfig>,
     /// Workers behind this side (a producer names one server per rank).
@@ -24,29 +32,76 @@ pub struct SchedulerSide {
     host_loads_in_step: bool,
 }
 
+impl SchedulerSide {
+    fn core(&self) -> MutexGuard<'_, Scheduler> {
+        lock(&self.core)
+    }
+
+    /// The engine hashes of `block_hashes` that request `name`'s keys do not cover yet.
+    fn new_hashes(
+        &self,
+        name: &str,
+        block_hashes: &Bound<'_, PySequence>,
+    ) -> PyResult<Vec<Vec<u8>>> {
+        let seen = self.core().hashes_seen(name);
+        let n = block_hashes.len()?;
+        (seen..n)
+            .map(|i| block_hashes.get_item(i)?.extract())
+            .collect()
+    }
+
+    /// Request `name`'s keys brought up to `block_hashes`.
+    fn extend(&self, name: &str, block_hashes: &Bound<'_, PySequence>) -> PyResult<u64> {
+        let new = self.new_hashes(name, block_hashes)?;
+        Ok(self.core().extend_keys(name, new.iter().map(Vec::as_slice)))
+    }
+}
+
 #[pymethods]
 impl SchedulerSide {
     /// A scheduler side with the connector's settings `config` (vLLM's extra config, as JSON)
-    /// and vLLM's `block_tokens`, for `tp_size × pp_size` workers; a file tier's existing blocks
-    /// are adopted into the index (with several workers, those every worker's shard holds).
-    /// The GIL is free while the tier is read (a stuck mount holds only this call).
+    /// and vLLM's `block_tokens`, for `tp_size × pp_size` workers. Requests' blocks are keyed
+    /// in `namespaces`, one per KV cache group, from `hashes_per_block` engine block hashes per
+    /// block; `groups`, for several groups, gives each as `(window, extra_retained)` (`window`
+    /// `None`: full attention). A file tier's existing blocks are adopted into the index (with
+    /// several workers, those every worker's shard holds). The GIL is free while the tier is
+    /// read (a stuck mount holds only this call). A `ValueError` names what is wrong.
     #[new]
-    #[pyo3(signature = (config, block_tokens, tp_size=1, pp_size=1))]
+    #[pyo3(signature = (config, block_tokens, namespaces, tp_size=1, pp_size=1, hashes_per_block=1, groups=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         config: &str,
         block_tokens: u32,
+        namespaces: Vec<Vec<u8>>,
         tp_size: u32,
         pp_size: u32,
+        hashes_per_block: usize,
+        groups: Option<Vec<(Option<u64>, u64)>>,
     ) -> PyResult<SchedulerSide> {
+        let value_error = |e: String| PyValueError::new_err(e);
+        let namespaces = namespaces.iter().map(|n| Namespace::new(n)).collect();
+        let keys = Keyring::new(namespaces, hashes_per_block).map_err(value_error)?;
+        let groups = groups
+            .map(|g| {
+                let g = g
+                    .into_iter()
+                    .map(|(window, extra)| window.map_or(Group::FULL, |w| Group::sliding(w, extra)))
+                    .collect();
+                Groups::new(g, u64::from(block_tokens)).map_err(|e| e.to_string())
+            })
+            .transpose()
+            .map_err(value_error)?;
         let (cfg, side) = py.detach(|| {
             let cfg = connector_config(config, block_tokens)?;
             let side = kvx_offload::scheduler_side_sharded(&cfg, tp_size, pp_size)
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
             Ok::<_, PyErr>((cfg, side))
         })?;
+        let core =
+            Scheduler::new(side, keys, groups, cfg.host_loads_in_step).map_err(value_error)?;
         Ok(SchedulerSide {
-            inner: Mutex::new(side),
+            core: Mutex::new(core),
             remote: cfg.remote,
             world: tp_size * pp_size,
             host_loads_in_step: cfg.host_loads_in_step,
@@ -60,52 +115,121 @@ impl SchedulerSide {
         self.host_loads_in_step
     }
 
-    /// Tokens beyond `num_computed` that the tiers hold for a request whose full blocks have
-    /// `keys` (16 bytes each), with how many of those blocks come from the host and from the
-    /// file tier; `None`: ask again later.
+    /// kvx's number of the live request `name` (numbered at its first call).
+    fn admit(&self, name: &str) -> u64 {
+        self.core().admit(name).0
+    }
+
+    /// Take in request `name`'s engine block hashes (its whole list: only those not yet seen
+    /// are read); returns its full blocks with keys.
+    fn extend_keys(&self, name: &str, block_hashes: &Bound<'_, PySequence>) -> PyResult<u64> {
+        self.extend(name, block_hashes)
+    }
+
+    /// Request `name`'s block keys (16 bytes each) in the first group's namespace.
+    fn keys<'py>(&self, py: Python<'py>, name: &str) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &key_bytes(self.core().keys(name)))
+    }
+
+    /// Tokens beyond `num_computed` that the tiers hold for request `name` (`num_tokens` long,
+    /// `block_hashes` its engine block hashes; never from a block whose load failed before),
+    /// and whether the engine loads them asynchronously (see kvx-connector's
+    /// `Scheduler::lookup`). `None`: ask again later. The GIL is free during the lookup.
     fn get_num_new_matched_tokens(
         &self,
-        req: u64,
-        keys: &[u8],
+        py: Python<'_>,
+        name: &str,
+        block_hashes: &Bound<'_, PySequence>,
         num_computed: u64,
-    ) -> PyResult<Option<(u64, usize, usize)>> {
-        let keys = keys_from_bytes(keys)?;
-        let mut s = lock(&self.inner);
-        let Some(tokens) = s.get_num_new_matched_tokens(RequestId(req), &keys, num_computed) else {
-            return Ok(None);
-        };
-        let tiers = s.matched_tiers(RequestId(req));
-        let host = tiers.iter().filter(|t| **t == Tier::Host).count();
-        Ok(Some((tokens, host, tiers.len() - host)))
+        num_tokens: u64,
+    ) -> PyResult<Option<(u64, bool)>> {
+        let new = self.new_hashes(name, block_hashes)?;
+        Ok(py.detach(|| {
+            let mut core = self.core();
+            core.extend_keys(name, new.iter().map(Vec::as_slice));
+            core.lookup(name, num_computed, num_tokens)
+                .map(|o| (o.tokens, o.asynchronous))
+        }))
     }
 
-    /// The engine allocated `blocks` for the tokens matched last: queue the load. True if a
-    /// load was queued.
-    fn update_state_after_alloc(&self, req: u64, blocks: Vec<u32>) -> PyResult<bool> {
-        let blocks: Vec<EngineBlockId> = blocks.into_iter().map(EngineBlockId).collect();
-        lock(&self.inner)
-            .update_state_after_alloc(RequestId(req), &blocks)
-            .map(|j| j.is_some())
-            .map_err(|e| KvxError::new_err(e.to_string()))
+    /// The last match of request `name`, as `(host blocks, file blocks)`.
+    fn hit(&self, name: &str) -> (usize, usize) {
+        let m = self.core().matched(name);
+        (m.host_blocks, m.file_blocks)
     }
 
-    /// Save computed full blocks of a request; true if a store was queued.
-    fn save_blocks(&self, req: u64, keys: &[u8], blocks: Vec<u32>) -> PyResult<bool> {
-        let keys = keys_from_bytes(keys)?;
-        if keys.len() != blocks.len() {
-            return Err(PyValueError::new_err(format!(
-                "save_blocks: {} keys but {} blocks",
-                keys.len(),
-                blocks.len()
-            )));
-        }
-        let pairs: Vec<(BlockKey, EngineBlockId)> = keys
-            .into_iter()
-            .zip(blocks.into_iter().map(EngineBlockId))
-            .collect();
-        Ok(lock(&self.inner)
-            .save_blocks(RequestId(req), &pairs)
-            .is_some())
+    /// The engine allocated `tables` (one block table per KV cache group) for request `name`,
+    /// `num_external_tokens` of it for its last match: the load is queued. The engine blocks
+    /// it loads, or `None` when no load was queued; a `KvxError` (nothing queued) for an
+    /// allocation that does not fit the match.
+    fn update_state_after_alloc(
+        &self,
+        name: &str,
+        tables: Vec<Vec<u32>>,
+        num_external_tokens: u64,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let blocks = self
+            .core()
+            .allocated(name, &tables, num_external_tokens)
+            .map_err(|e| KvxError::new_err(format!("update_state_after_alloc: {name}: {e}")))?;
+        Ok(blocks.map(|b| b.into_iter().map(|b| b.0).collect()))
+    }
+
+    /// The load of request `name` was queued directly (`remote_load`): it is loading until
+    /// reported in `finished_recving`.
+    fn load_started(&self, name: &str) {
+        self.core().load_started(name);
+    }
+
+    /// True while request `name`'s load is queued and not yet reported in `finished_recving`.
+    fn is_loading(&self, name: &str) -> bool {
+        self.core().requests().is_loading(name)
+    }
+
+    /// Save the computed full blocks `first..` of request `name` (`block_hashes` its engine
+    /// block hashes), whose engine blocks are `blocks` (those past its keyed blocks are left
+    /// out); true if a store was queued.
+    fn save_blocks(
+        &self,
+        name: &str,
+        block_hashes: &Bound<'_, PySequence>,
+        first: u64,
+        blocks: Vec<u32>,
+    ) -> PyResult<bool> {
+        self.extend(name, block_hashes)?;
+        Ok(self.core().save_blocks(name, first, &blocks))
+    }
+
+    /// Several KV cache groups: queue the store of what a step that completes blocks
+    /// `[first, upto)` of request `name` stores in each group (`computed` tokens of it once the
+    /// step ran, `tables` one block table per group); true if a store was queued.
+    #[allow(clippy::too_many_arguments)]
+    fn save_groups(
+        &self,
+        name: &str,
+        block_hashes: &Bound<'_, PySequence>,
+        first: u64,
+        upto: u64,
+        computed: u64,
+        tables: Vec<Vec<u32>>,
+    ) -> PyResult<bool> {
+        self.extend(name, block_hashes)?;
+        Ok(self
+            .core()
+            .save_groups(name, first, upto, computed, &tables))
+    }
+
+    /// Of `handed_out` (engine blocks given to requests this step), those to fence before the
+    /// step's stores are queued (sliding-window store sources), sorted.
+    fn fence(&self, handed_out: Vec<u32>) -> Vec<u32> {
+        let fenced = self.core().fence(handed_out.into_iter().map(EngineBlockId));
+        fenced.into_iter().map(|b| b.0).collect()
+    }
+
+    /// Blocks fenced so far.
+    #[getter]
+    fn fenced_blocks(&self) -> u64 {
+        self.core().hybrid().map_or(0, |h| h.fenced_blocks())
     }
 
     /// Forget every block the tiers hold (vLLM's `reset_prefix_cache(reset_connector=True)`):
@@ -113,31 +237,51 @@ impl SchedulerSide {
     /// tiers and removes their files, and blocks a load or store in flight still touches follow
     /// once it ended. Requests in flight go on.
     fn reset_cache(&self) {
-        lock(&self.inner).reset_cache();
+        self.core().side().reset_cache();
     }
 
     /// Blocks a store put in no tier because no tier had room (every block pinned by a load or
     /// being stored), as `[("store_skipped_no_room", n)]` (empty while none).
     fn store_skips(&self) -> Vec<(String, u64)> {
-        crate::worker::skipped(lock(&self.inner).store_skips()).collect()
+        crate::worker::skipped(self.core().side().store_skips()).collect()
     }
 
     /// What this side counted since the last call (blocks no tier had room for), as a dict
     /// for vLLM's stats (see `kvx.vllm.stats`).
     fn take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = lock(&self.inner).take_stats();
+        let stats = self.core().side().take_stats();
         crate::stats::to_dict(py, &stats)
     }
 
-    /// The engine preempted a request.
-    fn request_preempted(&self, req: u64) {
-        lock(&self.inner).request_preempted(RequestId(req));
+    /// The engine preempted request `name`; false if it is unknown.
+    fn request_preempted(&self, name: &str) -> bool {
+        self.core().preempted(name)
     }
 
-    /// The engine is done with a request; true when its blocks must stay until it is reported
-    /// in `finished_sending`.
-    fn request_finished(&self, req: u64) -> bool {
-        lock(&self.inner).request_finished(RequestId(req))
+    /// The engine is done with request `name`; true when its blocks must stay until it is
+    /// reported in `finished_sending` (a request whose load is in flight is not delayed: the
+    /// engine keeps its blocks until the load is reported in `finished_recving`).
+    fn request_finished(&self, name: &str) -> bool {
+        self.core().finished(name)
+    }
+
+    /// The engine is done with request `name`, whose blocks `export_finished` exported: its
+    /// freeing waits until it is reported in `finished_sending`.
+    fn request_exported(&self, name: &str) {
+        self.core().exported(name);
+    }
+
+    /// The workers reported these requests in `finished_recving` and `finished_sending`.
+    fn reported(&self, recving: Vec<String>, sending: Vec<String>) {
+        let recving = recving.iter().map(String::as_str);
+        self.core()
+            .reported(recving, sending.iter().map(String::as_str));
+    }
+
+    /// `[live, finished and still reported, loading, numbers in use, keyed, waiting hybrid
+    /// hits]` requests: all zero when the engine is idle.
+    fn table_counts(&self) -> [usize; 6] {
+        self.core().counts()
     }
 
     /// The engine is done with a request whose `blocks` (keyed `keys`, 16 bytes each) a remote
@@ -186,7 +330,9 @@ impl SchedulerSide {
             .into_iter()
             .zip(blocks.into_iter().map(EngineBlockId))
             .collect();
-        lock(&self.inner).export_finished(RequestId(req), export, &pairs);
+        self.core()
+            .side()
+            .export_finished(RequestId(req), export, &pairs);
         Ok(source.to_json())
     }
 
@@ -208,86 +354,82 @@ impl SchedulerSide {
             .enumerate()
             .map(|(i, b)| (first + i as u32, EngineBlockId(b)))
             .collect();
-        lock(&self.inner).remote_load(RequestId(req), Arc::new(source), &pairs);
+        self.core()
+            .side()
+            .remote_load(RequestId(req), Arc::new(source), &pairs);
         Ok(())
     }
 
-    /// This step's instructions, encoded, with the requests that load and the requests whose
-    /// freeing is delayed. Requests in `undelay` are taken out of the delayed set first (the
-    /// engine itself delays their freeing until their load is reported).
+    /// This step's instructions, encoded, with `(number, engine id)` of the requests whose
+    /// asynchronous load starts and of those whose freeing is delayed, the numbers of the
+    /// requests that finished while loading (abandoned) and of those whose load this step's
+    /// forward reads.
+    #[allow(clippy::type_complexity)]
     fn build_meta<'py>(
         &self,
         py: Python<'py>,
-        undelay: Vec<u64>,
-    ) -> (Bound<'py, PyBytes>, Vec<u64>, Vec<u64>) {
-        let mut m = lock(&self.inner).build_meta();
-        m.delayed_free.retain(|r| !undelay.contains(&r.0));
-        let loads = m
-            .loads
-            .iter()
-            .map(|l| l.request.0)
-            .chain(m.remote_loads.iter().map(|l| l.request.0))
-            .collect();
-        let delayed = m.delayed_free.iter().map(|r| r.0).collect();
-        (PyBytes::new(py, &codec::encode_meta(&m)), loads, delayed)
+    ) -> (
+        Bound<'py, PyBytes>,
+        Vec<(u64, String)>,
+        Vec<(u64, String)>,
+        Vec<u64>,
+        Vec<u64>,
+    ) {
+        let step = self.core().build_step();
+        let named = |v: Vec<(RequestId, String)>| v.into_iter().map(|(r, n)| (r.0, n)).collect();
+        let ids = |v: Vec<RequestId>| v.into_iter().map(|r| r.0).collect();
+        (
+            PyBytes::new(py, &codec::encode_meta(&step.meta)),
+            named(step.loads),
+            named(step.delayed),
+            ids(step.abandoned),
+            ids(step.in_step),
+        )
     }
 
     /// Take in the job outcomes a worker reported (the message names its rank). With several
-    /// workers a job counts once every rank reported it (kvx-offload merges them). Returns, for
-    /// each load that did not fully succeed on every rank, its request and the keys that failed
-    /// (16 bytes each, concatenated).
-    fn update_from_worker<'py>(
-        &self,
-        py: Python<'py>,
-        jobs: &[u8],
-    ) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
+    /// workers a job counts once every rank reported it (kvx-offload merges them). A load that
+    /// did not fully succeed on every rank stops its request being offered the blocks from its
+    /// first failed one on. Returns how many such loads there were.
+    fn update_from_worker(&self, jobs: &[u8]) -> PyResult<usize> {
         let (rank, jobs) =
             codec::decode_jobs(jobs).map_err(|e| KvxError::new_err(e.to_string()))?;
         let out = kvx_offload::WorkerOutput {
             jobs,
             ..Default::default()
         };
-        let applied = lock(&self.inner).update_from_rank(rank, &out);
-        let failed_loads = applied
-            .iter()
-            .filter(|j| j.part == kvx_offload::JobPart::Load && !j.failed.is_empty())
-            .map(|j| {
-                let keys: Vec<u8> = j.failed.iter().flat_map(|(k, _)| k.to_be_bytes()).collect();
-                (j.request.0, PyBytes::new(py, &keys))
-            })
-            .collect();
-        Ok(failed_loads)
+        Ok(self.core().update_from_rank(rank, &out))
     }
 
     /// Requests with state here.
     fn request_count(&self) -> usize {
-        lock(&self.inner).request_count()
+        self.core().side().request_count()
     }
 
     /// Jobs not yet fully reported.
     fn job_count(&self) -> usize {
-        lock(&self.inner).job_count()
+        self.core().side().job_count()
     }
 
     /// Job parts some workers reported and others not yet (0 with one worker).
     fn partial_count(&self) -> usize {
-        lock(&self.inner).partial_count()
+        self.core().side().partial_count()
     }
 
     /// Workers behind this scheduler side (tensor × pipeline parallel size).
     fn world(&self) -> u32 {
-        lock(&self.inner).world()
+        self.core().side().world()
     }
 
     /// True when nothing is pinned, stored or promoted in the index.
     fn is_quiet(&self) -> bool {
-        lock(&self.inner).manager().is_quiet()
+        self.core().side().manager().is_quiet()
     }
 
     /// Blocks held by the host tier and by the file tier.
     fn tier_sizes(&self) -> (usize, usize) {
-        let s = lock(&self.inner);
-        let m = s.manager();
+        let mut core = self.core();
+        let m = core.side().manager();
         (m.blocks(Tier::Host), m.blocks(Tier::File))
     }
 }

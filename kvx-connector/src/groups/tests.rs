@@ -7,6 +7,7 @@ use kvx_offload::{JobPart, JobResult, SchedulerConfig, WorkerOutput};
 use proptest::prelude::*;
 
 use super::*;
+use crate::Namespace;
 
 #[test]
 fn skipped_tokens_are_vllms_for_a_sliding_window() {
@@ -207,10 +208,10 @@ fn stores_done(side: &mut SchedulerSide) {
     });
 }
 
-fn hybrid() -> Hybrid {
+fn hybrid() -> (Hybrid, Keyring) {
     let groups = Groups::new(vec![Group::FULL, Group::sliding(8, 0)], 4).unwrap();
     let ns = vec![Namespace::new(b"m|group0"), Namespace::new(b"m|group1")];
-    Hybrid::new(groups, ns, 1).unwrap()
+    (Hybrid::new(groups), Keyring::new(ns, 1).unwrap())
 }
 
 fn hashes(n: usize) -> Vec<Vec<u8>> {
@@ -220,12 +221,12 @@ fn hashes(n: usize) -> Vec<Vec<u8>> {
 #[test]
 fn a_request_stored_by_one_request_is_a_hit_for_the_next_over_both_groups() {
     let mut side = side();
-    let mut h = hybrid();
+    let (mut h, mut keys) = hybrid();
     let hs = hashes(6);
     let (a, b) = (RequestId(1), RequestId(2));
-    h.extend_keys(a, hs.iter().map(Vec::as_slice));
+    keys.extend(a, hs.iter().map(Vec::as_slice));
     let tables = vec![vec![1, 2, 3, 4, 5, 6], vec![0, 0, 0, 0, 15, 16]];
-    assert!(h.save(&mut side, a, 0, 6, 24, &tables));
+    assert!(h.save(&mut side, &keys, a, 0, 6, 24, &tables));
     stores_done(&mut side);
     // Blocks 4 and 5 of the sliding group were store sources: handed out again, they are
     // fenced once.
@@ -238,8 +239,8 @@ fn a_request_stored_by_one_request_is_a_hit_for_the_next_over_both_groups() {
     side.request_finished(a);
     h.forget(a);
 
-    h.extend_keys(b, hs.iter().map(Vec::as_slice));
-    let hit = h.lookup(&mut side, b, 0, 6).unwrap();
+    keys.extend(b, hs.iter().map(Vec::as_slice));
+    let hit = h.lookup(&mut side, &keys, b, 0, 6).unwrap();
     assert_eq!(
         hit,
         Hit {
@@ -265,16 +266,16 @@ fn a_request_stored_by_one_request_is_a_hit_for_the_next_over_both_groups() {
 #[test]
 fn a_block_the_sliding_group_lacks_ends_the_hit_before_it() {
     let mut side = side();
-    let mut h = hybrid();
+    let (mut h, mut keys) = hybrid();
     let hs = hashes(6);
-    h.extend_keys(RequestId(1), hs.iter().map(Vec::as_slice));
+    keys.extend(RequestId(1), hs.iter().map(Vec::as_slice));
     // The sliding group's block 5 was never stored: the hit ends before it, and then the
     // window of a 5-block prefix (blocks 3 and 4) is needed.
     let tables = vec![vec![1, 2, 3, 4, 5, 6], vec![0, 0, 0, 14, 15, 0]];
-    assert!(h.save(&mut side, RequestId(1), 0, 6, 20, &tables));
+    assert!(h.save(&mut side, &keys, RequestId(1), 0, 6, 20, &tables));
     stores_done(&mut side);
-    h.extend_keys(RequestId(2), hs.iter().map(Vec::as_slice));
-    let hit = h.lookup(&mut side, RequestId(2), 0, 6).unwrap();
+    keys.extend(RequestId(2), hs.iter().map(Vec::as_slice));
+    let hit = h.lookup(&mut side, &keys, RequestId(2), 0, 6).unwrap();
     assert_eq!(hit.tokens, 20);
     // An allocation that gives the sliding group a block kvx does not load is refused, and
     // the hit stays unqueued.
@@ -290,37 +291,16 @@ fn a_block_the_sliding_group_lacks_ends_the_hit_before_it() {
 }
 
 #[test]
-fn a_miss_leaves_no_pending_lookup_and_keys_wait_for_a_whole_block() {
+fn a_miss_leaves_no_pending_lookup() {
     let mut side = side();
-    let groups = Groups::new(vec![Group::FULL], 4).unwrap();
-    let mut h = Hybrid::new(groups, vec![Namespace::new(b"m")], 2).unwrap();
-    let hs = hashes(5);
-    h.extend_keys(RequestId(1), hs.iter().map(Vec::as_slice));
-    assert_eq!(h.key_blocks(RequestId(1)), 2);
-    assert_eq!(h.hashes_seen(RequestId(1)), 4);
-    h.extend_keys(RequestId(1), hs[4..].iter().map(Vec::as_slice));
+    let mut h = Hybrid::new(Groups::new(vec![Group::FULL], 4).unwrap());
+    let mut keys = Keyring::new(vec![Namespace::new(b"m")], 1).unwrap();
+    keys.extend(RequestId(1), hashes(2).iter().map(Vec::as_slice));
     assert_eq!(
-        h.key_blocks(RequestId(1)),
-        2,
-        "the fifth hash alone is half a block"
-    );
-    assert_eq!(
-        h.lookup(&mut side, RequestId(1), 0, 2),
+        h.lookup(&mut side, &keys, RequestId(1), 0, 2),
         Some(Hit::default())
     );
     assert_eq!(h.allocated(&mut side, RequestId(1), &[vec![]]), Ok(None));
     assert!(side.matched_tiers(RequestId(1)).is_empty());
-}
-
-#[test]
-fn the_first_failed_block_is_found_in_any_group() {
-    let mut h = hybrid();
-    h.extend_keys(RequestId(1), hashes(4).iter().map(Vec::as_slice));
-    let ns1 = Namespace::new(b"m|group1");
-    assert_eq!(
-        h.first_failed(RequestId(1), &[ns1.key(b"hash3"), ns1.key(b"hash2")]),
-        Some(2)
-    );
-    assert_eq!(h.first_failed(RequestId(1), &[BlockKey(7)]), None);
-    assert_eq!(h.first_failed(RequestId(9), &[ns1.key(b"hash0")]), None);
+    assert_eq!(h.request_count(), 0);
 }

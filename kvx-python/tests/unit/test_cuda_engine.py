@@ -53,7 +53,7 @@ def step_until_stored(sched: SchedulerSide, worker: WorkerSide, blocks: int, end
     """Step both sides until the host tier holds `blocks` and no job is out (by `end`)."""
     while sched.tier_sizes()[0] < blocks or sched.job_count() > 0:
         assert time.monotonic() < end, "the device blocks never reached the host tier"
-        worker.start_step(sched.build_meta([])[0])
+        worker.start_step(sched.build_meta()[0])
         jobs = worker.get_finished()[3]
         if jobs:
             sched.update_from_worker(jobs)
@@ -65,7 +65,7 @@ def step_until_loaded(sched: SchedulerSide, worker: WorkerSide, req: int, end: f
     done: list[int] = []
     while req not in done:
         assert time.monotonic() < end, "the load into device blocks never finished"
-        worker.start_step(sched.build_meta([])[0])
+        worker.start_step(sched.build_meta()[0])
         _, recving, invalid, jobs, _ = worker.get_finished()
         assert invalid == []
         done += recving
@@ -77,15 +77,16 @@ def step_until_loaded(sched: SchedulerSide, worker: WorkerSide, req: int, end: f
 def store_then_load(desc: tuple) -> None:
     """Store blocks 0 and 1 of the described KV tensor to the host tier, then load them into
     blocks 5 and 6; every step is driven as vLLM drives the two sides."""
-    sched = SchedulerSide(SMALL, BLOCK)
+    sched = SchedulerSide(SMALL, BLOCK, namespaces=[b"unit"])
     worker = WorkerSide(SMALL, BLOCK, [desc], [], NUM_BLOCKS)
     try:
-        keys = block_keys(b"cuda", [b"block0", b"block1"])
-        assert sched.save_blocks(1, keys, [src for src, _ in MOVES])
+        hashes = [b"block0", b"block1"]
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [src for src, _ in MOVES])
         end = time.monotonic() + 10
         step_until_stored(sched, worker, 2, end)
-        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
-        sched.update_state_after_alloc(2, [dst for _, dst in MOVES])
+        assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, True)
+        sched.update_state_after_alloc("r", [[dst for _, dst in MOVES]], 2 * BLOCK)
         step_until_loaded(sched, worker, 2, end)
     finally:
         worker.close()
@@ -154,30 +155,31 @@ def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: c
     stream = ctypes.c_void_p()
     assert standin.cuStreamCreate(ctypes.byref(stream), 0) == 0
     forward = HOST_FN(lambda _: time.sleep(FORWARD_S))
-    sched = SchedulerSide(SMALL, BLOCK)
+    sched = SchedulerSide(SMALL, BLOCK, namespaces=[b"unit"])
     desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
     worker = WorkerSide(SMALL, BLOCK, [desc], [], NUM_BLOCKS)
     try:
-        keys = block_keys(b"ordered", [b"block0", b"block1"])
+        hashes = [b"block0", b"block1"]
         # Step N: the store of blocks 0 and 1 is queued; then its forward is queued on the
         # engine's stream (busy for FORWARD_S, then it writes the blocks' final bytes).
-        assert sched.save_blocks(1, keys, [0, 1])
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [0, 1])
         worker.order_after_engine_stream(stream.value or 0)
-        worker.start_step(sched.build_meta([])[0])
+        worker.start_step(sched.build_meta()[0])
         assert standin.cuLaunchHostFunc(stream, forward, None) == 0
         assert standin.cuMemcpyHtoDAsync_v2(ptr.value, ctypes.addressof(fresh), ELEMS * 2, stream) == 0
         # Step N+1 starts at once (the CPU does not wait for the forward): the store goes out.
         t0 = time.monotonic()
         worker.order_after_engine_stream(stream.value or 0)
-        worker.start_step(sched.build_meta([])[0])
+        worker.start_step(sched.build_meta()[0])
         took = time.monotonic() - t0
         assert took <= BOUND_S, f"ordering and starting the step took {took * 1000:.1f} ms"
         end = time.monotonic() + 10
         step_until_stored(sched, worker, 2, end)
         assert time.monotonic() - t0 >= FORWARD_S * 0.9, "the store ended before the forward did"
         # Load the stored blocks back into blocks 5 and 6: they hold the forward's bytes.
-        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
-        sched.update_state_after_alloc(2, [5, 6])
+        assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, True)
+        sched.update_state_after_alloc("r", [[5, 6]], 2 * BLOCK)
         step_until_loaded(sched, worker, 2, end)
         back = (ctypes.c_int16 * ELEMS)()
         assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
@@ -196,7 +198,7 @@ def standin_sides(standin: ctypes.CDLL, cfg: str) -> tuple[SchedulerSide, Worker
     ptr = ctypes.c_uint64()
     assert standin.cuMemAlloc_v2(ctypes.byref(ptr), ELEMS * 2) == 0
     desc = ("layer0", ptr.value, SHAPE, STRIDES, 2, f"cuda:{STANDIN_DEVICE}")
-    return SchedulerSide(cfg, BLOCK), WorkerSide(cfg, BLOCK, [desc], [], NUM_BLOCKS)
+    return SchedulerSide(cfg, BLOCK, namespaces=[b"unit"]), WorkerSide(cfg, BLOCK, [desc], [], NUM_BLOCKS)
 
 
 def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: ctypes.CDLL) -> None:
@@ -207,13 +209,14 @@ def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: c
     sched, worker = standin_sides(standin, SMALL)
     step: threading.Thread | None = None
     try:
-        keys = block_keys(b"fenced", [b"block0", b"block1"])
-        assert sched.save_blocks(1, keys, [0, 1])
+        hashes = [b"block0", b"block1"]
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [0, 1])
         # Every device copy hangs from now on: the store of request 1 is out, and stuck.
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
-        worker.start_step(sched.build_meta([])[0])
-        sched.request_preempted(1)
-        fenced = sched.build_meta([])[0]
+        worker.start_step(sched.build_meta()[0])
+        sched.request_preempted("w")
+        fenced = sched.build_meta()[0]
         outcome: list[BaseException | None] = []
 
         def fence_step() -> None:
@@ -257,17 +260,18 @@ def test_a_preemption_fence_over_a_copy_stuck_past_its_deadline_raises_out_of_th
     cfg = json.dumps({"host_blocks": 4, "timeouts": {"load_ms": 2000, "store_ms": int(store_s * 1000)}})
     sched, worker = standin_sides(standin, cfg)
     try:
-        keys = block_keys(b"overdue", [b"block0", b"block1"])
-        assert sched.save_blocks(1, keys, [0, 1])
+        hashes = [b"block0", b"block1"]
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [0, 1])
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
         stored_from = time.monotonic()
-        worker.start_step(sched.build_meta([])[0])  # the store is out, and stuck
+        worker.start_step(sched.build_meta()[0])  # the store is out, and stuck
         # Most of the store's deadline passes before the engine preempts the request.
         time.sleep(store_s - 0.3)
-        sched.request_preempted(1)
+        sched.request_preempted("w")
         preempted = time.monotonic()
         with pytest.raises(FenceNotHeldError, match="past its deadline"):
-            worker.start_step(sched.build_meta([])[0])
+            worker.start_step(sched.build_meta()[0])
         raised = time.monotonic()
         assert raised >= stored_from + store_s, "the step gave up before the copy was due"
         # The old bound (a store deadline from the preemption) would be 1.5 s here.
@@ -294,7 +298,7 @@ def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blo
     p_cfg = json.dumps({"host_blocks": 4, "remote": {"listen": f"127.0.0.1:{free_port()}", "lease_ttl_ms": 60000}})
     p_mem = (ctypes.c_int16 * ELEMS)(*[pattern(i) for i in range(ELEMS)])
     p_desc = ("layer0", ctypes.addressof(p_mem), SHAPE, STRIDES, 2, "cpu")
-    p_sched = SchedulerSide(p_cfg, BLOCK)
+    p_sched = SchedulerSide(p_cfg, BLOCK, namespaces=[b"unit"])
     producer = WorkerSide(p_cfg, BLOCK, [p_desc], [p_mem], NUM_BLOCKS)
     # The consumer: stand-in device memory, a short remote-load deadline.
     d_cfg = json.dumps({"host_blocks": 4, "remote": {"load_ms": 300}})
@@ -302,10 +306,11 @@ def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blo
     try:
         keys = block_keys(b"hold-back", [b"block0", b"block1"])
         source = p_sched.export_finished(1, 1, "hold-back", keys, [0, 1])
-        producer.start_step(p_sched.build_meta([])[0])
+        producer.start_step(p_sched.build_meta()[0])
+        assert d_sched.admit("x") == 1 and d_sched.admit("d") == 2
         d_sched.remote_load(2, source, 0, [5, 6])
-        step, loads, _ = d_sched.build_meta([])
-        assert loads == [2]
+        step, loads, *_ = d_sched.build_meta()
+        assert loads == [(2, "d")]
         # Every copy into the device hangs from now on.
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
         consumer.start_step(step)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvx import KvxError, SchedulerSide, WorkerSide, block_keys
+from kvx import KvxError, SchedulerSide, WorkerSide
 
 BLOCK = 16
 KV_HEADS = 2
@@ -68,26 +68,28 @@ def test_malformed_step_metadata_is_an_error_not_a_crash() -> None:
 
 def test_a_stored_block_is_found_in_the_host_tier() -> None:
     desc, buf = kv_tensor(8)
-    sched = SchedulerSide(SMALL, BLOCK)
+    sched = SchedulerSide(SMALL, BLOCK, namespaces=[b"unit"])
     worker = WorkerSide(SMALL, BLOCK, [desc], [buf], 8)
     try:
-        keys = block_keys(b"unit", [b"block0", b"block1"])
-        assert sched.save_blocks(1, keys, [0, 1])
+        hashes = [b"block0", b"block1"]
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [0, 1])
         # Engine steps: the store is planned, submitted, and its outcome reported back.
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the store never reached the host tier"
-            step, loads, _ = sched.build_meta([])
+            step, loads, *_ = sched.build_meta()
             assert loads == []
             worker.start_step(step)
             jobs = worker.get_finished()[3]
             if jobs:
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
-        found = sched.get_num_new_matched_tokens(2, keys, 0)
-        assert found == (2 * BLOCK, 2, 0)
+        found = sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1)
+        assert found == (2 * BLOCK, True)
+        assert sched.hit("r") == (2, 0)
         assert sched.tier_sizes() == (2, 0)
-        assert not sched.request_finished(1)
+        assert not sched.request_finished("w")
     finally:
         worker.close()
 
@@ -97,27 +99,29 @@ def test_a_load_in_step_has_ended_when_wait_loads_returns() -> None:
                          "timeouts": {"load_ms": 1000, "store_ms": 1000}})
     desc, buf = kv_tensor(8)
     per_block = BLOCK * KV_HEADS * HEAD
-    sched = SchedulerSide(config, BLOCK)
+    sched = SchedulerSide(config, BLOCK, namespaces=[b"unit"])
     worker = WorkerSide(config, BLOCK, [desc], [buf], 8)
-    assert sched.host_loads_in_step and not SchedulerSide(SMALL, BLOCK).host_loads_in_step
+    assert sched.host_loads_in_step and not SchedulerSide(SMALL, BLOCK, namespaces=[b"unit"]).host_loads_in_step
     try:
         for i in range(2 * 8 * per_block):
             buf[i] = i % 30011
         want = [buf[b * per_block + i] for b in (0, 1) for i in range(per_block)]
-        keys = block_keys(b"unit", [b"in-step0", b"in-step1"])
-        assert sched.save_blocks(1, keys, [0, 1])
+        hashes = [b"in-step0", b"in-step1"]
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [0, 1])
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the store never reached the host tier"
-            worker.start_step(sched.build_meta([])[0])
+            worker.start_step(sched.build_meta()[0])
             jobs = worker.get_finished()[3]
             if jobs:
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
-        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
-        assert sched.update_state_after_alloc(2, [4, 5])
-        step, loads, _ = sched.build_meta([])
-        assert loads == [2]
+        # A host-tier hit that leaves a token to compute loads in the step (not asynchronously).
+        assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, False)
+        assert sched.update_state_after_alloc("r", [[4, 5]], 2 * BLOCK) == [4, 5]
+        step, loads, _, _, in_step = sched.build_meta()
+        assert (loads, in_step) == ([], [2])
         worker.start_step(step)
         assert worker.wait_loads([2], 5000) == []
         # Ended: the bytes are in blocks 4 and 5 (first half of the K/V axis), before any
@@ -144,28 +148,31 @@ def test_a_failed_load_in_step_is_reported_when_wait_loads_returns() -> None:
                          "timeouts": {"load_ms": 1000, "store_ms": 1000}})
     desc_a, buf_a = kv_tensor(8)
     desc_b, buf_b = kv_tensor(8)
-    sched = SchedulerSide(config, BLOCK)
+    sched = SchedulerSide(config, BLOCK, namespaces=[b"unit"])
     storer = WorkerSide(config, BLOCK, [desc_a], [buf_a], 8)
     loader = WorkerSide(config, BLOCK, [desc_b], [buf_b], 8)
     try:
-        keys = block_keys(b"unit", [b"other0", b"other1"])
-        assert sched.save_blocks(1, keys, [0, 1])
+        hashes = [b"other0", b"other1"]
+        assert sched.admit("w") == 1
+        assert sched.save_blocks("w", hashes, 0, [0, 1])
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the store never reached the host tier"
-            storer.start_step(sched.build_meta([])[0])
+            storer.start_step(sched.build_meta()[0])
             jobs = storer.get_finished()[3]
             if jobs:
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
-        assert sched.get_num_new_matched_tokens(2, keys, 0) == (2 * BLOCK, 2, 0)
-        assert sched.update_state_after_alloc(2, [4, 5])
-        loader.start_step(sched.build_meta([])[0])
+        assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, False)
+        assert sched.update_state_after_alloc("r", [[4, 5]], 2 * BLOCK)
+        loader.start_step(sched.build_meta()[0])
         assert loader.wait_loads([2], 5000) == []
         _, recving, invalid, jobs, _ = loader.get_finished()
         assert recving == [2] and sorted(invalid) == [4, 5]
-        sched.update_from_worker(jobs)
+        assert sched.update_from_worker(jobs) == 1, "one load failed"
         assert sched.job_count() == 0
+        # Its blocks are never offered to the request again (vLLM recomputes them).
+        assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (0, False)
     finally:
         storer.close()
         loader.close()

@@ -453,7 +453,7 @@ class Engine(EngineLoop):
     def keys_of(self, req_id: str) -> bytes:
         """kvx block keys of a request's full blocks (16 bytes each)."""
         side = self.conn._sched
-        return side._keys(side._req(self.tracked[req_id].request))
+        return side.keys_of(self.tracked[req_id].request)
 
 
 def vllm_kv_caches(vllm_config, groups, layouts: list[str], num_blocks: int):

@@ -248,4 +248,4 @@ class HybridEngine(EngineLoop):
     def keys_of(self, req_id: str, group: int) -> bytes:
         """kvx block keys of one group of a request's full blocks (16 bytes each)."""
         side = self.conn._sched
-        return bytes(side.group_keys(self.tracked[req_id].request)[group])
+        return side.keys_of(self.tracked[req_id].request, group)

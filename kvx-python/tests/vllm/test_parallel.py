@@ -212,7 +212,7 @@ def shard_file(root: Path, tp_rank: int, tp: int, pp_rank: int, pp: int, key: by
 
 def keys_of(e: ParallelEngine, req_id: str) -> list[bytes]:
     side = e.conn._sched
-    raw = side._keys(side._req(e.tracked[req_id].request))
+    raw = side.keys_of(e.tracked[req_id].request)
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
 
 

@@ -31,7 +31,7 @@ class Blocks:
 
 
 def consumer() -> SchedulerSide:
-    side = SchedulerSide(CONFIG, BLOCK, BLOCK, NAMESPACE)
+    side = SchedulerSide(CONFIG, BLOCK, BLOCK, [NAMESPACE])
     side.disagg = Disaggregation(side.native, Settings.parse(CONFIG, BLOCK), BLOCK, NAMESPACE, producer=False,
                                 consumer=True, world=1)
     return side
@@ -44,6 +44,7 @@ def request(i: int, params: Any, blocks: int = 4) -> SimpleNamespace:
         kv_transfer_params=params,
         block_hashes=hashes,
         prompt_token_ids=list(range(blocks * BLOCK + 3)),
+        num_tokens=blocks * BLOCK + 3,
         num_computed_tokens=0,
         status=SimpleNamespace(name="WAITING"),
     )
@@ -51,7 +52,7 @@ def request(i: int, params: Any, blocks: int = 4) -> SimpleNamespace:
 
 def valid_source(side: SchedulerSide, req: SimpleNamespace) -> dict:
     """A well-formed source for ``req``'s own blocks, at a port nothing listens on."""
-    keys = side._keys(side._req(req))
+    keys = side.keys_of(req)
     return {
         "namespace": namespace_id(NAMESPACE),
         "export": 7,

@@ -486,7 +486,8 @@ def tick():
 threading.Thread(target=tick, daemon=True).start()
 config = json.dumps({"host_blocks": 16, "file": {"roots": [sys.argv[2]], "blocks": 1000}})
 os.write(1, b"start\\n")
-getattr(_native, sys.argv[1])(config, 16)
+args = (config, 16, [b"ns"]) if sys.argv[1] == "SchedulerSide" else (config, 16)
+getattr(_native, sys.argv[1])(*args)
 os.write(1, b"done\\n")
 """
 

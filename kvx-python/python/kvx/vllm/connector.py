@@ -115,12 +115,11 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             if hybrid is not None:
                 self._sched = HybridSchedulerSide(
-                    self.config, block_size, hash_block_size, namespace, hybrid,
-                    tp_size=tp_size, pp_size=pp_size,
+                    self.config, block_size, hash_block_size, hybrid, tp_size=tp_size, pp_size=pp_size
                 )
             else:
                 self._sched = SchedulerSide(
-                    self.config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size
+                    self.config, block_size, hash_block_size, [namespace], tp_size=tp_size, pp_size=pp_size
                 )
                 self._sched.disagg = _disaggregation(
                     self._kv_transfer_config, settings, self._sched, block_size, namespace, tp_size * pp_size

@@ -8,7 +8,7 @@ layers of the group holding ``b`` wrote: the worker side copies blocks as today,
 keys tell the groups apart (each group has its own key namespace: its index and its spec).
 
 What a hit is, what each group stores and which reused sliding-window blocks to fence is
-decided in Rust (kvx-connector's ``groups``, through ``kvx._native.KvCacheGroups``): a hit is
+decided in Rust (kvx-connector's ``groups``, through ``kvx._native.SchedulerSide``): a hit is
 the longest prefix every group can serve, one kvx job over the blocks of every group; a
 sliding-window group stores only the blocks still in its window; a block that was a
 sliding-window store source and is handed out again is fenced before the step's forward may
@@ -27,7 +27,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvx import _native
 from kvx.vllm.log import logger
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
@@ -98,72 +97,42 @@ class HybridConnectorMetadata(KvxConnectorMetadata):
 
 
 class HybridSchedulerSide(SchedulerSide):
-    """The scheduler side over several KV cache groups (see the module docs)."""
+    """The scheduler side over several KV cache groups (see the module docs): the native side
+    keys each request in every group's namespace and plans hits, stores and fences."""
 
     def __init__(
         self,
         config: str,
         block_size: int,
         hash_block_size: int,
-        namespace: bytes,
         groups: list[Group],
         tp_size: int = 1,
         pp_size: int = 1,
     ):
-        super().__init__(config, block_size, hash_block_size, namespace, tp_size=tp_size, pp_size=pp_size)
-        self.groups = groups
-        self.hybrid = _native.KvCacheGroups(
-            [(g.window, g.extra_retained) for g in groups], [g.namespace for g in groups], block_size, self.ratio
+        super().__init__(
+            config, block_size, hash_block_size, [g.namespace for g in groups], tp_size=tp_size, pp_size=pp_size,
+            groups=[(g.window, g.extra_retained) for g in groups],
         )
+        self.groups = groups
         # Engine blocks of each load queued this step, by request id, for the worker.
         self._load_blocks: dict[str, list[int]] = {}
 
     @property
     def fenced_blocks(self) -> int:
-        return self.hybrid.fenced_blocks
+        return self.native.fenced_blocks
 
-    def group_keys(self, request: Any) -> list[bytes]:
-        """Each group's keys of the request's full blocks."""
-        r = self._req(request)
-        self.hybrid.extend_keys(r.number, request.block_hashes)
-        return [self.hybrid.keys(r.number, g.index) for g in self.groups]
-
-    # -- vLLM's scheduler-side calls -----------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        r = self._req(request)
-        self.stats.lookups += 1
-        self.hybrid.extend_keys(r.number, request.block_hashes)
-        first = num_computed_tokens // self.block_size
-        # The last token is always computed by vLLM (its logits; a sliding window needs it).
-        end = max(0, request.num_tokens - 1) // self.block_size
-        if r.cap is not None:
-            end = min(end, r.cap)
-        found = self.hybrid.lookup(self.native, r.number, first, end)
-        if found is None:
-            return None, False
-        tokens, host, file = found
-        if tokens == 0:
-            return 0, False
-        r.local_tokens = num_computed_tokens
-        r.hit = (host, file)
-        return tokens, True
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens == 0:
-            return
-        r = self._req(request)
-        engine = self.hybrid.allocated(self.native, r.number, [list(ids) for ids in blocks.get_block_ids()])
-        if engine is None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> list[int] | None:
+        loaded = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if loaded is not None:
+            self._load_blocks[request.request_id] = loaded
+        elif num_external_tokens:
             logger.error("kvx: %s: an allocation for a load kvx did not plan", request.request_id)
-            return
-        self._load_started(request.request_id, r, num_external_tokens)
-        self._load_blocks[request.request_id] = engine
+        return loaded
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
-        r = self.reqs.get(request.request_id)
-        if r is None or num_external_tokens == 0:
+        if num_external_tokens == 0 or request.request_id not in self.requests:
             return {}
-        host, file = r.hit
+        host, file = self.native.hit(request.request_id)
         disk = 0
         if file:
             disk = num_external_tokens * file // (host + file) // self.block_size * self.block_size
@@ -172,42 +141,21 @@ class HybridSchedulerSide(SchedulerSide):
 
     def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
         # Blocks handed out this step that a queued sliding-window store may still read.
-        fence = self.hybrid.fence(sorted(_new_blocks(so)))
+        fence = self.native.fence(sorted(_new_blocks(so)))
         self._preempted(so)
-        for req_id, r, first, end in self._completing(so):
-            self.hybrid.extend_keys(r.number, r.request.block_hashes)
-            if min(end, self.hybrid.key_blocks(r.number)) <= first:
-                continue
-            computed = r.request.num_computed_tokens + so.num_scheduled_tokens[req_id]
+        for req_id, request, first, end in self._completing(so):
+            computed = request.num_computed_tokens + so.num_scheduled_tokens[req_id]
             tables = [list(ids) for ids in self.cache_manager.get_block_ids(req_id)]
-            if self.hybrid.save(self.native, r.number, first, end, computed, tables):
+            if self.native.save_groups(req_id, request.block_hashes, first, end, computed, tables):
                 self.stats.store_jobs += 1
-        abandoned, self._abandoned = self._abandoned, []
-        step, loads, delayed = self.native.build_meta(abandoned)
-        names = {n: self.names[n] for n in loads}
-        base = KvxConnectorMetadata(step, names, {n: self.names[n] for n in delayed}, abandoned)
-        load_blocks = {name: self._load_blocks.pop(name, []) for name in names.values()}
+        step, loads, delayed, abandoned, _ = self.native.build_meta()
+        base = KvxConnectorMetadata(step, dict(loads), dict(delayed), abandoned)
+        load_blocks = {name: self._load_blocks.pop(name, []) for _, name in loads}
         return HybridConnectorMetadata(base, fence, load_blocks)
-
-    def _cap(self, number: int, failed: bytes) -> None:
-        """Stop offering a request the blocks from its first failed one on, in any group."""
-        r = self.reqs.get(self.names.get(number, ""))
-        if r is None:
-            return
-        index = self.hybrid.first_failed(number, failed)
-        if index is not None:
-            r.cap = index if r.cap is None else min(r.cap, index)
-        self.stats.failed_loads += 1
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        r = self.reqs.get(request.request_id)
-        if r is not None:
-            self.hybrid.forget(r.number)
-        return super().request_finished(request, block_ids)
 
     def state_counts(self) -> dict[str, int]:
         out = super().state_counts()
-        out["group_requests"] = self.hybrid.request_count() + len(self._load_blocks)
+        out["group_loads"] = len(self._load_blocks)
         return out
 
 
