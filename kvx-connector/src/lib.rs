@@ -13,6 +13,8 @@ pub mod keys;
 pub mod requests;
 pub mod scheduler;
 mod step;
+#[cfg(test)]
+mod test_support;
 
 pub use keys::{KEY_BYTES, Namespace};
 pub use step::StepMsg;

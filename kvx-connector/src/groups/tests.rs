@@ -3,11 +3,12 @@
 
 use std::collections::BTreeSet;
 
-use kvx_offload::{JobPart, JobResult, SchedulerConfig, WorkerOutput};
+use kvx_offload::{SchedulerConfig, WorkerOutput};
 use proptest::prelude::*;
 
 use super::*;
 use crate::Namespace;
+use crate::test_support::stored_on_host;
 
 #[test]
 fn skipped_tokens_are_vllms_for_a_sliding_window() {
@@ -190,18 +191,7 @@ fn side() -> SchedulerSide {
 /// Reports every store job of `meta` done on the host tier.
 fn stores_done(side: &mut SchedulerSide) {
     let meta = side.build_meta();
-    let jobs = meta
-        .stores
-        .iter()
-        .map(|s| JobResult {
-            job: s.job,
-            request: s.request,
-            part: JobPart::StoreHost,
-            ok: s.blocks.iter().map(|(k, _)| *k).collect(),
-            failed: vec![],
-            promoted: vec![],
-        })
-        .collect();
+    let jobs = meta.stores.iter().map(stored_on_host).collect();
     side.update_from_worker(&WorkerOutput {
         jobs,
         ..Default::default()

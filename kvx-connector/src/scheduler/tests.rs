@@ -10,6 +10,7 @@ use kvx_offload::{FileTierProbe, JobPart, JobResult, ProbeAnswer, SchedulerConfi
 use super::*;
 use crate::Namespace;
 use crate::groups::Group;
+use crate::test_support::stored_on_host;
 
 const BT: u64 = 4;
 
@@ -37,19 +38,7 @@ fn extend(s: &mut Scheduler, name: &str, hashes: &[Vec<u8>]) {
 /// says (the keys it names fail, the rest arrive).
 fn run_step(s: &mut Scheduler, load_failed: &[BlockKey]) -> (Step, usize) {
     let step = s.build_step();
-    let mut jobs: Vec<JobResult> = step
-        .meta
-        .stores
-        .iter()
-        .map(|j| JobResult {
-            job: j.job,
-            request: j.request,
-            part: JobPart::StoreHost,
-            ok: j.blocks.iter().map(|(k, _)| *k).collect(),
-            failed: vec![],
-            promoted: vec![],
-        })
-        .collect();
+    let mut jobs: Vec<JobResult> = step.meta.stores.iter().map(stored_on_host).collect();
     for l in &step.meta.loads {
         let (failed, ok): (Vec<_>, Vec<_>) = l
             .blocks
