@@ -76,12 +76,23 @@ fn stored(s: &mut Scheduler, hs: &[Vec<u8>], n: usize) {
     assert!(!s.finished("w"));
 }
 
+/// A core whose host tier holds the first `stored` of `blocks` blocks, and a reader "r" of all
+/// `blocks` keyed; the blocks' hashes.
+fn with_reader(
+    host_loads_in_step: bool,
+    blocks: usize,
+    stored_blocks: usize,
+) -> (Scheduler, Vec<Vec<u8>>) {
+    let mut s = core(host_loads_in_step);
+    let hs = hashes(blocks);
+    stored(&mut s, &hs, stored_blocks);
+    extend(&mut s, "r", &hs);
+    (s, hs)
+}
+
 #[test]
 fn a_stored_prefix_is_offered_loaded_and_reported_and_then_nothing_is_left() {
-    let mut s = core(false);
-    let hs = hashes(4);
-    stored(&mut s, &hs, 3);
-    extend(&mut s, "r", &hs);
+    let (mut s, _) = with_reader(false, 4, 3);
     let offer = s.lookup("r", 0, 17).unwrap();
     assert_eq!(
         offer,
@@ -103,10 +114,7 @@ fn a_stored_prefix_is_offered_loaded_and_reported_and_then_nothing_is_left() {
 
 #[test]
 fn a_host_hit_that_leaves_a_token_loads_in_the_step_and_a_whole_prompt_hit_does_not() {
-    let mut s = core(true);
-    let hs = hashes(2);
-    stored(&mut s, &hs, 2);
-    extend(&mut s, "r", &hs);
+    let (mut s, hs) = with_reader(true, 2, 2);
     // 9 tokens: the 8 of the hit leave one to compute.
     assert_eq!(s.lookup("r", 0, 9).map(|o| o.asynchronous), Some(false));
     assert!(
@@ -127,10 +135,7 @@ fn a_host_hit_that_leaves_a_token_loads_in_the_step_and_a_whole_prompt_hit_does_
 
 #[test]
 fn a_failed_block_is_never_offered_again() {
-    let mut s = core(false);
-    let hs = hashes(4);
-    stored(&mut s, &hs, 4);
-    extend(&mut s, "r", &hs);
+    let (mut s, _) = with_reader(false, 4, 4);
     assert_eq!(s.lookup("r", 0, 17).unwrap().tokens, 4 * BT);
     assert!(
         s.allocated("r", &[vec![1, 2, 3, 4]], 4 * BT)
@@ -148,10 +153,7 @@ fn a_failed_block_is_never_offered_again() {
 
 #[test]
 fn a_request_finished_while_loading_is_abandoned_once_and_never_delayed() {
-    let mut s = core(false);
-    let hs = hashes(2);
-    stored(&mut s, &hs, 2);
-    extend(&mut s, "r", &hs);
+    let (mut s, _) = with_reader(false, 2, 2);
     s.lookup("r", 0, 9).unwrap();
     s.allocated("r", &[vec![1, 2]], 2 * BT).unwrap();
     let step = s.build_step();
@@ -171,10 +173,7 @@ fn a_request_finished_while_loading_is_abandoned_once_and_never_delayed() {
 
 #[test]
 fn an_allocation_that_does_not_fit_the_match_queues_nothing() {
-    let mut s = core(false);
-    let hs = hashes(2);
-    stored(&mut s, &hs, 2);
-    extend(&mut s, "r", &hs);
+    let (mut s, _) = with_reader(false, 2, 2);
     s.lookup("r", 0, 9).unwrap();
     let err = s.allocated("r", &[vec![1]], 2 * BT).unwrap_err();
     assert!(err.contains("no blocks 0..+2"), "{err}");
