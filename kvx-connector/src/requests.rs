@@ -138,7 +138,7 @@ impl Requests {
 
     /// True while `name`'s load is queued and not yet reported in `finished_recving`.
     pub fn is_loading(&self, name: &str) -> bool {
-        self.by_name(name)
+        self.number(name)
             .is_some_and(|id| self.loading.contains(&id))
     }
 
@@ -180,7 +180,7 @@ impl Requests {
 
     /// A worker reported `name` in `finished_recving`: its load ended.
     pub fn recv_reported(&mut self, name: &str) {
-        if let Some(id) = self.by_name(name) {
+        if let Some(id) = self.number(name) {
             self.loading.remove(&id);
         }
         self.release(name);
@@ -204,7 +204,8 @@ impl Requests {
         self.entries.remove(&id);
     }
 
-    fn by_name(&self, name: &str) -> Option<RequestId> {
+    /// kvx's number of request `name`, live or finished and still reported.
+    pub fn number(&self, name: &str) -> Option<RequestId> {
         self.live
             .get(name)
             .or_else(|| self.finished.get(name))

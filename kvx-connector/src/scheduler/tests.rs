@@ -249,3 +249,248 @@ fn several_groups_need_a_namespace_each_and_offer_what_every_group_holds() {
     assert_eq!(s.fence([EngineBlockId(14)]), vec![EngineBlockId(14)]);
     assert!(s.fence([EngineBlockId(14)]).is_empty());
 }
+
+mod engine_model {
+    //! Random engine calls and worker reports against the core over kvx-offload's real
+    //! scheduler side: whatever the order, once the engine finished every request and the
+    //! worker reported every job, nothing is left of any request anywhere.
+
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use kvx_offload::{LoadJob, StoreJob};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Call {
+        Lookup(usize),
+        Alloc(usize),
+        Store(usize),
+        Step,
+        Complete(usize, bool),
+        Preempt(usize),
+        Finish(usize),
+    }
+
+    fn call() -> impl Strategy<Value = Call> {
+        prop_oneof![
+            (0..3usize).prop_map(Call::Lookup),
+            (0..3usize).prop_map(Call::Alloc),
+            (0..3usize).prop_map(Call::Store),
+            Just(Call::Step),
+            (0..8usize, any::<bool>()).prop_map(|(i, ok)| Call::Complete(i, ok)),
+            (0..3usize).prop_map(Call::Preempt),
+            (0..3usize).prop_map(Call::Finish),
+        ]
+    }
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum State {
+        Looked(u64),
+        Running,
+        Finished,
+    }
+
+    #[derive(Debug)]
+    enum Job {
+        Store(StoreJob),
+        Load(LoadJob),
+    }
+
+    /// The simulated engine and worker around the core.
+    struct Engine {
+        s: Scheduler,
+        states: BTreeMap<usize, State>,
+        out: Vec<Job>,
+        delayed: BTreeSet<usize>,
+        /// Requests whose finishing the engine was told is not delayed.
+        freed: BTreeSet<usize>,
+    }
+
+    const NAMES: [&str; 3] = ["r0", "r1", "r2"];
+
+    impl Engine {
+        fn table(n: usize) -> Vec<u32> {
+            (0..3).map(|b| (n * 10 + b) as u32).collect()
+        }
+
+        fn apply(&mut self, c: Call) {
+            match c {
+                Call::Lookup(n) => {
+                    if matches!(self.states.get(&n), None | Some(State::Looked(_))) {
+                        // r0 and r2 share a prompt: one can hit the other's blocks.
+                        let hs = hashes(3)
+                            .into_iter()
+                            .map(|mut h| {
+                                h.push(b'0' + (n % 2) as u8);
+                                h
+                            })
+                            .collect::<Vec<_>>();
+                        extend(&mut self.s, NAMES[n], &hs);
+                        // "Ask again later" leaves the request waiting, to be finished or
+                        // looked up again.
+                        let tokens = self
+                            .s
+                            .lookup(NAMES[n], 0, 3 * BT + 1)
+                            .map_or(0, |o| o.tokens);
+                        self.states.insert(n, State::Looked(tokens));
+                    }
+                }
+                Call::Alloc(n) => {
+                    if let Some(State::Looked(tokens)) = self.states.get(&n).copied() {
+                        let r = self.s.allocated(NAMES[n], &[Self::table(n)], tokens);
+                        assert!(r.is_ok(), "{r:?}");
+                        self.states.insert(n, State::Running);
+                    }
+                }
+                Call::Store(n) => {
+                    if self.states.get(&n) == Some(&State::Running) {
+                        self.s.save_blocks(NAMES[n], 0, &Self::table(n));
+                    }
+                }
+                Call::Step => {
+                    let step = self.s.build_step();
+                    for r in &step.delayed {
+                        let n = NAMES.iter().position(|x| *x == r.1).unwrap();
+                        assert!(
+                            !self.freed.contains(&n),
+                            "{} delayed after the engine freed it",
+                            r.1
+                        );
+                        self.delayed.insert(n);
+                    }
+                    self.out
+                        .extend(step.meta.stores.into_iter().map(Job::Store));
+                    self.out.extend(step.meta.loads.into_iter().map(Job::Load));
+                }
+                Call::Complete(i, ok) => {
+                    if !self.out.is_empty() {
+                        let job = self.out.remove(i % self.out.len());
+                        self.complete(job, ok);
+                    }
+                }
+                Call::Preempt(n) => {
+                    if self.states.get(&n) == Some(&State::Running) {
+                        assert!(self.s.preempted(NAMES[n]));
+                        self.states.insert(n, State::Looked(0));
+                    }
+                }
+                Call::Finish(n) => {
+                    if matches!(self.states.get(&n), Some(State::Looked(_) | State::Running)) {
+                        if self.s.finished(NAMES[n]) {
+                            self.delayed.insert(n);
+                        } else {
+                            self.freed.insert(n);
+                        }
+                        self.states.insert(n, State::Finished);
+                    }
+                }
+            }
+        }
+
+        fn complete(&mut self, job: Job, ok: bool) {
+            let result = match &job {
+                Job::Store(j) => {
+                    let mut r = stored_on_host(j);
+                    if !ok {
+                        r.failed =
+                            r.ok.drain(..)
+                                .map(|k| (k, BlockError::Io("eio".into())))
+                                .collect();
+                    }
+                    r
+                }
+                Job::Load(j) => {
+                    let keys: Vec<BlockKey> = j.blocks.iter().map(|b| b.key).collect();
+                    JobResult {
+                        job: j.job,
+                        request: j.request,
+                        part: JobPart::Load,
+                        ok: if ok { keys.clone() } else { vec![] },
+                        failed: if ok {
+                            vec![]
+                        } else {
+                            keys.iter()
+                                .map(|k| (*k, BlockError::Corrupt("flipped".into())))
+                                .collect()
+                        },
+                        promoted: vec![],
+                    }
+                }
+            };
+            let request = result.request;
+            self.s.update_from_rank(
+                0,
+                &WorkerOutput {
+                    jobs: vec![result],
+                    ..Default::default()
+                },
+            );
+            if let Job::Load(_) = job {
+                // The worker reports a load's request in finished_recving once it ended.
+                let name = self.s.requests().name(request).map(str::to_string);
+                if let Some(name) = name {
+                    self.s.reported([name.as_str()], []);
+                }
+            }
+            self.report_sent();
+        }
+
+        /// finished_sending for each delayed request none of whose stores is still out.
+        fn report_sent(&mut self) {
+            let out: BTreeSet<RequestId> = self
+                .out
+                .iter()
+                .filter_map(|j| match j {
+                    Job::Store(s) => Some(s.request),
+                    Job::Load(_) => None,
+                })
+                .collect();
+            for n in self.delayed.clone() {
+                let pending = self
+                    .s
+                    .requests()
+                    .number(NAMES[n])
+                    .is_some_and(|r| out.contains(&r));
+                if !pending {
+                    self.s.reported([], [NAMES[n]]);
+                    self.delayed.remove(&n);
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn nothing_is_left_once_every_request_finished_and_every_job_was_reported(
+            calls in prop::collection::vec(call(), 0..60)
+        ) {
+            let mut e = Engine {
+                s: core(false),
+                states: BTreeMap::new(),
+                out: Vec::new(),
+                delayed: BTreeSet::new(),
+                freed: BTreeSet::new(),
+            };
+            for c in calls {
+                e.apply(c);
+            }
+            for n in 0..NAMES.len() {
+                e.apply(Call::Finish(n));
+            }
+            for _ in 0..10 {
+                e.apply(Call::Step);
+                while !e.out.is_empty() {
+                    e.apply(Call::Complete(0, true));
+                }
+                e.report_sent();
+            }
+            prop_assert_eq!(e.s.counts(), [0; 6], "the core's state");
+            prop_assert_eq!(e.s.side().request_count(), 0, "kvx-offload's requests");
+            prop_assert_eq!(e.s.side().job_count(), 0, "kvx-offload's jobs");
+        }
+    }
+}
