@@ -314,11 +314,6 @@ impl Hybrid {
         }
     }
 
-    /// The groups.
-    pub fn groups(&self) -> &Groups {
-        &self.groups
-    }
-
     /// The longest hit of blocks `[first, end)` every group can serve, registered with `side`
     /// as `req`'s pending lookup (one job over every group's blocks); `None`: ask again later.
     /// A hit of no tokens leaves no pending lookup.
@@ -339,12 +334,11 @@ impl Hybrid {
             }
         });
         let Some(plan) = plan else {
-            side.get_num_new_matched_tokens(req, &[], 0);
+            drop_pending(side, req);
             return None;
         };
         if plan.blocks() == 0 {
-            // Drops a lookup still pending from an earlier call.
-            side.get_num_new_matched_tokens(req, &[], 0);
+            drop_pending(side, req);
             return Some(Hit::default());
         }
         let composite: Vec<BlockKey> = plan
@@ -357,15 +351,14 @@ impl Hybrid {
         let found = side.get_num_new_matched_tokens(req, &composite, 0)?;
         if found != composite.len() as u64 * bt {
             // A block went between the plan's lookups and this one.
-            side.get_num_new_matched_tokens(req, &[], 0);
+            drop_pending(side, req);
             return Some(Hit::default());
         }
-        let tiers = side.matched_tiers(req);
-        let host_blocks = tiers.iter().filter(|t| **t == Tier::Host).count();
+        let (host_blocks, file_blocks) = host_and_file(side.matched_tiers(req));
         let hit = Hit {
             tokens: plan.blocks() * bt,
             host_blocks,
-            file_blocks: tiers.len() - host_blocks,
+            file_blocks,
         };
         self.plans.insert(req, plan);
         Some(hit)
@@ -457,6 +450,17 @@ impl Hybrid {
     pub fn request_count(&self) -> usize {
         self.plans.len()
     }
+}
+
+/// Drops `req`'s lookup still pending with `side` (from an earlier call).
+fn drop_pending(side: &mut SchedulerSide, req: RequestId) {
+    side.get_num_new_matched_tokens(req, &[], 0);
+}
+
+/// Blocks of a match in the host tier and in the file tier.
+pub(crate) fn host_and_file(tiers: &[Tier]) -> (usize, usize) {
+    let host = tiers.iter().filter(|t| **t == Tier::Host).count();
+    (host, tiers.len() - host)
 }
 
 fn slice(keys: &[BlockKey], blocks: Range<u64>) -> &[BlockKey] {

@@ -4,9 +4,9 @@
 //! kvx-offload's [`SchedulerSide`] (the tier index, the jobs, the step message).
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{SchedulerSide, StepMeta, Tier};
+use kvx_offload::{SchedulerSide, StepMeta};
 
-use crate::groups::{Groups, Hybrid};
+use crate::groups::{Groups, Hybrid, host_and_file};
 use crate::keys::Keyring;
 use crate::requests::{Ending, Matched, Requests};
 
@@ -87,10 +87,12 @@ impl Scheduler {
         self.requests.admit(name)
     }
 
-    /// How many of live request `name`'s engine hashes its keys cover.
-    pub fn hashes_seen(&mut self, name: &str) -> usize {
-        let req = self.requests.admit(name);
-        self.keys.hashes_seen(req)
+    /// How many of live request `name`'s engine hashes its keys cover (none for a request
+    /// not yet admitted).
+    pub fn hashes_seen(&self, name: &str) -> usize {
+        self.requests
+            .live(name)
+            .map_or(0, |req| self.keys.hashes_seen(req))
     }
 
     /// Extend live request `name`'s keys with its engine hashes from
@@ -142,9 +144,7 @@ impl Scheduler {
         let tokens = self
             .side
             .get_num_new_matched_tokens(req, keys, num_computed)?;
-        let tiers = self.side.matched_tiers(req);
-        let host_blocks = tiers.iter().filter(|t| **t == Tier::Host).count();
-        let file_blocks = tiers.len() - host_blocks;
+        let (host_blocks, file_blocks) = host_and_file(self.side.matched_tiers(req));
         // The engine computes at least one token in the step that schedules a request: a hit
         // of the whole prompt loads asynchronously (the engine then recomputes its last token).
         let in_step = tokens > 0
