@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from quiet import QUIET
+
 HERE = Path(__file__).parent
 # ci.sh: nothing here may skip.
 REQUIRED = os.environ.get("KVX_ENGINE_REQUIRED") == "1"
@@ -116,6 +118,8 @@ class Engine:
         self.started_s: float | None = None
         self.stopped_s: float | None = None
         self._log = open(self.log, "w")
+        # Held until the engine is ready (or killed): a start takes the cores for tens of seconds.
+        self._starting = QUIET.hold(f"engine {name}: start")
         self.p = subprocess.Popen(
             [sys.executable, str(HERE / "engine_main.py"), json.dumps(cfg)],
             stdin=subprocess.PIPE,
@@ -154,18 +158,22 @@ class Engine:
 
     def ready(self) -> Engine:
         if not self._ready:
-            out = self._read(START_TIMEOUT_S)
+            try:
+                out = self._read(START_TIMEOUT_S)
+            finally:
+                self._starting.release()
             self.started_s = time.monotonic() - self.began
             self._ready = True
             print(f"engine {self.name}: ready in {self.started_s:.1f}s (LLM() {out['started_s']:.1f}s)")
         return self
 
     def send(self, do: str, **kw: Any) -> dict:
-        self.ready()
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps({"do": do, **kw}) + "\n")
-        self.p.stdin.flush()
-        return self._read(COMMAND_TIMEOUT_S)
+        with QUIET.busy(f"engine {self.name}: {do}"):
+            self.ready()
+            assert self.p.stdin is not None
+            self.p.stdin.write(json.dumps({"do": do, **kw}) + "\n")
+            self.p.stdin.flush()
+            return self._read(COMMAND_TIMEOUT_S)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, params: list | None = None) -> dict:
         return self.send("generate", prompts=prompts, max_tokens=max_tokens, params=params)
@@ -179,19 +187,21 @@ class Engine:
         _stopping.append(t)
 
     def _stop(self) -> None:
-        try:
-            if self.p.poll() is None:
-                out = self.send("stop")
-                self.stopped_s = out.get("stopped_s")
-                self.p.wait(timeout=60)
-        except (AssertionError, subprocess.TimeoutExpired) as e:
-            print(f"engine {self.name}: stop: {e}")
-        finally:
-            self.kill()
-            self._log.close()
+        with QUIET.busy(f"engine {self.name}: stop"):
+            try:
+                if self.p.poll() is None:
+                    out = self.send("stop")
+                    self.stopped_s = out.get("stopped_s")
+                    self.p.wait(timeout=60)
+            except (AssertionError, subprocess.TimeoutExpired) as e:
+                print(f"engine {self.name}: stop: {e}")
+            finally:
+                self.kill()
+                self._log.close()
 
     def kill(self) -> None:
         """SIGKILL this engine's process group (its engine core and worker too)."""
+        self._starting.release()
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:

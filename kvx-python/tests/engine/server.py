@@ -18,6 +18,7 @@ from typing import Any
 
 import settings
 from engine import HERE, engine_env, log_tail
+from quiet import QUIET
 
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 120.0
@@ -108,6 +109,8 @@ class Server:
         self.log = tmp / f"{name}.log"
         self._log = open(self.log, "w")
         self.began = time.monotonic()
+        # Held until the server is ready (or killed), as an engine's start (quiet.py).
+        self._starting = QUIET.hold(f"server {name}: start")
         self.p = subprocess.Popen(
             [sys.executable, str(HERE / "serve_main.py"), *args],
             stdin=subprocess.DEVNULL,
@@ -123,6 +126,12 @@ class Server:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def ready(self) -> Server:
+        try:
+            return self._wait_ready()
+        finally:
+            self._starting.release()
+
+    def _wait_ready(self) -> Server:
         end = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < end:
             if self.p.poll() is not None:
@@ -169,9 +178,10 @@ class Server:
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
         """``complete``, with what vLLM's /metrics counted meanwhile (``counts``)."""
-        before = self.metrics()
-        out = self.complete(prompts, max_tokens)
-        after = self.metrics()
+        with QUIET.busy(f"server {self.name}: generate"):
+            before = self.metrics()
+            out = self.complete(prompts, max_tokens)
+            after = self.metrics()
         out["counts"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         return out
 
@@ -180,23 +190,25 @@ class Server:
         server process alone, as a container stop does) and wait for the server to exit; the
         group is killed after ``timeout``. Returns the exit code, the seconds until exit, and
         what the server printed."""
-        t = time.monotonic()
-        if group:
-            os.killpg(self.p.pid, sig)
-        else:
-            self.p.send_signal(sig)
-        try:
-            code: int | None = self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        took = time.monotonic() - t
-        left = outliving(self.p.pid, OUTLIVE_S)
-        self.kill()
+        with QUIET.busy(f"server {self.name}: stop"):
+            t = time.monotonic()
+            if group:
+                os.killpg(self.p.pid, sig)
+            else:
+                self.p.send_signal(sig)
+            try:
+                code: int | None = self.p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            took = time.monotonic() - t
+            left = outliving(self.p.pid, OUTLIVE_S)
+            self.kill()
         self._log.close()
         return {"code": code, "seconds": took, "left": left, "output": self.log.read_text(errors="replace")}
 
     def kill(self) -> None:
         """SIGKILL whatever of the process group is left."""
+        self._starting.release()
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
