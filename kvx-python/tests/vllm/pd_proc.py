@@ -133,7 +133,7 @@ class EngineProc:
                 self._cv.wait(min(left, 0.5))
 
     def state(self, timeout: float = 30.0) -> dict:
-        """The engine's state report (``state``, ``idle``, ``verified``)."""
+        """The engine's state report (``state``, ``idle``, ``verified``, ``full_collections``)."""
         n = len(self.events)
         self.send("state")
         return self.wait("state", timeout=timeout, after=n)

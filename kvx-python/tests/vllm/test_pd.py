@@ -248,7 +248,10 @@ def gave_up(D: EngineProc, rid: str, toks: list[int], load: float) -> None:
     much after) with every block invalid, and the request was computed on D."""
     wait = D.wait("waiting", rid)
     recv = D.wait("recving", rid)
-    assert wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN, recv["t"] - wait["t"]
+    if not wait["t"] + load - SLACK <= recv["t"] <= wait["t"] + load + MARGIN:
+        events = [e for e in list(D.events) if e.get("id") == rid]
+        took = recv["t"] - wait["t"]
+        raise AssertionError(f"{rid}: the load ended {took:.3f}s after it began; {D.state()}; {events}")
     assert recv["invalid"] == sorted(recv["blocks"][: full(toks)]), recv
     note(rid, load_end_after_deadline=recv["t"] - wait["t"] - load)
     ev = D.wait("finished", rid)
