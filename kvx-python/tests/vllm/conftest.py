@@ -7,13 +7,3 @@ from pathlib import Path
 # manager), so ci.sh runs it in a pytest process of its own.
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-def pytest_collection_finish(session) -> None:
-    """Once every test module (vLLM, torch) is imported, leave that heap out of later garbage
-    collections, as vLLM's engine core does once started: a full collection of it takes
-    0.2-0.38 s here, a pause in the middle of a test that bounds a step by 50 ms."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
