@@ -93,6 +93,11 @@ pub struct TaskReport {
     pub state: TaskState,
     /// One report per block, in the order of the spec.
     pub blocks: Vec<BlockReport>,
+    /// Cut short while a backend that touches engine memory had an op of it out: that op, a
+    /// zombie now, may still read or write the task's engine blocks and keeps them until it
+    /// returns (a fence on them holds after that). False when the op still out only fills a
+    /// kvx buffer (a file read), or none is out.
+    pub engine_blocks_held: bool,
     /// When the tracker decided (the `now` it was given).
     pub finished_at: Instant,
 }

@@ -254,6 +254,83 @@ fn stuck_disk_tier() -> Result<(), Failed> {
     check(r.settle(T), "final settle")
 }
 
+/// A load whose file read is stuck in a frozen mount is cut short at its deadline with no
+/// engine copy out (the read fills a staging buffer, and no copy into engine memory starts
+/// after it): the first `get_finished` past the deadline and one tick reports it, however long
+/// the engine went without asking (a garbage-collector pause of the engine's thread that spans
+/// the deadline). Nothing it names stays in use, and a fence on its blocks holds at once.
+fn first_poll_past_a_stuck_read_deadline(io_engine: IoEngine) -> Result<(), Failed> {
+    let dir = tempfile::tempdir()?;
+    let mount = StallFs::mount(dir.path(), Backing::Memory)?;
+    let deadline = 200u64;
+    let opts = || Opts {
+        host_blocks: 8,
+        load_ms: deadline,
+        store_ms: deadline,
+        io_engine,
+        ..Opts::default()
+    };
+    let prefixes: Vec<Vec<BlockKey>> = (0..3).map(|p| keys(300 + p, 2, 0, 0)).collect();
+    {
+        let mut r = rig(mount.path(), opts());
+        for (i, ks) in prefixes.iter().enumerate() {
+            check(
+                r.offload(i as u64, ks, &[0, 1], T),
+                "stored before the freeze",
+            )?;
+        }
+    }
+    let mut r = rig(mount.path(), opts());
+    check(
+        r.sched.manager().blocks(Tier::File) == 6,
+        "file tier adopted the blocks",
+    )?;
+    mount.freeze();
+    let reqs: Vec<u64> = (0..3).map(|i| 10 + i).collect();
+    for (i, ks) in prefixes.iter().enumerate() {
+        check(
+            r.load(reqs[i], ks, &seq(2, 10 + 2 * i as u32)) == Some(2 * BT as u64),
+            "file hit expected",
+        )?;
+    }
+    // The step that starts the loads; then the engine does not ask for a while.
+    let out = r.step();
+    check(
+        out.finished_recving.is_empty(),
+        "a frozen read reported at once",
+    )?;
+    std::thread::sleep(Duration::from_millis(deadline) + TICK + Duration::from_millis(50));
+    let out = r.step();
+    let reported: HashSet<u64> = out.finished_recving.iter().map(|q| q.0).collect();
+    check(
+        reqs.iter().all(|q| reported.contains(q)),
+        &format!(
+            "the first poll past the deadline reported {reported:?} of the loads {reqs:?} \
+             (blocks in use: {:?})",
+            out.blocks_in_use
+        ),
+    )?;
+    check(
+        out.blocks_in_use.is_empty(),
+        "no engine copy of a stuck read is out",
+    )?;
+    check(
+        out.invalid_blocks.len() == 6,
+        &format!("every block reported invalid: {:?}", out.invalid_blocks),
+    )?;
+    let blocks: Vec<EngineBlockId> = (10..16).map(EngineBlockId).collect();
+    let fence = r.driver().fence_blocks(&blocks)?;
+    check(
+        fence.wait(Instant::now() + TICK + Duration::from_millis(50)),
+        "a fence on the blocks of the stuck reads held",
+    )?;
+    for q in &reqs {
+        r.finish(*q);
+    }
+    mount.thaw();
+    check(r.settle(T), "did not settle after thaw")
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum St {
     Waiting,
@@ -521,6 +598,14 @@ fn main() {
         Trial::test("failed_store", failed_store).with_ignored_flag(tmpfs.is_err()),
         Trial::test("stuck_disk_tier", stuck_disk_tier).with_ignored_flag(fuse.is_err()),
         Trial::test("no_state_left", no_state_left).with_ignored_flag(fuse.is_err()),
+        Trial::test("first_poll_past_a_stuck_read_deadline_uring", || {
+            first_poll_past_a_stuck_read_deadline(IoEngine::Uring)
+        })
+        .with_ignored_flag(fuse.is_err()),
+        Trial::test("first_poll_past_a_stuck_read_deadline_psync", || {
+            first_poll_past_a_stuck_read_deadline(IoEngine::Psync)
+        })
+        .with_ignored_flag(fuse.is_err()),
     ];
     libtest_mimic::run(&args, trials).exit();
 }

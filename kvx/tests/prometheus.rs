@@ -31,6 +31,7 @@ fn scrape_returns_recorded_metrics_in_text_format() {
             result: Err(kvx::core::BlockError::TimedOut),
             buf: None,
         }],
+        engine_blocks_held: false,
         finished_at: Instant::now(),
     };
     metrics::record_report(&report);

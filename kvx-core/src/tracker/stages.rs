@@ -138,6 +138,7 @@ impl Tracker {
                 dir,
                 state,
                 blocks: reports,
+                engine_blocks_held: false,
                 finished_at: now,
             }));
             return;
@@ -450,6 +451,7 @@ impl Tracker {
             dir,
             state,
             blocks,
+            engine_blocks_held: zombie_engine.is_some(),
             finished_at: now,
         }));
         self.maybe_release(req_slot);

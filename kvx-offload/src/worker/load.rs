@@ -2,7 +2,7 @@
 
 use kvx_core::{
     BlockError, BlockKey, Buf, Direction, EngineBlockId, FenceHandle, OpBlock, PoolBuf, RequestId,
-    TaskReport, TaskSpec, TaskState,
+    TaskReport, TaskSpec,
 };
 use kvx_policy::{BlockOutcome, LoadDecision};
 use std::sync::Arc;
@@ -57,7 +57,7 @@ pub(super) struct LoadState {
     pub(super) blocks: Vec<LoadedBlock>,
     promoted: Vec<(BlockKey, Arc<PoolBuf>)>,
     tasks_left: u32,
-    /// A task of it was cut short while an op of it was out: an engine copy may still run.
+    /// A task of it was cut short with an engine copy out: that copy may still write.
     dirty: bool,
     /// The fence on its blocks once it was cut short, and when it was asked for.
     fence: Option<(FenceHandle, Instant)>,
@@ -179,11 +179,9 @@ impl WorkerSide {
             return;
         };
         st.tasks_left -= 1;
-        // Cut short with a block's buffer still inside an op: that op (an engine copy, or the
-        // file read before it) is still out. A task whose buffers all came back has none out.
-        if matches!(r.state, TaskState::TimedOut | TaskState::Cancelled)
-            && r.blocks.iter().any(|b| b.buf.is_none())
-        {
+        // Cut short with an engine copy still out: it may write the blocks yet. A file read
+        // still out fills a staging buffer only, and no copy starts after it.
+        if r.engine_blocks_held {
             st.dirty = true;
         }
         let mut rest = st.blocks.iter_mut();

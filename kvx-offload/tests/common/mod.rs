@@ -33,6 +33,7 @@ pub struct Opts {
     pub wrap_engine: Option<WrapEngine>,
     /// The file tier's directory is shared with other nodes.
     pub shared: Option<SharedMount>,
+    pub io_engine: IoEngine,
 }
 
 impl Default for Opts {
@@ -47,6 +48,7 @@ impl Default for Opts {
             breaker: None,
             wrap_engine: None,
             shared: None,
+            io_engine: IoEngine::default(),
         }
     }
 }
@@ -59,6 +61,7 @@ impl Opts {
             file.breaker = b;
         }
         file.shared = self.shared.clone();
+        file.io_engine = self.io_engine;
         OffloadConfig {
             block_tokens: BT,
             host_blocks: self.host_blocks,

@@ -36,11 +36,41 @@ fn timeout_in_a_later_stage_after_a_partial_failure_reports_each_block_in_place(
         ],
         "failed blocks keep their error and buffer; blocks in the zombie op time out"
     );
+    assert!(
+        r.engine_blocks_held,
+        "the zombie is an engine copy: it may still write the blocks"
+    );
     drop(r);
     assert_eq!(w.pool.lent(), 2, "the zombie op holds two buffers");
     w.complete(second);
     assert!(w.pool.is_whole());
     assert_eq!(w.t.stats().late_completions, 1);
+}
+
+#[test]
+fn a_zombie_file_read_holds_no_engine_block() {
+    let mut w = world();
+    let s = w.spec(1, Direction::Load, &[0, 1], vec![w.file, w.engine]);
+    w.t.submit(s, w.now);
+    let (backend, read) = w.take_ops().into_iter().next().unwrap();
+    assert_eq!(backend, w.file);
+    w.now += 100 * MS;
+    w.t.handle_timeout(w.now);
+    let r = w.reports().pop().unwrap();
+    assert_eq!(r.state, TaskState::TimedOut);
+    assert!(
+        r.blocks.iter().all(|b| b.buf.is_none()),
+        "the read keeps the buffers"
+    );
+    assert!(
+        !r.engine_blocks_held,
+        "a stuck read fills kvx buffers only; no engine copy follows it"
+    );
+    let fence = w.t.fence_blocks(&[EngineBlockId(0), EngineBlockId(1)]);
+    assert!(w.t.fence_holds(&fence), "nothing holds the engine blocks");
+    w.complete(read);
+    assert!(w.take_ops().is_empty(), "no copy starts after a late read");
+    assert!(w.pool.is_whole());
 }
 
 #[test]
@@ -59,6 +89,7 @@ fn timeout_quarantines_buffers_until_the_late_completion() {
             .all(|b| b.buf.is_none() && b.result == Err(BlockError::TimedOut))
     );
     assert_eq!(r.blocks[1].engine, Some(EngineBlockId(1)));
+    assert!(r.engine_blocks_held, "an engine copy out keeps the blocks");
     let cancels: Vec<_> = std::iter::from_fn(|| w.t.poll_backend_command()).collect();
     assert!(matches!(cancels[0], BackendCommand::Cancel { op: o, .. } if o == op.id));
     let st = w.t.stats();
