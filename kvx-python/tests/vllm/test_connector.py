@@ -4,6 +4,7 @@ CPU: every block kvx loads is checked byte for byte against the tokens it stands
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -215,6 +216,41 @@ def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
             e.run(timeout=10)
         finally:
             mount.close()  # releases the stuck file operations before the engine stops
+            e.close()
+
+
+def test_a_frozen_load_is_reported_by_the_first_step_past_its_deadline(tmp_path):
+    """The engine's thread pauses across the deadline of loads stuck in a frozen mount (a
+    garbage-collector pause, a long forward): the first step after the pause reports them. Their
+    file reads are still out, but fill kvx's staging buffers only, so no fence on the engine's
+    blocks has to be asked for first (which took one more step)."""
+    deadline_ms = 200
+    prompts = [prompt(70 + i, 3 * BLOCK + 5) for i in range(2)]
+    with stored_behind_frozen_mount(
+        tmp_path,
+        "test_a_frozen_load_is_reported_by_the_first_step_past_its_deadline",
+        {"host_blocks": 64, "timeouts": {"load_ms": deadline_ms, "store_ms": 400}},
+        prompts,
+    ) as (mount, extra):
+        e = Engine(tmp_path, extra)
+        try:
+            mount.freeze()
+            for i, p in enumerate(prompts):
+                e.add(f"r{i}", p)
+            e.step()  # the loads start in this step
+            waiting = [r for r in ("r0", "r1") if e.tracked[r].entered_wait is not None]
+            assert waiting == ["r0", "r1"], "both requests wait for their file-tier loads"
+            assert not e.recv_reported
+            time.sleep(deadline_ms / 1000 + 0.1)
+            e.step()
+            assert e.recv_reported == {"r0", "r1"}, "the first step past the deadline reports both loads"
+            assert sum(len(s) for s in e.invalid_reported) == 2 * 3
+            e.run(timeout=20, until=lambda: all(e.tracked[r].finished_status for r in ("r0", "r1")))
+            assert all(e.tracked[r].finished_status == DONE for r in ("r0", "r1"))
+            mount.thaw()
+            e.run(timeout=10)
+        finally:
+            mount.close()
             e.close()
 
 
