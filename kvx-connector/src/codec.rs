@@ -257,21 +257,6 @@ pub fn decode_step(buf: &[u8]) -> Result<StepMsg, DecodeError> {
     Ok(msg)
 }
 
-/// Encode one step's instructions.
-pub fn encode_meta(m: &StepMeta) -> Vec<u8> {
-    let mut w = Writer::new();
-    write_meta(&mut w, m);
-    w.0
-}
-
-/// Decode one step's instructions.
-pub fn decode_meta(buf: &[u8]) -> Result<StepMeta, DecodeError> {
-    let mut r = Reader::new(buf)?;
-    let m = read_meta(&mut r)?;
-    r.done()?;
-    Ok(m)
-}
-
 fn write_meta(w: &mut Writer, m: &StepMeta) {
     w.var(m.loads.len() as u64);
     for l in &m.loads {

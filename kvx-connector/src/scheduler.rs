@@ -4,11 +4,12 @@
 //! kvx-offload's [`SchedulerSide`] (the tier index, the jobs, the step message).
 
 use kvx_core::{BlockKey, EngineBlockId, RequestId};
-use kvx_offload::{SchedulerSide, StepMeta};
+use kvx_offload::SchedulerSide;
 
 use crate::groups::{Groups, Hybrid, host_and_file};
 use crate::keys::Keyring;
 use crate::requests::{Ending, Matched, Requests};
+use crate::step::StepMsg;
 
 /// What a lookup offers the engine: tokens beyond those it computed, and whether it loads
 /// them asynchronously (else before the forward of the step that schedules the request).
@@ -18,20 +19,6 @@ pub struct Offer {
     pub asynchronous: bool,
 }
 
-/// One step's message, with the engine's id of every request it names.
-#[derive(Debug, Default)]
-pub struct Step {
-    pub meta: StepMeta,
-    /// Requests whose asynchronous load starts (each reported once in `finished_recving`).
-    pub loads: Vec<(RequestId, String)>,
-    /// Requests whose freeing waits for `finished_sending`.
-    pub delayed: Vec<(RequestId, String)>,
-    /// Requests that finished while loading: reported in `finished_recving` once it ended.
-    pub abandoned: Vec<RequestId>,
-    /// Requests whose load this step's forward reads.
-    pub in_step: Vec<RequestId>,
-}
-
 /// The scheduler side's core (see the module docs).
 pub struct Scheduler {
     side: SchedulerSide,
@@ -39,6 +26,10 @@ pub struct Scheduler {
     keys: Keyring,
     hybrid: Option<Hybrid>,
     host_loads_in_step: bool,
+    /// Steps built so far.
+    steps: u64,
+    /// Engine blocks the next step's message fences first.
+    fence: Vec<EngineBlockId>,
 }
 
 impl Scheduler {
@@ -64,6 +55,8 @@ impl Scheduler {
             keys,
             hybrid: groups.map(Hybrid::new),
             host_loads_in_step,
+            steps: 0,
+            fence: Vec::new(),
         })
     }
 
@@ -264,17 +257,6 @@ impl Scheduler {
         )
     }
 
-    /// Of the engine blocks handed out this step, those to fence before the step's stores are
-    /// queued (sliding-window store sources); none with one group.
-    pub fn fence(
-        &mut self,
-        handed_out: impl IntoIterator<Item = EngineBlockId>,
-    ) -> Vec<EngineBlockId> {
-        self.hybrid
-            .as_mut()
-            .map_or_else(Vec::new, |h| h.fence(handed_out))
-    }
-
     /// The engine preempted live request `name`; false if it is unknown.
     pub fn preempted(&mut self, name: &str) -> bool {
         let Some(req) = self.requests.live(name) else {
@@ -347,35 +329,60 @@ impl Scheduler {
         failed_loads
     }
 
-    /// This step's message: kvx-offload's instructions, and the requests it names.
-    pub fn build_step(&mut self) -> Step {
+    /// Of the engine blocks handed out this step (to requests: new, grown, resumed, copied
+    /// into), before the step's stores are planned: those the workers fence before they queue
+    /// the step's stores (sliding-window store sources; none with one group), named in the
+    /// step's message. Returns how many.
+    pub fn fence(&mut self, handed_out: impl IntoIterator<Item = EngineBlockId>) -> usize {
+        let Some(h) = &mut self.hybrid else {
+            return 0;
+        };
+        let fenced = h.fence(handed_out);
+        self.fence.extend_from_slice(&fenced);
+        fenced.len()
+    }
+
+    /// This step's message: kvx-offload's instructions, the requests it names and the blocks
+    /// to fence first.
+    pub fn build_step(&mut self) -> StepMsg {
+        let fence = std::mem::take(&mut self.fence);
         let abandoned = self.requests.take_abandoned();
         let in_step = self.requests.take_in_step();
         let mut meta = self.side.build_meta();
         // The engine itself keeps an abandoned request's blocks until its load is reported.
         meta.delayed_free.retain(|r| !abandoned.contains(r));
+        // Only requests the engine named: the workers report them by that name.
         let t = &self.requests;
-        let named = |r: RequestId| t.name(r).map(|n| (r, n.to_string()));
-        let loads = meta
+        let loads: Vec<RequestId> = meta
             .loads
             .iter()
             .map(|l| l.request)
             .chain(meta.remote_loads.iter().map(|l| l.request))
-            .filter(|r| !in_step.contains(r))
-            .filter_map(named)
+            .filter(|r| !in_step.contains(r) && t.name(*r).is_some())
             .collect();
-        let delayed = meta
+        let delayed: Vec<RequestId> = meta
             .delayed_free
             .iter()
             .copied()
-            .filter_map(named)
+            .filter(|r| t.name(*r).is_some())
             .collect();
-        Step {
+        let mut names: Vec<(RequestId, String)> = loads
+            .iter()
+            .chain(&delayed)
+            .filter_map(|r| t.name(*r).map(|n| (*r, n.to_string())))
+            .collect();
+        names.sort_unstable_by_key(|(r, _)| *r);
+        names.dedup_by_key(|(r, _)| *r);
+        self.steps += 1;
+        StepMsg {
+            step: self.steps,
             meta,
+            names,
             loads,
             delayed,
             abandoned,
             in_step,
+            fence,
         }
     }
 

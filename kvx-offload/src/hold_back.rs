@@ -43,6 +43,8 @@ pub struct ReleasedLoads {
     pub finished_recving: Vec<RequestId>,
     /// Their engine blocks that did not load, and invalid blocks of no known load.
     pub invalid_blocks: Vec<EngineBlockId>,
+    /// Of `finished_recving`, the requests whose load failed in at least one block.
+    pub failed_recving: Vec<RequestId>,
     /// Requests that finished while loading and whose load has now ended for good.
     pub ended: Vec<RequestId>,
 }
@@ -52,6 +54,7 @@ impl ReleasedLoads {
     pub fn merge(&mut self, o: ReleasedLoads) {
         self.finished_recving.extend(o.finished_recving);
         self.invalid_blocks.extend(o.invalid_blocks);
+        self.failed_recving.extend(o.failed_recving);
         self.ended.extend(o.ended);
     }
 }
@@ -110,6 +113,9 @@ impl LoadHoldBack {
             }
             if p.to_engine {
                 released.finished_recving.push(p.request);
+                if !p.invalid.is_empty() {
+                    released.failed_recving.push(p.request);
+                }
                 released.invalid_blocks.extend_from_slice(&p.invalid);
             } else {
                 released.ended.push(p.request);
@@ -255,6 +261,7 @@ mod tests {
             assert!(!h.holds(RequestId(7)));
             assert_eq!(now.finished_recving, vec![RequestId(7)]);
             assert_eq!(now.invalid_blocks, ids(&[3, 4]));
+            assert_eq!(now.failed_recving, vec![RequestId(7)], "its load failed");
             assert!(h.is_empty());
         }
     }
@@ -277,6 +284,7 @@ mod tests {
         });
         let now = h.take(&out);
         assert_eq!(now.finished_recving, vec![RequestId(1)]);
+        assert!(now.failed_recving.is_empty(), "no block of it failed");
         assert_eq!(
             now.ended,
             vec![RequestId(2)],

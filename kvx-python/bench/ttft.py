@@ -205,6 +205,7 @@ class Breakdown:
 
     def install(self) -> None:
         """Wrap KvxConnector's hooks and WorkerSide's step start (before the engine makes them)."""
+        from kvx import step_requests
         from kvx.vllm.connector import KvxConnector
         from kvx.vllm.worker_side import WorkerSide
 
@@ -264,14 +265,16 @@ class Breakdown:
         patch(KvxConnector, "register_kv_caches", register_wrapper)
 
         start = WorkerSide.start
+        started: list[Any] = [None]
 
         def start_wrapper(obj: Any, meta: Any) -> None:
-            new = obj._started is not meta
+            new = started[0] is not meta
+            started[0] = meta
             t = time.perf_counter()
             start(obj, meta)
             if new:
                 self._hook("worker.start_step", time.perf_counter() - t)
-                for rid in meta.loads.values():
+                for _, rid in step_requests(meta.step)[0]:
                     self.load_started[rid] = t
                     self._mark("load_start", t)
 

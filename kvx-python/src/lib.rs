@@ -22,7 +22,7 @@
 //! it, so it has no cargo tests; it is tested through pytest (`kvx-python/ci.sh`).
 
 mod config;
-mod keeper;
+mod consumer;
 mod memory;
 mod page_store;
 mod scheduler;
@@ -33,7 +33,7 @@ mod worker;
 
 use kvx_connector::keys;
 use kvx_connector::{KEY_BYTES, Namespace};
-use kvx_core::BlockKey;
+use kvx_core::{BlockKey, RequestId};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
@@ -70,6 +70,35 @@ fn keys_from_bytes(b: &[u8]) -> PyResult<Vec<BlockKey>> {
 
 /// kvx block keys (`KEY_BYTES` each, concatenated) of engine block hashes, within `namespace`
 /// (a model/layout identity, so two engines sharing a file tier never mix blocks).
+/// The requests a step message (`SchedulerSide.build_meta`) names: (loads that start and
+/// delayed frees, each as (number, engine id); abandoned loads and loads the step's forward
+/// reads, by number; engine blocks fenced first). For tools and tests; a malformed message is
+/// a `KvxError`.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn step_requests(msg: &[u8]) -> PyResult<(Named, Named, Vec<u64>, Vec<u64>, Vec<u32>)> {
+    let m = kvx_connector::codec::decode_step(msg).map_err(kvx_err)?;
+    let named = |v: &[RequestId]| {
+        v.iter()
+            .map(|r| {
+                let name = m.names.iter().find(|(q, _)| q == r).map(|(_, n)| n.clone());
+                (r.0, name.unwrap_or_default())
+            })
+            .collect()
+    };
+    let ids = |v: &[RequestId]| v.iter().map(|r| r.0).collect();
+    Ok((
+        named(&m.loads),
+        named(&m.delayed),
+        ids(&m.abandoned),
+        ids(&m.in_step),
+        m.fence.iter().map(|b| b.0).collect(),
+    ))
+}
+
+/// Requests as (number, engine id).
+type Named = Vec<(u64, String)>;
+
 #[pyfunction]
 fn block_keys<'py>(py: Python<'py>, namespace: &[u8], hashes: Vec<Vec<u8>>) -> Bound<'py, PyBytes> {
     let ns = Namespace::new(namespace);
@@ -84,12 +113,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KEY_BYTES", KEY_BYTES)?;
     m.add_class::<scheduler::SchedulerSide>()?;
     m.add_class::<worker::WorkerSide>()?;
-    m.add_class::<keeper::LeaseKeeper>()?;
     m.add_class::<page_store::PageStore>()?;
-    m.add_function(wrap_pyfunction!(keeper::remote_source, m)?)?;
     #[cfg(feature = "testing")]
     m.add_class::<stall::FrozenMount>()?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(step_requests, m)?)?;
     m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
     m.add_function(wrap_pyfunction!(config::offload_config, m)?)?;
     Ok(())

@@ -16,7 +16,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PySequence};
 
 use crate::config::connector_config;
+use crate::consumer::ConsumerSide;
 use crate::{KvxError, keys_from_bytes};
+use kvx_connector::disagg::{Allocated, Lookup};
 
 /// The scheduler side: decides per step what to load and store, keeps the tier index and the
 /// request table (vLLM's request ids, kvx's numbers for them, each request's keys, match, load
@@ -30,6 +32,9 @@ pub struct SchedulerSide {
     world: u32,
     /// `host_loads_in_step` of the config.
     host_loads_in_step: bool,
+    /// A decode engine's remote requests (prefill/decode), when this engine is a consumer.
+    /// Locked before `core` when both are.
+    consumer: Option<Mutex<ConsumerSide>>,
 }
 
 impl SchedulerSide {
@@ -67,7 +72,7 @@ impl SchedulerSide {
     /// several workers, those every worker's shard holds). The GIL is free while the tier is
     /// read (a stuck mount holds only this call). A `ValueError` names what is wrong.
     #[new]
-    #[pyo3(signature = (config, block_tokens, namespaces, tp_size=1, pp_size=1, hashes_per_block=1, groups=None))]
+    #[pyo3(signature = (config, block_tokens, namespaces, tp_size=1, pp_size=1, hashes_per_block=1, groups=None, consumer=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -78,6 +83,7 @@ impl SchedulerSide {
         pp_size: u32,
         hashes_per_block: usize,
         groups: Option<Vec<(Option<u64>, u64)>>,
+        consumer: Option<String>,
     ) -> PyResult<SchedulerSide> {
         let value_error = |e: String| PyValueError::new_err(e);
         let namespaces = namespaces.iter().map(|n| Namespace::new(n)).collect();
@@ -98,13 +104,19 @@ impl SchedulerSide {
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
             Ok::<_, PyErr>((cfg, side))
         })?;
+        let world = tp_size * pp_size;
+        let consumer = consumer
+            .map(|ns| ConsumerSide::new(&cfg, ns, world as usize).map(Mutex::new))
+            .transpose()
+            .map_err(value_error)?;
         let core =
             Scheduler::new(side, keys, groups, cfg.host_loads_in_step).map_err(value_error)?;
         Ok(SchedulerSide {
             core: Mutex::new(core),
             remote: cfg.remote,
-            world: tp_size * pp_size,
+            world,
             host_loads_in_step: cfg.host_loads_in_step,
+            consumer,
         })
     }
 
@@ -217,13 +229,6 @@ impl SchedulerSide {
         Ok(self
             .core()
             .save_groups(name, first, upto, computed, &tables))
-    }
-
-    /// Of `handed_out` (engine blocks given to requests this step), those to fence before the
-    /// step's stores are queued (sliding-window store sources), sorted.
-    fn fence(&self, handed_out: Vec<u32>) -> Vec<u32> {
-        let fenced = self.core().fence(handed_out.into_iter().map(EngineBlockId));
-        fenced.into_iter().map(|b| b.0).collect()
     }
 
     /// Blocks fenced so far.
@@ -360,31 +365,122 @@ impl SchedulerSide {
         Ok(())
     }
 
-    /// This step's instructions, encoded, with `(number, engine id)` of the requests whose
-    /// asynchronous load starts and of those whose freeing is delayed, the numbers of the
-    /// requests that finished while loading (abandoned) and of those whose load this step's
-    /// forward reads.
+    /// A decode engine's lookup of request `name` (its `block_hashes`, `num_computed` tokens
+    /// computed here). `source`: the producer's source it came with (JSON), `None` when it
+    /// asks for no remote prefill. `None` back: look it up locally (not a remote request, or no
+    /// longer one); else `(tokens, asynchronous, why)` as vLLM's lookup answers, `tokens`
+    /// `None` while the producer has not confirmed the lease (at most the remote load
+    /// deadline), and `why` set when the request computes its prompt here against the plan (a
+    /// source that does not fit this engine, a lost lease).
     #[allow(clippy::type_complexity)]
-    fn build_meta<'py>(
+    fn remote_lookup(
         &self,
-        py: Python<'py>,
-    ) -> (
-        Bound<'py, PyBytes>,
-        Vec<(u64, String)>,
-        Vec<(u64, String)>,
-        Vec<u64>,
-        Vec<u64>,
-    ) {
-        let step = self.core().build_step();
-        let named = |v: Vec<(RequestId, String)>| v.into_iter().map(|(r, n)| (r.0, n)).collect();
-        let ids = |v: Vec<RequestId>| v.into_iter().map(|r| r.0).collect();
-        (
-            PyBytes::new(py, &codec::encode_meta(&step.meta)),
-            named(step.loads),
-            named(step.delayed),
-            ids(step.abandoned),
-            ids(step.in_step),
+        name: &str,
+        block_hashes: &Bound<'_, PySequence>,
+        source: Option<&str>,
+        num_computed: u64,
+    ) -> PyResult<Option<(Option<u64>, bool, Option<String>)>> {
+        let Some(c) = &self.consumer else {
+            return Ok(None);
+        };
+        let mut c = lock(c);
+        if source.is_none() && !c.core.is_remote(name) {
+            return Ok(None);
+        }
+        let number = self.core().admit(name);
+        self.extend(name, block_hashes)?;
+        let keys = self.core().keys(name).to_vec();
+        let ConsumerSide { core, keeper } = &mut *c;
+        let now = std::time::Instant::now();
+        Ok(
+            match core.lookup(keeper, name, number, source, &keys, num_computed, now) {
+                Lookup::Local => None,
+                Lookup::Wait => Some((None, false, None)),
+                Lookup::Offer(tokens) => Some((Some(tokens), true, None)),
+                Lookup::Compute { why } => Some((Some(0), false, why)),
+            },
         )
+    }
+
+    /// True once request `name` came to this decode engine as a remote one (until it
+    /// finished).
+    fn remote_known(&self, name: &str) -> bool {
+        self.consumer
+            .as_ref()
+            .is_some_and(|c| lock(c).core.knows(name))
+    }
+
+    /// The engine allocated `blocks` (the request's block table) for the `num_external_tokens`
+    /// offered to remote request `name`: `None` when it is not one offered blocks; else
+    /// `(queued, why)`: true when its load from the producer was queued, false when its remote
+    /// part ended without one (`why` set when that was not the plan).
+    fn remote_alloc(
+        &self,
+        name: &str,
+        blocks: Vec<u32>,
+        num_external_tokens: u64,
+    ) -> Option<(bool, Option<String>)> {
+        let mut c = lock(self.consumer.as_ref()?);
+        let ConsumerSide { core, keeper } = &mut *c;
+        match core.allocated(keeper, name, &blocks, num_external_tokens) {
+            Allocated::Local => None,
+            Allocated::Ended { why } => Some((false, why)),
+            Allocated::Load {
+                number,
+                source,
+                blocks,
+            } => {
+                let mut sched = self.core();
+                sched.side().remote_load(number, source, &blocks);
+                sched.load_started(name);
+                Some((true, None))
+            }
+        }
+    }
+
+    /// The workers reported these requests in `finished_recving`: the producers of the remote
+    /// ones may free their blocks.
+    fn remote_loaded(&self, names: Vec<String>) {
+        if let Some(c) = &self.consumer {
+            let mut c = lock(c);
+            let ConsumerSide { core, keeper } = &mut *c;
+            for n in &names {
+                core.loaded(keeper, n);
+            }
+        }
+    }
+
+    /// Request `name` finished or was aborted: a remote one's lease is let go.
+    fn remote_finished(&self, name: &str) {
+        if let Some(c) = &self.consumer {
+            let mut c = lock(c);
+            let ConsumerSide { core, keeper } = &mut *c;
+            core.finished(keeper, name);
+        }
+    }
+
+    /// `(remote requests tracked, leases kept, sources refused)`: the first two zero when idle.
+    fn remote_counts(&self) -> (usize, usize, u64) {
+        self.consumer.as_ref().map_or((0, 0, 0), |c| {
+            let c = lock(c);
+            let (n, refused) = c.core.counts();
+            (n, c.kept(), refused)
+        })
+    }
+
+    /// This step's message for every worker (`WorkerSide.start_step`), encoded: kvx-offload's
+    /// instructions, the requests they name, the blocks `fence` chose.
+    fn build_meta<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let msg = self.core().build_step();
+        PyBytes::new(py, &codec::encode_step(&msg))
+    }
+
+    /// Of `handed_out` (engine blocks this step's scheduler output gives to requests), before
+    /// the step's stores are planned: those a queued sliding-window store may still read, which
+    /// the workers fence before they queue this step's stores (named in the step's message).
+    /// Returns how many.
+    fn fence(&self, handed_out: Vec<u32>) -> usize {
+        self.core().fence(handed_out.into_iter().map(EngineBlockId))
     }
 
     /// Take in the job outcomes a worker reported (the message names its rank). With several

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvx_core::{EngineBlockId, FenceWait, KvLayout, RequestId, TICK, lock};
 use kvx_offload::{
-    LoadHoldBack, OffloadBuilder, OffloadRuntime, ReleasedLoads, StepStarted, WorkerOutput,
+    JobResult, LoadHoldBack, OffloadBuilder, OffloadRuntime, ReleasedLoads, StepStarted,
+    WorkerOutput,
 };
 use kvx_policy::BreakerState;
 use pyo3::exceptions::PyValueError;
@@ -18,6 +19,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::config::connector_config;
 use crate::memory::{self, TensorDesc};
 use kvx_connector::codec;
+use kvx_connector::worker::WorkerRequests;
 
 use crate::{FenceNotHeldError, KvxError, keys_from_bytes, kvx_err};
 
@@ -28,6 +30,14 @@ struct Running {
     runtime: OffloadRuntime,
     /// How long a step waits for a fence beyond the copies it waits for (`preempt_wait_ms`).
     fence_grace: Duration,
+    /// How long a step waits for the loads its forward reads: the load deadline and a second.
+    in_step_wait: Duration,
+    /// The engine's id of each request a step named, until it is reported.
+    requests: WorkerRequests,
+    /// Engine blocks whose load failed, since the engine last asked.
+    invalid: Vec<u32>,
+    /// Job outcomes for the scheduler side, since they were last taken.
+    jobs: Vec<JobResult>,
     /// Ended loads (local and remote) held back until no copy can write their blocks.
     hold_back: LoadHoldBack,
     /// The file tier's roots with a breaker not closed, as the last `take_stats` said.
@@ -74,6 +84,49 @@ impl WorkerSide {
             None => Err(KvxError::new_err("the kvx worker side is closed")),
         }
     }
+
+    /// Flush the stores queued on engine `blocks` and wait until no copy touches them any
+    /// more: `preempt_wait_ms`, and beyond it while those copies are within their deadlines.
+    /// `FenceNotHeldError` if the fence does not hold (a copy stuck past its deadline, or the
+    /// driver stopped).
+    fn fence_over(&self, blocks: &[EngineBlockId]) -> PyResult<()> {
+        let (fence, grace) = self.with(|r| {
+            let d = r
+                .runtime
+                .driver()
+                .ok_or_else(|| kvx_err("driver stopped"))?;
+            Ok((d.fence_blocks(blocks).map_err(kvx_err)?, r.fence_grace))
+        })?;
+        fence_held(fence.wait_for_copies(grace), || {
+            format!("the fence over {} reused engine blocks", blocks.len())
+        })
+    }
+
+    /// Wait, at most `timeout`, until the engine may hear of the end of each load of
+    /// `requests` (none still in flight or held back); what finished meanwhile stays for
+    /// `get_finished`. Returns the requests whose load had not ended by then.
+    fn wait_loads(&self, requests: &[RequestId], timeout: Duration) -> PyResult<Vec<u64>> {
+        let until = Instant::now() + timeout;
+        loop {
+            let (left, driver) = self.with(|r| {
+                let taken = r.take_finished()?;
+                r.taken = taken;
+                let left: Vec<u64> = requests
+                    .iter()
+                    .filter(|q| r.hold_back.holds(**q))
+                    .map(|q| q.0)
+                    .collect();
+                Ok((left, r.runtime.driver().cloned()))
+            })?;
+            let now = Instant::now();
+            let Some(driver) = driver.filter(|_| !left.is_empty() && now < until) else {
+                return Ok(left);
+            };
+            // A cut-short load waits for a fence the driver's passes do not announce: look
+            // again after one tick at most.
+            driver.wait_finished(until.min(now + TICK));
+        }
+    }
 }
 
 type TensorTuple = (String, usize, Vec<i64>, Vec<i64>, usize, String);
@@ -83,9 +136,9 @@ pub(crate) fn skipped(skips: &kvx_offload::StoreSkips) -> impl Iterator<Item = (
     skips.iter().map(|(r, n)| (format!("store_skipped_{r}"), n))
 }
 
-/// What `get_finished` hands to Python: (finished_sending, finished_recving, invalid engine
-/// blocks, encoded job outcomes (empty when none), requests whose load ended unreported).
-type Finished<'py> = (Vec<u64>, Vec<u64>, Vec<u32>, Bound<'py, PyBytes>, Vec<u64>);
+/// What `get_finished` hands to Python, by the engine's request ids: (finished_sending,
+/// finished_recving, failed_recving).
+type Finished = (Vec<String>, Vec<String>, Vec<String>);
 
 #[pymethods]
 impl WorkerSide {
@@ -128,6 +181,7 @@ impl WorkerSide {
         let layout = memory::describe(&descs, num_blocks)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let fence_grace = Duration::from_millis(cfg.preempt_wait_ms);
+        let in_step_wait = Duration::from_millis(cfg.timeouts.load_ms) + Duration::from_secs(1);
         let lay = layout.clone();
         let built = py.detach(move || {
             // SAFETY: the layout describes the tensors `WorkerSide` holds in `tensors` until
@@ -147,6 +201,10 @@ impl WorkerSide {
                 worker: built.worker,
                 runtime: built.runtime,
                 fence_grace,
+                in_step_wait,
+                requests: WorkerRequests::new(),
+                invalid: Vec::new(),
+                jobs: Vec::new(),
                 breakers_open: 0,
                 hold_back: LoadHoldBack::new(),
                 taken: Taken::default(),
@@ -157,28 +215,44 @@ impl WorkerSide {
         })
     }
 
-    /// Start a step with the scheduler side's encoded instructions: drop evicted blocks, start
-    /// loads, queue stores, flush and fence preempted requests, pass finished requests on. The
-    /// preempted requests' fence is waited for `preempt_wait_ms`, and beyond it while the copies
-    /// it waits for are within their deadlines (plus one tick); a fence that still does not
-    /// hold (a copy stuck past its deadline, or the driver stopped) raises `FenceNotHeldError`:
-    /// the engine must not reuse those blocks. The other methods answer while it waits.
-    fn start_step(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
-        let meta = codec::decode_meta(meta).map_err(kvx_err)?;
+    /// Start the step of the scheduler side's message `msg` (`SchedulerSide.build_meta`), once:
+    /// a step handed over again is not started again. In order: the message's fence over
+    /// engine blocks handed to another use (sliding-window store sources), then kvx-offload's
+    /// step (drop evicted blocks, start loads, queue stores, flush and fence preempted requests,
+    /// pass finished requests on), then the wait for the loads this step's forward reads (at
+    /// most the load deadline and a second). A fence is waited for `preempt_wait_ms`, and beyond
+    /// it while the copies it waits for are within their deadlines (plus one tick); one that
+    /// still does not hold (a copy stuck past its deadline, or the driver stopped) raises
+    /// `FenceNotHeldError`: the engine must not reuse those blocks. Returns the requests whose
+    /// in-step load had not ended by then (empty: all ended). The other methods answer while
+    /// it waits.
+    fn start_step(&self, py: Python<'_>, msg: &[u8]) -> PyResult<Vec<u64>> {
+        let msg = codec::decode_step(msg).map_err(kvx_err)?;
         py.detach(|| {
+            if !self.with(|r| Ok(r.requests.start(&msg)))? {
+                return Ok(Vec::new());
+            }
+            if !msg.fence.is_empty() {
+                self.fence_over(&msg.fence)?;
+            }
+            let in_step = msg.in_step;
             let started = self.with(|r| {
-                r.hold_back.step_started(&meta);
-                let started = r.worker.start_step(meta).map_err(kvx_err)?;
-                Ok((started, r.fence_grace))
+                r.hold_back.step_started(&msg.meta);
+                let started = r.worker.start_step(msg.meta).map_err(kvx_err)?;
+                Ok((started, r.fence_grace, r.in_step_wait))
             })?;
             // The forward may overwrite the preempted requests' blocks right after this call.
-            let (StepStarted::FenceOutstanding(fence), grace) = started else {
-                return Ok(());
-            };
-            let requests = fence.requests().to_vec();
-            fence_held(fence.wait_for_copies(grace), || {
-                format!("the preemption fence of {requests:?}")
-            })
+            let (started, grace, in_step_wait) = started;
+            if let StepStarted::FenceOutstanding(fence) = started {
+                let requests = fence.requests().to_vec();
+                fence_held(fence.wait_for_copies(grace), || {
+                    format!("the preemption fence of {requests:?}")
+                })?;
+            }
+            if in_step.is_empty() {
+                return Ok(Vec::new());
+            }
+            self.wait_loads(&in_step, in_step_wait)
         })
     }
 
@@ -197,82 +271,53 @@ impl WorkerSide {
         })
     }
 
-    /// Flush the stores queued on engine `blocks` and wait until no copy touches them any
-    /// more: `preempt_wait_ms`, and beyond it while those copies are within their deadlines.
-    /// For blocks the engine freed while a store of them may still be queued (sliding-window
-    /// blocks that left the window) and hands to another use in this step: call it before the
-    /// step's own stores are queued (`start_step`). Raises `FenceNotHeldError` if the fence
-    /// does not hold (a copy stuck past its deadline, or the driver stopped). The other
-    /// methods answer while it waits.
-    fn fence_blocks(&self, py: Python<'_>, blocks: Vec<u32>) -> PyResult<()> {
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<EngineBlockId> = blocks.into_iter().map(EngineBlockId).collect();
-        py.detach(|| {
-            let (fence, grace) = self.with(|r| {
-                let d = r
-                    .runtime
-                    .driver()
-                    .ok_or_else(|| kvx_err("driver stopped"))?;
-                Ok((d.fence_blocks(&ids).map_err(kvx_err)?, r.fence_grace))
-            })?;
-            fence_held(fence.wait_for_copies(grace), || {
-                format!("the fence over {} reused engine blocks", ids.len())
-            })
+    /// What finished since the last call, by the engine's request ids (never blocks): the
+    /// requests whose delayed freeing may happen now, those whose load ended, and of those the
+    /// ones whose load failed in a block. A load whose blocks a cut-short copy may still write
+    /// is held back until kvx releases them. Failed blocks and job outcomes collect for
+    /// `take_invalid` and `take_jobs`.
+    fn get_finished(&self) -> PyResult<Finished> {
+        self.with(|r| {
+            let Taken { out, released } = r.take_finished()?;
+            r.invalid
+                .extend(released.invalid_blocks.iter().map(|b| b.0));
+            r.jobs.extend(out.jobs);
+            let told = r.requests.reported(&out.finished_sending, &released);
+            Ok((
+                told.finished_sending,
+                told.finished_recving,
+                told.failed_recving,
+            ))
         })
     }
 
-    /// What finished since the last call (never blocks). A load whose blocks a cut-short copy
-    /// may still write is held back (with its invalid blocks) until kvx releases them.
-    fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Finished<'py>> {
-        let Taken { out, released } = self.with(Running::take_finished)?;
-        let jobs = if out.jobs.is_empty() {
+    /// Engine blocks whose load failed since the last call (vLLM's
+    /// `get_block_ids_with_load_errors`), each once, ascending.
+    fn take_invalid(&self) -> PyResult<Vec<u32>> {
+        self.with(|r| {
+            let mut out = std::mem::take(&mut r.invalid);
+            out.sort_unstable();
+            out.dedup();
+            Ok(out)
+        })
+    }
+
+    /// The job outcomes reported since the last call, encoded for the scheduler side's
+    /// `update_from_worker` (naming this worker's rank); empty bytes when there are none.
+    fn take_jobs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let jobs = self.with(|r| Ok(std::mem::take(&mut r.jobs)))?;
+        let bytes = if jobs.is_empty() {
             Vec::new()
         } else {
-            codec::encode_jobs(self.rank, &out.jobs)
+            codec::encode_jobs(self.rank, &jobs)
         };
-        Ok((
-            out.finished_sending.iter().map(|r| r.0).collect(),
-            released.finished_recving.iter().map(|r| r.0).collect(),
-            released.invalid_blocks.iter().map(|b| b.0).collect(),
-            PyBytes::new(py, &jobs),
-            released.ended.iter().map(|r| r.0).collect(),
-        ))
+        Ok(PyBytes::new(py, &bytes))
     }
 
-    /// Wait, at most `timeout_ms`, until the engine may hear of the end of each load of
-    /// `requests` started so far (none still in flight or held back); what finished meanwhile
-    /// stays for `get_finished`. Returns the requests whose load had not ended by then (empty:
-    /// all ended). For loads the engine takes before the step's forward (`host_loads_in_step`).
-    fn wait_loads(
-        &self,
-        py: Python<'_>,
-        requests: Vec<u64>,
-        timeout_ms: u64,
-    ) -> PyResult<Vec<u64>> {
-        let until = Instant::now() + Duration::from_millis(timeout_ms);
-        py.detach(|| {
-            loop {
-                let (left, driver) = self.with(|r| {
-                    let taken = r.take_finished()?;
-                    r.taken = taken;
-                    let left: Vec<u64> = requests
-                        .iter()
-                        .copied()
-                        .filter(|q| r.hold_back.holds(RequestId(*q)))
-                        .collect();
-                    Ok((left, r.runtime.driver().cloned()))
-                })?;
-                let now = Instant::now();
-                let Some(driver) = driver.filter(|_| !left.is_empty() && now < until) else {
-                    return Ok(left);
-                };
-                // A cut-short load waits for a fence the driver's passes do not announce: look
-                // again after one tick at most.
-                driver.wait_finished(until.min(now + TICK));
-            }
-        })
+    /// `(names, loading, sending, abandoned)`: the requests whose report may still come, by
+    /// what is still to come (all zero when idle).
+    fn request_counts(&self) -> PyResult<[usize; 4]> {
+        self.with(|r| Ok(r.requests.counts()))
     }
 
     /// Jobs and requests in flight here, and loads held back (0 when idle).

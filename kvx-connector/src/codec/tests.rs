@@ -12,7 +12,7 @@ use kvx_offload::{
 use proptest::collection::vec;
 use proptest::prelude::*;
 
-use super::{decode_jobs, decode_meta, decode_step, encode_jobs, encode_meta, encode_step};
+use super::{decode_jobs, decode_step, encode_jobs, encode_step};
 use crate::step::StepMsg;
 
 fn key() -> impl Strategy<Value = BlockKey> {
@@ -231,11 +231,6 @@ proptest! {
     #[test]
     fn a_step_round_trips(msg in step()) {
         prop_assert_eq!(decode_step(&encode_step(&msg)).unwrap(), msg);
-    }
-
-    #[test]
-    fn step_instructions_round_trip(m in meta()) {
-        prop_assert_eq!(decode_meta(&encode_meta(&m)).unwrap(), m);
     }
 
     #[test]

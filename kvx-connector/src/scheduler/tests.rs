@@ -36,7 +36,7 @@ fn extend(s: &mut Scheduler, name: &str, hashes: &[Vec<u8>]) {
 
 /// Every job of this step reported: stores done on the host tier, loads as `load_failed`
 /// says (the keys it names fail, the rest arrive).
-fn run_step(s: &mut Scheduler, load_failed: &[BlockKey]) -> (Step, usize) {
+fn run_step(s: &mut Scheduler, load_failed: &[BlockKey]) -> (StepMsg, usize) {
     let step = s.build_step();
     let mut jobs: Vec<JobResult> = step.meta.stores.iter().map(stored_on_host).collect();
     for l in &step.meta.loads {
@@ -105,7 +105,8 @@ fn a_stored_prefix_is_offered_loaded_and_reported_and_then_nothing_is_left() {
     let loaded = s.allocated("r", &[vec![10, 11, 12, 13]], 3 * BT).unwrap();
     assert_eq!(loaded.map(|b| b.len()), Some(3));
     let (step, _) = run_step(&mut s, &[]);
-    assert_eq!(step.loads, vec![(RequestId(2), "r".to_string())]);
+    assert_eq!(step.loads, vec![RequestId(2)]);
+    assert_eq!(step.names, vec![(RequestId(2), "r".to_string())]);
     assert!(s.requests().is_loading("r"));
     s.reported(["r"], []);
     assert!(!s.finished("r"));
@@ -246,8 +247,10 @@ fn several_groups_need_a_namespace_each_and_offer_what_every_group_holds() {
         Some(6)
     );
     // A sliding-window store source handed out again is fenced once.
-    assert_eq!(s.fence([EngineBlockId(14)]), vec![EngineBlockId(14)]);
-    assert!(s.fence([EngineBlockId(14)]).is_empty());
+    assert_eq!(s.fence([EngineBlockId(14)]), 1);
+    assert_eq!(s.build_step().fence, vec![EngineBlockId(14)]);
+    assert_eq!(s.fence([EngineBlockId(14)]), 0);
+    assert!(s.build_step().fence.is_empty());
 }
 
 mod engine_model {
@@ -352,11 +355,11 @@ mod engine_model {
                 Call::Step => {
                     let step = self.s.build_step();
                     for r in &step.delayed {
-                        let n = NAMES.iter().position(|x| *x == r.1).unwrap();
+                        let name = &step.names.iter().find(|(q, _)| q == r).unwrap().1;
+                        let n = NAMES.iter().position(|x| x == name).unwrap();
                         assert!(
                             !self.freed.contains(&n),
-                            "{} delayed after the engine freed it",
-                            r.1
+                            "{name} delayed after the engine freed it"
                         );
                         self.delayed.insert(n);
                     }

@@ -13,6 +13,7 @@ from kvx._native import (
     block_keys,
     offload_config,
     parse_config,
+    step_requests,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "block_keys",
     "offload_config",
     "parse_config",
+    "step_requests",
 ]

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import pytest
 
-from kvx import FenceNotHeldError, SchedulerSide, WorkerSide, block_keys
+from kvx import FenceNotHeldError, SchedulerSide, WorkerSide, block_keys, step_requests
 
 ROOT = Path(__file__).resolve().parents[3]
 STANDIN = Path(os.environ.get("KVX_CUDA_STANDIN", ROOT / "target/debug/libkvx_cuda_standin.so"))
@@ -53,21 +53,23 @@ def step_until_stored(sched: SchedulerSide, worker: WorkerSide, blocks: int, end
     """Step both sides until the host tier holds `blocks` and no job is out (by `end`)."""
     while sched.tier_sizes()[0] < blocks or sched.job_count() > 0:
         assert time.monotonic() < end, "the device blocks never reached the host tier"
-        worker.start_step(sched.build_meta()[0])
-        jobs = worker.get_finished()[3]
+        worker.start_step(sched.build_meta())
+        worker.get_finished()
+        jobs = worker.take_jobs()
         if jobs:
             sched.update_from_worker(jobs)
         time.sleep(0.001)
 
 
-def step_until_loaded(sched: SchedulerSide, worker: WorkerSide, req: int, end: float) -> None:
+def step_until_loaded(sched: SchedulerSide, worker: WorkerSide, req: str, end: float) -> None:
     """Step both sides until `req` is reported loaded, with no invalid block (by `end`)."""
-    done: list[int] = []
+    done: list[str] = []
     while req not in done:
         assert time.monotonic() < end, "the load into device blocks never finished"
-        worker.start_step(sched.build_meta()[0])
-        _, recving, invalid, jobs, _ = worker.get_finished()
-        assert invalid == []
+        worker.start_step(sched.build_meta())
+        _, recving, failed = worker.get_finished()
+        assert (failed, worker.take_invalid()) == ([], [])
+        jobs = worker.take_jobs()
         done += recving
         if jobs:
             sched.update_from_worker(jobs)
@@ -87,7 +89,7 @@ def store_then_load(desc: tuple) -> None:
         step_until_stored(sched, worker, 2, end)
         assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, True)
         sched.update_state_after_alloc("r", [[dst for _, dst in MOVES]], 2 * BLOCK)
-        step_until_loaded(sched, worker, 2, end)
+        step_until_loaded(sched, worker, "r", end)
     finally:
         worker.close()
 
@@ -165,13 +167,13 @@ def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: c
         assert sched.admit("w") == 1
         assert sched.save_blocks("w", hashes, 0, [0, 1])
         worker.order_after_engine_stream(stream.value or 0)
-        worker.start_step(sched.build_meta()[0])
+        worker.start_step(sched.build_meta())
         assert standin.cuLaunchHostFunc(stream, forward, None) == 0
         assert standin.cuMemcpyHtoDAsync_v2(ptr.value, ctypes.addressof(fresh), ELEMS * 2, stream) == 0
         # Step N+1 starts at once (the CPU does not wait for the forward): the store goes out.
         t0 = time.monotonic()
         worker.order_after_engine_stream(stream.value or 0)
-        worker.start_step(sched.build_meta()[0])
+        worker.start_step(sched.build_meta())
         took = time.monotonic() - t0
         assert took <= BOUND_S, f"ordering and starting the step took {took * 1000:.1f} ms"
         end = time.monotonic() + 10
@@ -180,7 +182,7 @@ def test_a_store_copies_after_the_forward_queued_on_the_engine_stream(standin: c
         # Load the stored blocks back into blocks 5 and 6: they hold the forward's bytes.
         assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, True)
         sched.update_state_after_alloc("r", [[5, 6]], 2 * BLOCK)
-        step_until_loaded(sched, worker, 2, end)
+        step_until_loaded(sched, worker, "r", end)
         back = (ctypes.c_int16 * ELEMS)()
         assert standin.cuMemcpyDtoH_v2(ctypes.addressof(back), ptr.value, ELEMS * 2) == 0
         check_moved(list(fresh), list(back))
@@ -214,9 +216,9 @@ def test_the_worker_answers_while_a_step_waits_for_a_preemption_fence(standin: c
         assert sched.save_blocks("w", hashes, 0, [0, 1])
         # Every device copy hangs from now on: the store of request 1 is out, and stuck.
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
-        worker.start_step(sched.build_meta()[0])
+        worker.start_step(sched.build_meta())
         sched.request_preempted("w")
-        fenced = sched.build_meta()[0]
+        fenced = sched.build_meta()
         outcome: list[BaseException | None] = []
 
         def fence_step() -> None:
@@ -265,13 +267,13 @@ def test_a_preemption_fence_over_a_copy_stuck_past_its_deadline_raises_out_of_th
         assert sched.save_blocks("w", hashes, 0, [0, 1])
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
         stored_from = time.monotonic()
-        worker.start_step(sched.build_meta()[0])  # the store is out, and stuck
+        worker.start_step(sched.build_meta())  # the store is out, and stuck
         # Most of the store's deadline passes before the engine preempts the request.
         time.sleep(store_s - 0.3)
         sched.request_preempted("w")
         preempted = time.monotonic()
         with pytest.raises(FenceNotHeldError, match="past its deadline"):
-            worker.start_step(sched.build_meta()[0])
+            worker.start_step(sched.build_meta())
         raised = time.monotonic()
         assert raised >= stored_from + store_s, "the step gave up before the copy was due"
         # The old bound (a store deadline from the preemption) would be 1.5 s here.
@@ -306,11 +308,11 @@ def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blo
     try:
         keys = block_keys(b"hold-back", [b"block0", b"block1"])
         source = p_sched.export_finished(1, 1, "hold-back", keys, [0, 1])
-        producer.start_step(p_sched.build_meta()[0])
+        producer.start_step(p_sched.build_meta())
         assert d_sched.admit("x") == 1 and d_sched.admit("d") == 2
         d_sched.remote_load(2, source, 0, [5, 6])
-        step, loads, *_ = d_sched.build_meta()
-        assert loads == [(2, "d")]
+        step = d_sched.build_meta()
+        assert step_requests(step)[0] == [(2, "d")]
         # Every copy into the device hangs from now on.
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 1) == 0
         consumer.start_step(step)
@@ -318,22 +320,24 @@ def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blo
         # still be written by the stalled copy, so vLLM must not hear of it.
         held_until = time.monotonic() + 1.5
         while time.monotonic() < held_until:
-            _, recving, invalid, _, ended = consumer.get_finished()
-            assert 2 not in recving and 2 not in ended, "reported while a copy may still write its blocks"
-            assert invalid == [], "its invalid blocks are reported with it, not before"
+            _, recving, _ = consumer.get_finished()
+            assert "d" not in recving, "reported while a copy may still write its blocks"
+            assert consumer.take_invalid() == [], "its invalid blocks are reported with it, not before"
             time.sleep(0.01)
         assert consumer.in_flight() > 0
         assert standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0) == 0
         end = time.monotonic() + 10
-        seen: list[int] = []
+        seen: list[str] = []
+        failed: list[str] = []
         bad: list[int] = []
-        while 2 not in seen:
+        while "d" not in seen:
             assert time.monotonic() < end, "the load was never reported after the copy ended"
-            _, recving, invalid, _, _ = consumer.get_finished()
+            _, recving, fails = consumer.get_finished()
             seen += recving
-            bad += invalid
+            failed += fails
+            bad += consumer.take_invalid()
             time.sleep(0.01)
-        assert seen == [2], "reported exactly once"
+        assert seen == ["d"] and failed == ["d"], "reported exactly once, as failed"
         assert sorted(bad) == [5, 6], "the cut-short load's blocks are invalid"
     finally:
         standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvx import KvxError, SchedulerSide, WorkerSide
+from kvx import KvxError, SchedulerSide, WorkerSide, step_requests
 
 BLOCK = 16
 KV_HEADS = 2
@@ -78,10 +78,11 @@ def test_a_stored_block_is_found_in_the_host_tier() -> None:
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the store never reached the host tier"
-            step, loads, *_ = sched.build_meta()
-            assert loads == []
+            step = sched.build_meta()
+            assert step_requests(step)[0] == []
             worker.start_step(step)
-            jobs = worker.get_finished()[3]
+            worker.get_finished()
+            jobs = worker.take_jobs()
             if jobs:
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
@@ -94,7 +95,7 @@ def test_a_stored_block_is_found_in_the_host_tier() -> None:
         worker.close()
 
 
-def test_a_load_in_step_has_ended_when_wait_loads_returns() -> None:
+def test_a_load_in_step_has_ended_when_its_step_starts() -> None:
     config = json.dumps({"host_blocks": 4, "host_loads_in_step": True,
                          "timeouts": {"load_ms": 1000, "store_ms": 1000}})
     desc, buf = kv_tensor(8)
@@ -112,35 +113,36 @@ def test_a_load_in_step_has_ended_when_wait_loads_returns() -> None:
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the store never reached the host tier"
-            worker.start_step(sched.build_meta()[0])
-            jobs = worker.get_finished()[3]
+            worker.start_step(sched.build_meta())
+            worker.get_finished()
+            jobs = worker.take_jobs()
             if jobs:
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
         # A host-tier hit that leaves a token to compute loads in the step (not asynchronously).
         assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, False)
         assert sched.update_state_after_alloc("r", [[4, 5]], 2 * BLOCK) == [4, 5]
-        step, loads, _, _, in_step = sched.build_meta()
+        step = sched.build_meta()
+        loads, _, _, in_step, _ = step_requests(step)
         assert (loads, in_step) == ([], [2])
-        worker.start_step(step)
-        assert worker.wait_loads([2], 5000) == []
+        assert worker.start_step(step) == [], "the load the forward reads ended"
         # Ended: the bytes are in blocks 4 and 5 (first half of the K/V axis), before any
-        # get_finished, which then reports it.
+        # get_finished, which then does not report it (vLLM never waits for it).
         got = [buf[b * per_block + i] for b in (4, 5) for i in range(per_block)]
         assert got == want
-        sending, recving, invalid, jobs, _ = worker.get_finished()
-        assert (sending, recving, invalid) == ([], [2], [])
-        sched.update_from_worker(jobs)
+        assert worker.get_finished() == ([], [], [])
+        assert worker.take_invalid() == []
+        sched.update_from_worker(worker.take_jobs())
         assert sched.job_count() == 0
-        # Nothing in flight: a request with no load is not waited for.
+        # The same step handed over again is not started again.
         t = time.monotonic()
-        assert worker.wait_loads([2, 9], 5000) == []
+        assert worker.start_step(step) == []
         assert time.monotonic() - t < 0.5
     finally:
         worker.close()
 
 
-def test_a_failed_load_in_step_is_reported_when_wait_loads_returns() -> None:
+def test_a_failed_load_in_step_is_reported_once_its_step_started() -> None:
     # The scheduler's index says the host tier holds two blocks; this worker's host tier is
     # empty (another worker stored them): the load fails at once, and its invalid blocks are
     # there for the same step's get_finished.
@@ -158,18 +160,19 @@ def test_a_failed_load_in_step_is_reported_when_wait_loads_returns() -> None:
         end = time.monotonic() + 10
         while sched.tier_sizes()[0] < 2 or sched.job_count() > 0:
             assert time.monotonic() < end, "the store never reached the host tier"
-            storer.start_step(sched.build_meta()[0])
-            jobs = storer.get_finished()[3]
+            storer.start_step(sched.build_meta())
+            storer.get_finished()
+            jobs = storer.take_jobs()
             if jobs:
                 sched.update_from_worker(jobs)
             time.sleep(0.001)
         assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (2 * BLOCK, False)
         assert sched.update_state_after_alloc("r", [[4, 5]], 2 * BLOCK)
-        loader.start_step(sched.build_meta()[0])
-        assert loader.wait_loads([2], 5000) == []
-        _, recving, invalid, jobs, _ = loader.get_finished()
-        assert recving == [2] and sorted(invalid) == [4, 5]
-        assert sched.update_from_worker(jobs) == 1, "one load failed"
+        assert loader.start_step(sched.build_meta()) == []
+        # Not in finished_recving (vLLM never waits for a load in step): its blocks are.
+        assert loader.get_finished() == ([], [], [])
+        assert loader.take_invalid() == [4, 5]
+        assert sched.update_from_worker(loader.take_jobs()) == 1, "one load failed"
         assert sched.job_count() == 0
         # Its blocks are never offered to the request again (vLLM recomputes them).
         assert sched.get_num_new_matched_tokens("r", hashes, 0, 2 * BLOCK + 1) == (0, False)

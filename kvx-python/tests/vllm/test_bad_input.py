@@ -116,7 +116,7 @@ def test_connector_worker_does_not_swallow_a_bad_step(tmp_path):
     e = Engine(tmp_path, {"host_blocks": 8})
     try:
         with pytest.raises(KvxError) as err:
-            e.worker.handle_preemptions(KvxConnectorMetadata(b"\x07", {}, {}, []))
+            e.worker.handle_preemptions(KvxConnectorMetadata(b"\x07"))
         assert "encoding version 7" in str(err.value)
     finally:
         e.close()

@@ -10,10 +10,8 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
-from kvx import _native
-from kvx.vllm.disagg import Disaggregation, namespace_id
+from kvx.vllm.disagg import namespace_id
 from kvx.vllm.scheduler_side import SchedulerSide
-from kvx.vllm.settings import Settings
 
 BLOCK = 16
 NAMESPACE = b"kvx-test-namespace"
@@ -31,10 +29,7 @@ class Blocks:
 
 
 def consumer() -> SchedulerSide:
-    side = SchedulerSide(CONFIG, BLOCK, BLOCK, [NAMESPACE])
-    side.disagg = Disaggregation(side.native, Settings.parse(CONFIG, BLOCK), BLOCK, NAMESPACE, producer=False,
-                                consumer=True, world=1)
-    return side
+    return SchedulerSide(CONFIG, BLOCK, BLOCK, [NAMESPACE], roles=(False, True))
 
 
 def request(i: int, params: Any, blocks: int = 4) -> SimpleNamespace:
@@ -134,13 +129,3 @@ def test_a_source_whose_producer_never_answers_is_given_up_after_the_load_deadli
     assert side.disagg is not None and side.disagg.state_counts()["kept_leases"] == 0
     side.request_finished(req, [])
     assert side.state_counts()["remote_requests"] == 0
-
-
-def test_remote_source_checker_names_what_is_wrong() -> None:
-    for text, word in [("{", "kv_transfer_params.kvx"), ('{"export": 1}', "missing field")]:
-        try:
-            _native.remote_source(text)
-        except ValueError as e:
-            assert word in str(e), str(e)
-        else:
-            raise AssertionError(f"{text!r} was accepted")

@@ -486,13 +486,15 @@ def tick():
 threading.Thread(target=tick, daemon=True).start()
 config = json.dumps({"host_blocks": 16, "file": {"roots": [sys.argv[2]], "blocks": 1000}})
 os.write(1, b"start\\n")
-args = (config, 16, [b"ns"]) if sys.argv[1] == "SchedulerSide" else (config, 16)
-getattr(_native, sys.argv[1])(*args)
+if sys.argv[1] == "parse_config":
+    _native.parse_config(config, 16)
+else:  # a decode engine's scheduler side builds its lease keeper too
+    _native.SchedulerSide(config, 16, [b"ns"], consumer="ns" if sys.argv[1] == "consumer" else None)
 os.write(1, b"done\\n")
 """
 
 
-@pytest.mark.parametrize("build", ["SchedulerSide", "parse_config", "LeaseKeeper"])
+@pytest.mark.parametrize("build", ["SchedulerSide", "parse_config", "consumer"])
 def test_a_frozen_file_tier_at_start_up_leaves_the_gil_free(tmp_path, build):
     """Building the scheduler side (and reading the config, as the worker side does) waits for
     the file-tier mount; while it waits, the process's other Python threads go on."""

@@ -53,7 +53,7 @@ def test_sleep_and_wake_serve_blocks_stored_before(tmp_path):
         finish_with_store_queued(e, "a", p)
         sleep(e)
         with pytest.raises(KvxError) as err:
-            e.worker._worker.start(KvxConnectorMetadata(b"", {}, {}, []))
+            e.worker._worker.start(KvxConnectorMetadata(b""))
         assert "unregister_kv_caches" in str(err.value)
         e.worker.restore_kv_caches()
         e.worker.restore_kv_caches()  # idempotent
@@ -84,7 +84,7 @@ def test_wake_at_other_addresses_is_an_error_naming_the_tensor(tmp_path):
         assert "'layer0' moved during sleep" in str(err.value), str(err.value)
         # Still unregistered: no step touches memory kvx no longer describes.
         with pytest.raises(KvxError):
-            e.worker._worker.start(KvxConnectorMetadata(b"", {}, {}, []))
+            e.worker._worker.start(KvxConnectorMetadata(b""))
     finally:
         e.close()
 

@@ -29,8 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvx._native import KvxError
 from kvx.vllm import compat, parallel
-from kvx.vllm.disagg import Disaggregation
-from kvx.vllm.groups import HybridSchedulerSide, HybridWorkerSide, describe_groups
+from kvx.vllm.groups import HybridSchedulerSide, describe_groups
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
 from kvx.vllm.settings import Settings
@@ -73,15 +72,6 @@ def _remote_roles(kv_transfer_config: Any, settings: Settings) -> tuple[bool, bo
     return produce, consume
 
 
-def _disaggregation(kv_transfer_config: Any, settings: Settings, side: SchedulerSide, block_size: int,
-                    namespace: bytes, world: int) -> Disaggregation | None:
-    """The scheduler side's P/D part, if the role has one."""
-    produce, consume = _remote_roles(kv_transfer_config, settings)
-    if not (produce or consume):
-        return None
-    return Disaggregation(side.native, settings, block_size, namespace, produce, consume, world)
-
-
 class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvx's host-memory and file tiers, with per-block load failures."""
 
@@ -109,6 +99,8 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Several groups: a failed load is reported per request (vLLM refuses block ids).
+        self._per_request_failures = hybrid is not None
         roles = _remote_roles(self._kv_transfer_config, settings)
         if hybrid is not None and any(roles):
             raise ValueError("KvxConnector: prefill/decode disaggregation of hybrid models is not supported yet")
@@ -119,17 +111,12 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             else:
                 self._sched = SchedulerSide(
-                    self.config, block_size, hash_block_size, [namespace], tp_size=tp_size, pp_size=pp_size
-                )
-                self._sched.disagg = _disaggregation(
-                    self._kv_transfer_config, settings, self._sched, block_size, namespace, tp_size * pp_size
+                    self.config, block_size, hash_block_size, [namespace], tp_size=tp_size, pp_size=pp_size,
+                    roles=roles,
                 )
         else:
             shard = parallel.worker_place(vllm_config).shard()
-            if hybrid is not None:
-                self._worker = HybridWorkerSide(settings, block_size, kv_cache_config.num_blocks, shard=shard)
-            else:
-                self._worker = WorkerSide(settings, block_size, kv_cache_config.num_blocks, shard=shard)
+            self._worker = WorkerSide(settings, block_size, kv_cache_config.num_blocks, shard=shard)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -193,17 +180,14 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker_side().get_finished()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        worker = self._worker_side()
-        if isinstance(worker, HybridWorkerSide):
-            # Several groups: a failed load is reported per request (vLLM refuses block ids).
-            return worker.transfer_results()
+        if self._per_request_failures:
+            return self._worker_side().transfer_results()
         return super().get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self._worker_side()
-        if isinstance(worker, HybridWorkerSide):
+        if self._per_request_failures:
             return set()
-        return worker.take_invalid()
+        return self._worker_side().take_invalid()
 
     def build_connector_worker_meta(self) -> KvxWorkerMetadata | None:
         return self._worker_side().take_worker_meta()

@@ -23,15 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx.vllm.log import logger
 from kvx.vllm.meta import KvxConnectorMetadata
 from kvx.vllm.scheduler_side import SchedulerSide
-from kvx.vllm.settings import Settings
-from kvx.vllm.worker_side import WorkerSide
 
 
 @dataclass(frozen=True)
@@ -76,26 +73,6 @@ def describe_groups(kv_cache_config: Any, namespace: bytes) -> list[Group]:
     return out
 
 
-class HybridConnectorMetadata(KvxConnectorMetadata):
-    """``KvxConnectorMetadata`` with what the worker needs for several groups: ``fence``, engine
-    blocks to fence before this step's stores are queued; ``load_blocks``, the engine blocks of
-    each request whose load starts (to report a failed load per request)."""
-
-    __slots__ = ("fence", "load_blocks")
-
-    def __init__(self, base: KvxConnectorMetadata, fence: list[int], load_blocks: dict[str, list[int]]):
-        super().__init__(base.step, base.loads, base.delayed, base.abandoned)
-        self.fence = fence
-        self.load_blocks = load_blocks
-
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (super().__getstate__(), self.fence, self.load_blocks)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        base, self.fence, self.load_blocks = state
-        super().__setstate__(base)
-
-
 class HybridSchedulerSide(SchedulerSide):
     """The scheduler side over several KV cache groups (see the module docs): the native side
     keys each request in every group's namespace and plans hits, stores and fences."""
@@ -114,8 +91,6 @@ class HybridSchedulerSide(SchedulerSide):
             groups=[(g.window, g.extra_retained) for g in groups],
         )
         self.groups = groups
-        # Engine blocks of each load queued this step, by request id, for the worker.
-        self._load_blocks: dict[str, list[int]] = {}
 
     @property
     def fenced_blocks(self) -> int:
@@ -123,9 +98,7 @@ class HybridSchedulerSide(SchedulerSide):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> list[int] | None:
         loaded = super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if loaded is not None:
-            self._load_blocks[request.request_id] = loaded
-        elif num_external_tokens:
+        if loaded is None and num_external_tokens:
             logger.error("kvx: %s: an allocation for a load kvx did not plan", request.request_id)
         return loaded
 
@@ -140,23 +113,16 @@ class HybridSchedulerSide(SchedulerSide):
         return {k: v for k, v in out.items() if v > 0}
 
     def build_connector_meta(self, so: Any) -> KvxConnectorMetadata:
-        # Blocks handed out this step that a queued sliding-window store may still read.
-        fence = self.native.fence(sorted(_new_blocks(so)))
+        # Blocks handed out this step that a queued sliding-window store may still read: the
+        # workers fence them before this step's stores are queued.
+        self.native.fence(sorted(_new_blocks(so)))
         self._preempted(so)
         for req_id, request, first, end in self._completing(so):
             computed = request.num_computed_tokens + so.num_scheduled_tokens[req_id]
             tables = [list(ids) for ids in self.cache_manager.get_block_ids(req_id)]
             if self.native.save_groups(req_id, request.block_hashes, first, end, computed, tables):
                 self.stats.store_jobs += 1
-        step, loads, delayed, abandoned, _ = self.native.build_meta()
-        base = KvxConnectorMetadata(step, dict(loads), dict(delayed), abandoned)
-        load_blocks = {name: self._load_blocks.pop(name, []) for _, name in loads}
-        return HybridConnectorMetadata(base, fence, load_blocks)
-
-    def state_counts(self) -> dict[str, int]:
-        out = super().state_counts()
-        out["group_loads"] = len(self._load_blocks)
-        return out
+        return KvxConnectorMetadata(self.native.build_meta())
 
 
 def _new_blocks(so: Any) -> set[int]:
@@ -175,53 +141,3 @@ def _new_blocks(so: Any) -> set[int]:
         out.add(c.dst_block_id)
     out.discard(0)
     return out
-
-
-class HybridWorkerSide(WorkerSide):
-    """The worker side over several KV cache groups: fences reused sliding-window store sources
-    before the step's stores are queued, and reports a failed load per request."""
-
-    def __init__(
-        self, settings: Settings, block_size: int, num_blocks: int, shard: tuple[int, int, int, int] | None = None
-    ):
-        super().__init__(settings, block_size, num_blocks, shard=shard)
-        self.load_blocks: dict[str, set[int]] = {}
-
-    def start(self, meta: KvxConnectorMetadata) -> None:
-        if self._started is meta:
-            return
-        if isinstance(meta, HybridConnectorMetadata):
-            if meta.fence and self.native is not None:
-                self.order_after_engine(meta)
-                # Before start_step queues this step's stores (a fence flushes queued stores). A
-                # fence that does not hold raises FenceNotHeldError out of the step.
-                self.native.fence_blocks(meta.fence)
-            for name, blocks in meta.load_blocks.items():
-                self.load_blocks[name] = set(blocks)
-        super().start(meta)
-
-    def transfer_results(self) -> KVConnectorTransferResults:
-        """finished_sending, finished_recving, and the requests whose load failed in any block."""
-        sending, recving = self.get_finished()
-        invalid = self.take_invalid()
-        failed: set[str] = set()
-        for name in recving or ():
-            blocks = self.load_blocks.pop(name, set())
-            if blocks & invalid:
-                failed.add(name)
-                invalid -= blocks
-        if invalid:
-            logger.warning("kvx: %d failed blocks of no reported load", len(invalid))
-        live = {self.names[n] for n in self.loading if n in self.names}
-        for name in [n for n in self.load_blocks if n not in live]:
-            del self.load_blocks[name]
-        return KVConnectorTransferResults(
-            finished_sending=set(sending or ()),
-            finished_recving=set(recving or ()),
-            failed_recving=failed,
-        )
-
-    def state_counts(self) -> dict[str, int]:
-        out = super().state_counts()
-        out["group_loads"] = len(self.load_blocks)
-        return out

@@ -11,31 +11,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 
 class KvxConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → worker, once per step.
+    """Scheduler → worker, once per step: ``step``, the scheduler side's message in kvx's
+    compact encoding (kvx-offload's instructions, and the requests they name by number and by
+    vLLM's id; ``kvx._native.step_requests`` reads the numbers)."""
 
-    ``step``: kvx-offload's step instructions in kvx's compact encoding (block keys, engine block
-    ids, request numbers); ``loads`` and ``delayed``: vLLM's request id of each request number
-    whose load starts, and whose freeing waits for its stores, this step; ``abandoned``: request
-    numbers that finished while their load was in flight (vLLM frees their blocks once the load
-    is reported in ``finished_recving``); ``in_step``: request numbers whose load this step's
-    forward reads (``host_loads_in_step``: never in ``loads``, never in ``finished_recving``).
-    """
+    __slots__ = ("step",)
 
-    __slots__ = ("abandoned", "delayed", "in_step", "loads", "step")
-
-    def __init__(self, step: bytes, loads: dict[int, str], delayed: dict[int, str], abandoned: list[int],
-                 in_step: list[int] | None = None):
+    def __init__(self, step: bytes):
         self.step = step
-        self.loads = loads
-        self.delayed = delayed
-        self.abandoned = abandoned
-        self.in_step = in_step or []
 
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (self.step, self.loads, self.delayed, self.abandoned, self.in_step)
+    def __getstate__(self) -> tuple[bytes]:
+        return (self.step,)
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.step, self.loads, self.delayed, self.abandoned, self.in_step = state
+    def __setstate__(self, state: tuple[bytes]) -> None:
+        (self.step,) = state
 
 
 class KvxWorkerMetadata(KVConnectorWorkerMetadata):

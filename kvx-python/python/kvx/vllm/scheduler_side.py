@@ -9,7 +9,7 @@ from typing import Any
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx import _native
-from kvx.vllm.disagg import Disaggregation
+from kvx.vllm.disagg import Disaggregation, namespace_id
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
 
 
@@ -32,7 +32,10 @@ class SchedulerSide:
     table (vLLM's request ids, kvx's numbers, each request's keys, match, load and finishing)."""
 
     def __init__(self, config: str, block_size: int, hash_block_size: int, namespaces: list[bytes],
-                 tp_size: int = 1, pp_size: int = 1, groups: list[tuple[int | None, int]] | None = None):
+                 tp_size: int = 1, pp_size: int = 1, groups: list[tuple[int | None, int]] | None = None,
+                 roles: tuple[bool, bool] = (False, False)):
+        """``roles``: (exports to a remote decode, loads from a remote prefill) under prefill/decode
+        disaggregation (``kvx.vllm.disagg``)."""
         if block_size % hash_block_size:
             raise ValueError(
                 f"KV block size {block_size} is not a multiple of the hash block size {hash_block_size}"
@@ -40,14 +43,18 @@ class SchedulerSide:
         self.block_size = block_size
         self.ratio = block_size // hash_block_size
         self.namespaces = namespaces
+        produce, consume = roles
         # With several workers, kvx-offload counts a job once every rank reported it.
-        self.native = _native.SchedulerSide(config, block_size, namespaces, tp_size, pp_size, self.ratio, groups)
+        self.native = _native.SchedulerSide(config, block_size, namespaces, tp_size, pp_size, self.ratio, groups,
+                                            consumer=namespace_id(namespaces[0]) if consume else None)
         self.cache_manager: Any = None
         # vLLM's live requests (their block hashes and computed tokens grow as they run).
         self.requests: dict[str, Any] = {}
         self.stats = SchedulerStats()
-        # Prefill/decode disaggregation (kvx.vllm.disagg), when the connector's role has it.
+        # Prefill/decode disaggregation, when the connector's role has it.
         self.disagg: Disaggregation | None = None
+        if produce or consume:
+            self.disagg = Disaggregation(self.native, block_size, namespaces[0], produce, consume)
 
     def keys_of(self, request: Any, group: int = 0) -> bytes:
         """kvx keys of a request's full KV blocks in a group's namespace, live or not (the
@@ -60,10 +67,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.requests[request.request_id] = request
         self.stats.lookups += 1
-        if self.disagg is not None and self.disagg.wants(request):
-            number = self.native.admit(request.request_id)
-            self.native.extend_keys(request.request_id, request.block_hashes)
-            return self.disagg.match(request, number, self.native.keys(request.request_id), num_computed_tokens)
+        if self.disagg is not None:
+            remote = self.disagg.match(request, num_computed_tokens)
+            if remote is not None:
+                return remote
         found = self.native.get_num_new_matched_tokens(
             request.request_id, request.block_hashes, num_computed_tokens, request.num_tokens
         )
@@ -75,7 +82,6 @@ class SchedulerSide:
             queued = self.disagg.alloc(request, blocks, num_external_tokens)
             if queued is not None:
                 if queued:
-                    self.native.load_started(request.request_id)
                     self._count_load(num_external_tokens, (0, 0))
                 return None
         if num_external_tokens == 0:
@@ -96,7 +102,7 @@ class SchedulerSide:
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         if num_external_tokens == 0 or request.request_id not in self.requests:
             return {}
-        if self.disagg is not None and request.request_id in self.disagg.remote:
+        if self.disagg is not None and self.disagg.is_remote(request.request_id):
             return {CacheHitSource.P2P: num_external_tokens}
         file = self.native.hit(request.request_id)[1]
         out = {}
@@ -131,8 +137,7 @@ class SchedulerSide:
             blocks = self.cache_manager.get_blocks(req_id).blocks[0][first:end]
             if self.native.save_blocks(req_id, request.block_hashes, first, [b.block_id for b in blocks]):
                 self.stats.store_jobs += 1
-        step, loads, delayed, abandoned, in_step = self.native.build_meta()
-        return KvxConnectorMetadata(step, dict(loads), dict(delayed), abandoned, in_step)
+        return KvxConnectorMetadata(self.native.build_meta())
 
     def update_connector_output(self, out: Any) -> None:
         wm = out.kv_connector_worker_meta
@@ -141,8 +146,7 @@ class SchedulerSide:
                 self.stats.failed_loads += self.native.update_from_worker(jobs)
         recving = list(out.finished_recving or ())
         if self.disagg is not None:
-            for req_id in recving:
-                self.disagg.loaded(req_id)
+            self.disagg.loaded(recving)
         self.native.reported(recving, list(out.finished_sending or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:

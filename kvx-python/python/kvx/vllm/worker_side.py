@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
 from kvx import _native
 from kvx._native import KvxError
 from kvx.vllm.log import logger
@@ -21,11 +23,8 @@ def describe_tensors(kv_caches: dict) -> list[tuple]:
 
 
 class WorkerSide:
-    """Maps vLLM's worker calls onto kvx's native ``WorkerSide``.
-
-    Request numbers come from the scheduler side; ``names`` holds vLLM's id of each number for
-    as long as a load or a delayed free of it may still be reported.
-    """
+    """Maps vLLM's worker calls onto kvx's native ``WorkerSide``, which keeps vLLM's id of each
+    request a step names until kvx reported it, and starts each step once."""
 
     def __init__(self, settings: Settings, block_size: int, num_blocks: int,
                  shard: tuple[int, int, int, int] | None = None):
@@ -35,13 +34,6 @@ class WorkerSide:
         # (tp rank, tp size, pp rank, pp size) with several workers: see kvx.vllm.parallel.
         self.shard = shard
         self.native: _native.WorkerSide | None = None
-        self.names: dict[int, str] = {}
-        self.loading: set[int] = set()
-        self.sending: set[int] = set()
-        self.abandoned: set[int] = set()
-        self.invalid: set[int] = set()
-        self.jobs: list[bytes] = []
-        self._started: KvxConnectorMetadata | None = None
         # The registered tensors and their description; None between unregister and restore.
         self._kv_caches: dict = {}
         self._described: list[tuple] = []
@@ -51,8 +43,6 @@ class WorkerSide:
         self._ordered: KvxConnectorMetadata | None = None
         timeouts = settings.values["timeouts"]
         self._fence_ms = int(max(timeouts["load_ms"], timeouts["store_ms"])) + 1000
-        # A load the forward reads ends by its deadline; a cut-short copy's fence holds soon after.
-        self._in_step_ms = int(timeouts["load_ms"]) + 1000
 
     def register(self, kv_caches: dict) -> None:
         """Describe the KV tensors and start kvx over them (a bad layout raises ValueError)."""
@@ -120,83 +110,56 @@ class WorkerSide:
             stream.synchronize()
 
     def start(self, meta: KvxConnectorMetadata) -> None:
-        """Start this step once (from whichever of vLLM's per-step calls comes first)."""
-        if self._started is meta:
-            return
-        if self.native is not None and not self.registered:
-            raise KvxError("KvxConnector: a step between unregister_kv_caches and restore_kv_caches (sleep)")
-        self._started = meta
+        """Start this step (from whichever of vLLM's per-step calls comes first; kvx starts it
+        once). A fence that does not hold (a copy stuck past its deadline) raises
+        FenceNotHeldError out of the step: the forward would overwrite blocks a copy may still
+        read or write, so the engine must not run it."""
         if self.native is None:
             raise KvxError("KvxConnector: register_kv_caches was not called before the first step")
+        if not self.registered:
+            raise KvxError("KvxConnector: a step between unregister_kv_caches and restore_kv_caches (sleep)")
         self.order_after_engine(meta)
-        self.names.update(meta.loads)
-        self.names.update(meta.delayed)
-        self.loading.update(meta.loads)
-        self.sending.update(meta.delayed)
-        self.abandoned.update(n for n in meta.abandoned if n in self.loading)
-        # A preemption fence that does not hold (a copy stuck past its deadline) raises
-        # FenceNotHeldError out of the step: the forward would overwrite blocks a copy may still
-        # read or write, so the engine must not run it.
-        self.native.start_step(meta.step)
-        if meta.in_step:
-            # The forward reads these blocks: their loads end (or fail, reported through
-            # get_block_ids_with_load_errors after this forward) before it starts.
-            left = self.native.wait_loads(meta.in_step, self._in_step_ms)
-            if left:
-                logger.error("kvx: loads of requests %s did not end within %d ms before the forward",
-                             left, self._in_step_ms)
+        left = self.native.start_step(meta.step)
+        if left:
+            logger.error("kvx: loads of requests %s did not end before the forward (their deadline and a second)",
+                         left)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending, finished_recving) as vLLM request ids; never blocks."""
         if self.native is None:
             return None, None
-        sending, recving, invalid, jobs, loads_done = self.native.get_finished()
-        self.invalid.update(invalid)
-        if jobs:
-            self.jobs.append(jobs)
-        recv = set(recving)
-        # A load whose request finished meanwhile is reported once it ended, so vLLM frees its
-        # blocks (kvx-offload gives it to the scheduler side only).
-        recv.update(n for n in loads_done if n in self.abandoned and n in self.loading)
-        out_recv = set()
-        for n in recv:
-            if n in self.loading:
-                self.loading.discard(n)
-                self.abandoned.discard(n)
-                out_recv.add(self.names[n])
-                self._forget(n)
-        out_send = set()
-        for n in sending:
-            if n in self.sending:
-                self.sending.discard(n)
-                out_send.add(self.names[n])
-                self._forget(n)
-        return out_send or None, out_recv or None
+        sending, recving, _ = self.native.get_finished()
+        return set(sending) or None, set(recving) or None
 
-    def _forget(self, n: int) -> None:
-        if n not in self.loading and n not in self.sending:
-            self.names.pop(n, None)
+    def transfer_results(self) -> KVConnectorTransferResults:
+        """finished_sending, finished_recving, and the requests whose load failed in a block
+        (how a failed load is told with several KV cache groups: vLLM refuses block ids)."""
+        if self.native is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self.native.get_finished()
+        self.native.take_invalid()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending), finished_recving=set(recving), failed_recving=set(failed)
+        )
 
     def take_invalid(self) -> set[int]:
         """Engine blocks whose load failed since the last call."""
-        out, self.invalid = self.invalid, set()
-        return out
+        return set(self.native.take_invalid()) if self.native is not None else set()
 
     def take_worker_meta(self) -> KvxWorkerMetadata | None:
         """Job outcomes for the scheduler side, if any."""
-        if not self.jobs:
-            return None
-        out, self.jobs = KvxWorkerMetadata(self.jobs), []
-        return out
+        jobs = self.native.take_jobs() if self.native is not None else b""
+        return KvxWorkerMetadata([jobs]) if jobs else None
 
     def state_counts(self) -> dict[str, int]:
         """Everything this side still tracks (all zero when idle)."""
         h = self.native
+        names, loading, sending, abandoned = h.request_counts() if h else (0, 0, 0, 0)
         return {
-            "names": len(self.names),
-            "loading": len(self.loading),
-            "sending": len(self.sending),
-            "abandoned": len(self.abandoned),
+            "names": names,
+            "loading": loading,
+            "sending": sending,
+            "abandoned": abandoned,
             "kvx_in_flight": h.in_flight() if h else 0,
             "kvx_tracker_busy": 0 if (h is None or h.tracker_idle()) else 1,
         }
