@@ -274,6 +274,8 @@ mod engine_model {
         Complete(usize, bool),
         Preempt(usize),
         Finish(usize),
+        /// The engine resets its prefix cache with the connector's (`reset_cache`).
+        Reset,
     }
 
     fn call() -> impl Strategy<Value = Call> {
@@ -285,6 +287,7 @@ mod engine_model {
             (0..8usize, any::<bool>()).prop_map(|(i, ok)| Call::Complete(i, ok)),
             (0..3usize).prop_map(Call::Preempt),
             (0..3usize).prop_map(Call::Finish),
+            Just(Call::Reset),
         ]
     }
 
@@ -314,6 +317,17 @@ mod engine_model {
     const NAMES: [&str; 3] = ["r0", "r1", "r2"];
 
     impl Engine {
+        /// Request `n`'s block hashes: r0 and r2 share a prompt, one can hit the other's blocks.
+        fn hashes(n: usize) -> Vec<Vec<u8>> {
+            hashes(3)
+                .into_iter()
+                .map(|mut h| {
+                    h.push(b'0' + (n % 2) as u8);
+                    h
+                })
+                .collect()
+        }
+
         fn table(n: usize) -> Vec<u32> {
             (0..3).map(|b| (n * 10 + b) as u32).collect()
         }
@@ -322,15 +336,7 @@ mod engine_model {
             match c {
                 Call::Lookup(n) => {
                     if matches!(self.states.get(&n), None | Some(State::Looked(_))) {
-                        // r0 and r2 share a prompt: one can hit the other's blocks.
-                        let hs = hashes(3)
-                            .into_iter()
-                            .map(|mut h| {
-                                h.push(b'0' + (n % 2) as u8);
-                                h
-                            })
-                            .collect::<Vec<_>>();
-                        extend(&mut self.s, NAMES[n], &hs);
+                        extend(&mut self.s, NAMES[n], &Self::hashes(n));
                         // "Ask again later" leaves the request waiting, to be finished or
                         // looked up again.
                         let tokens = self
@@ -387,6 +393,16 @@ mod engine_model {
                             self.freed.insert(n);
                         }
                         self.states.insert(n, State::Finished);
+                    }
+                }
+                Call::Reset => {
+                    self.s.side().reset_cache();
+                    // A new request with either prompt is offered nothing.
+                    for n in 0..2 {
+                        extend(&mut self.s, "probe", &Self::hashes(n));
+                        let offer = self.s.lookup("probe", 0, 3 * BT + 1);
+                        assert_eq!(offer.map_or(0, |o| o.tokens), 0, "served after a reset");
+                        assert!(!self.s.finished("probe"));
                     }
                 }
             }
