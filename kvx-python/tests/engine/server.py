@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import settings
 from engine import HERE, engine_env, log_tail
+from ports import free_port
 from quiet import QUIET
 
 START_TIMEOUT_S = 600.0
@@ -66,12 +66,6 @@ def outliving(pgid: int, within: float) -> list[str]:
         if not left or time.monotonic() >= end:
             return left
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_metrics(text: str) -> dict[str, float]:

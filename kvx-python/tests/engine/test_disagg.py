@@ -17,20 +17,14 @@ test's process (the suite's default) would not run once ``generate`` returned.""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 import prompts
 from engine import Engine
+from ports import free_port
 
 STARTS_IN_A_ROW = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scenario(tmp: Path, model_dir: str) -> dict[str, Any]:
