@@ -19,6 +19,41 @@ pub struct Offer {
     pub asynchronous: bool,
 }
 
+/// What the scheduler side counted since it was built (the connector's counters).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Lookups of requests, local and remote.
+    pub lookups: u64,
+    /// Loads queued (local and remote), their tokens, and their blocks from the host and the
+    /// file tier.
+    pub loads: u64,
+    pub hit_tokens: u64,
+    pub host_hit_blocks: u64,
+    pub file_hit_blocks: u64,
+    /// Store jobs queued.
+    pub store_jobs: u64,
+    /// Live requests the engine preempted.
+    pub preemptions: u64,
+    /// Loads that did not fully succeed on every rank.
+    pub failed_loads: u64,
+}
+
+impl Counters {
+    /// Each counter by name.
+    pub fn named(&self) -> [(&'static str, u64); 8] {
+        [
+            ("lookups", self.lookups),
+            ("hit_tokens", self.hit_tokens),
+            ("host_hit_blocks", self.host_hit_blocks),
+            ("file_hit_blocks", self.file_hit_blocks),
+            ("loads", self.loads),
+            ("store_jobs", self.store_jobs),
+            ("preemptions", self.preemptions),
+            ("failed_loads", self.failed_loads),
+        ]
+    }
+}
+
 /// The scheduler side's core (see the module docs).
 pub struct Scheduler {
     side: SchedulerSide,
@@ -30,6 +65,7 @@ pub struct Scheduler {
     steps: u64,
     /// Engine blocks the next step's message fences first.
     fence: Vec<EngineBlockId>,
+    counters: Counters,
 }
 
 impl Scheduler {
@@ -57,6 +93,7 @@ impl Scheduler {
             host_loads_in_step,
             steps: 0,
             fence: Vec::new(),
+            counters: Counters::default(),
         })
     }
 
@@ -110,6 +147,7 @@ impl Scheduler {
     /// several, the longest hit every group can serve (its last token is always computed by
     /// the engine), always asynchronously.
     pub fn lookup(&mut self, name: &str, num_computed: u64, num_tokens: u64) -> Option<Offer> {
+        self.counters.lookups += 1;
         let req = self.requests.admit(name);
         let cap = self.requests.cap(req);
         let bt = u64::from(self.side.block_tokens());
@@ -202,16 +240,37 @@ impl Scheduler {
         };
         if blocks.is_some() {
             self.requests.load_started(req);
+            let m = self.requests.matched(req);
+            self.count_load(num_external_tokens, m.host_blocks, m.file_blocks);
         }
         Ok(blocks)
     }
 
-    /// The load of live request `name` was queued with kvx-offload directly (a remote load):
-    /// it is loading until reported in `finished_recving`.
-    pub fn load_started(&mut self, name: &str) {
+    /// The load of `tokens` of live request `name` was queued with kvx-offload directly (a
+    /// remote load): it is loading until reported in `finished_recving`.
+    pub fn load_started(&mut self, name: &str, tokens: u64) {
         if let Some(req) = self.requests.live(name) {
             self.requests.load_started(req);
+            self.count_load(tokens, 0, 0);
         }
+    }
+
+    fn count_load(&mut self, tokens: u64, host_blocks: usize, file_blocks: usize) {
+        let c = &mut self.counters;
+        c.loads += 1;
+        c.hit_tokens += tokens;
+        c.host_hit_blocks += host_blocks as u64;
+        c.file_hit_blocks += file_blocks as u64;
+    }
+
+    /// A lookup answered outside [`Scheduler::lookup`] (a decode engine's remote request).
+    pub fn count_lookup(&mut self) {
+        self.counters.lookups += 1;
+    }
+
+    /// What this side counted so far.
+    pub fn counters(&self) -> Counters {
+        self.counters
     }
 
     /// Save the computed full blocks of live request `name` from `first` on (one group):
@@ -229,7 +288,9 @@ impl Scheduler {
             .copied()
             .zip(blocks.iter().copied().map(EngineBlockId))
             .collect();
-        !pairs.is_empty() && self.side.save_blocks(req, &pairs).is_some()
+        let queued = !pairs.is_empty() && self.side.save_blocks(req, &pairs).is_some();
+        self.counters.store_jobs += u64::from(queued);
+        queued
     }
 
     /// Save what a step that completes blocks `[first, upto)` of live request `name` stores
@@ -246,7 +307,7 @@ impl Scheduler {
         let (Some(req), Some(hybrid)) = (self.requests.live(name), &mut self.hybrid) else {
             return false;
         };
-        hybrid.save(
+        let queued = hybrid.save(
             &mut self.side,
             &self.keys,
             req,
@@ -254,7 +315,9 @@ impl Scheduler {
             upto,
             computed,
             tables,
-        )
+        );
+        self.counters.store_jobs += u64::from(queued);
+        queued
     }
 
     /// The engine preempted live request `name`; false if it is unknown.
@@ -263,6 +326,7 @@ impl Scheduler {
             return false;
         };
         self.side.request_preempted(req);
+        self.counters.preemptions += 1;
         true
     }
 
@@ -326,6 +390,7 @@ impl Scheduler {
                 self.requests.lower_cap(j.request, index);
             }
         }
+        self.counters.failed_loads += failed_loads as u64;
         failed_loads
     }
 

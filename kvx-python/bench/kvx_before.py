@@ -28,10 +28,8 @@ def build_connector_meta_before(self: SchedulerSide, so: Any) -> KvxConnectorMet
         if upto <= first:
             continue
         ids = self.cache_manager.get_block_ids(req_id)[0]
-        if self.native.save_blocks(req_id, request.block_hashes, first, list(ids[first:upto])):
-            self.stats.store_jobs += 1
-    step, loads, delayed, abandoned, in_step = self.native.build_meta()
-    return KvxConnectorMetadata(step, dict(loads), dict(delayed), abandoned, in_step)
+        self.native.save_blocks(req_id, request.block_hashes, first, list(ids[first:upto]))
+    return KvxConnectorMetadata(self.native.build_meta())
 
 
 class KvxConnectorBefore(KvxConnector):

@@ -187,10 +187,16 @@ impl SchedulerSide {
         Ok(blocks.map(|b| b.into_iter().map(|b| b.0).collect()))
     }
 
-    /// The load of request `name` was queued directly (`remote_load`): it is loading until
-    /// reported in `finished_recving`.
-    fn load_started(&self, name: &str) {
-        self.core().load_started(name);
+    /// The load of `tokens` of request `name` was queued directly (`remote_load`): it is
+    /// loading until reported in `finished_recving`.
+    fn load_started(&self, name: &str, tokens: u64) {
+        self.core().load_started(name, tokens);
+    }
+
+    /// What this side counted so far: lookups, loads queued with their tokens and their blocks
+    /// per tier, store jobs, preemptions, loads that failed in a block; as (name, count).
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.core().counters().named().to_vec()
     }
 
     /// True while request `name`'s load is queued and not yet reported in `finished_recving`.
@@ -387,7 +393,11 @@ impl SchedulerSide {
         if source.is_none() && !c.core.is_remote(name) {
             return Ok(None);
         }
-        let number = self.core().admit(name);
+        let number = {
+            let mut sched = self.core();
+            sched.count_lookup();
+            sched.admit(name)
+        };
         self.extend(name, block_hashes)?;
         let keys = self.core().keys(name).to_vec();
         let ConsumerSide { core, keeper } = &mut *c;
@@ -432,7 +442,7 @@ impl SchedulerSide {
             } => {
                 let mut sched = self.core();
                 sched.side().remote_load(number, source, &blocks);
-                sched.load_started(name);
+                sched.load_started(name, num_external_tokens);
                 Some((true, None))
             }
         }

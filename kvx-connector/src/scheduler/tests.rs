@@ -150,6 +150,14 @@ fn a_failed_block_is_never_offered_again() {
     // The engine restarts it from its local prefix: blocks from the failed one on are not
     // offered, those before it are.
     assert_eq!(s.lookup("r", 0, 17).unwrap().tokens, 2 * BT);
+    let c = s.counters();
+    assert_eq!(
+        (c.lookups, c.loads, c.hit_tokens, c.failed_loads),
+        (2, 1, 4 * BT, 1)
+    );
+    assert_eq!(c.host_hit_blocks + c.file_hit_blocks, 4);
+    assert!(s.preempted("r"));
+    assert_eq!(s.counters().preemptions, 1);
 }
 
 #[test]
@@ -396,6 +404,12 @@ mod engine_model {
                     }
                 }
                 Call::Reset => {
+                    // Between steps: vLLM looks a waiting request up again before it allocates.
+                    for st in self.states.values_mut() {
+                        if let State::Looked(_) = st {
+                            *st = State::Looked(0);
+                        }
+                    }
                     self.s.side().reset_cache();
                     // A new request with either prompt is offered nothing.
                     for n in 0..2 {

@@ -261,7 +261,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         (blocks whose store ended in no tier, by the kind of their last failure)."""
         if self._sched is not None:
             side = self._scheduler_side()
-            return dict(vars(side.stats)) | dict(side.native.store_skips())
+            return dict(side.native.counters()) | dict(side.native.store_skips())
         native = self._worker_side().native
         return dict(native.stats()) if native is not None else {}
 

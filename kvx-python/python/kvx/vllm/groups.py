@@ -120,8 +120,7 @@ class HybridSchedulerSide(SchedulerSide):
         for req_id, request, first, end in self._completing(so):
             computed = request.num_computed_tokens + so.num_scheduled_tokens[req_id]
             tables = [list(ids) for ids in self.cache_manager.get_block_ids(req_id)]
-            if self.native.save_groups(req_id, request.block_hashes, first, end, computed, tables):
-                self.stats.store_jobs += 1
+            self.native.save_groups(req_id, request.block_hashes, first, end, computed, tables)
         return KvxConnectorMetadata(self.native.build_meta())
 
 

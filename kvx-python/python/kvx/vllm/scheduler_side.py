@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -11,20 +10,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvx import _native
 from kvx.vllm.disagg import Disaggregation, namespace_id
 from kvx.vllm.meta import KvxConnectorMetadata, KvxWorkerMetadata
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of the scheduler side (see ``KvxConnector.stats``)."""
-
-    lookups: int = 0
-    hit_tokens: int = 0
-    host_hit_blocks: int = 0
-    file_hit_blocks: int = 0
-    loads: int = 0
-    store_jobs: int = 0
-    preemptions: int = 0
-    failed_loads: int = 0
 
 
 class SchedulerSide:
@@ -50,7 +35,6 @@ class SchedulerSide:
         self.cache_manager: Any = None
         # vLLM's live requests (their block hashes and computed tokens grow as they run).
         self.requests: dict[str, Any] = {}
-        self.stats = SchedulerStats()
         # Prefill/decode disaggregation, when the connector's role has it.
         self.disagg: Disaggregation | None = None
         if produce or consume:
@@ -66,7 +50,6 @@ class SchedulerSide:
     # -- vLLM's scheduler-side calls -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.requests[request.request_id] = request
-        self.stats.lookups += 1
         if self.disagg is not None:
             remote = self.disagg.match(request, num_computed_tokens)
             if remote is not None:
@@ -78,26 +61,13 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> list[int] | None:
         """Queue the load of the last match into ``blocks``; the engine blocks it loads, if any."""
-        if self.disagg is not None:
-            queued = self.disagg.alloc(request, blocks, num_external_tokens)
-            if queued is not None:
-                if queued:
-                    self._count_load(num_external_tokens, (0, 0))
-                return None
+        if self.disagg is not None and self.disagg.alloc(request, blocks, num_external_tokens) is not None:
+            return None
         if num_external_tokens == 0:
             return None
-        loaded = self.native.update_state_after_alloc(
+        return self.native.update_state_after_alloc(
             request.request_id, [list(ids) for ids in blocks.get_block_ids()], num_external_tokens
         )
-        if loaded is not None:
-            self._count_load(num_external_tokens, self.native.hit(request.request_id))
-        return loaded
-
-    def _count_load(self, num_external_tokens: int, hit: tuple[int, int]) -> None:
-        self.stats.loads += 1
-        self.stats.hit_tokens += num_external_tokens
-        self.stats.host_hit_blocks += hit[0]
-        self.stats.file_hit_blocks += hit[1]
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         if num_external_tokens == 0 or request.request_id not in self.requests:
@@ -114,8 +84,7 @@ class SchedulerSide:
     def _preempted(self, so: Any) -> None:
         """Tell kvx about the requests vLLM preempted in this step's scheduler output."""
         for req_id in so.preempted_req_ids or ():
-            if self.native.request_preempted(req_id):
-                self.stats.preemptions += 1
+            self.native.request_preempted(req_id)
 
     def _completing(self, so: Any) -> Iterator[tuple[str, Any, int, int]]:
         """The requests that complete at least one block in this step's scheduler output, with
@@ -135,15 +104,14 @@ class SchedulerSide:
         for req_id, request, first, end in self._completing(so):
             # Only this job's blocks: get_block_ids would copy the whole block table (O(context)).
             blocks = self.cache_manager.get_blocks(req_id).blocks[0][first:end]
-            if self.native.save_blocks(req_id, request.block_hashes, first, [b.block_id for b in blocks]):
-                self.stats.store_jobs += 1
+            self.native.save_blocks(req_id, request.block_hashes, first, [b.block_id for b in blocks])
         return KvxConnectorMetadata(self.native.build_meta())
 
     def update_connector_output(self, out: Any) -> None:
         wm = out.kv_connector_worker_meta
         if isinstance(wm, KvxWorkerMetadata):
             for jobs in wm.jobs:
-                self.stats.failed_loads += self.native.update_from_worker(jobs)
+                self.native.update_from_worker(jobs)
         recving = list(out.finished_recving or ())
         if self.disagg is not None:
             self.disagg.loaded(recving)
