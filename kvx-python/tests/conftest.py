@@ -1,5 +1,5 @@
 import sys
 from pathlib import Path
 
-# cases.py (shared by tests/unit and tests/vllm).
+# cases.py and ports.py (shared by tests/unit, tests/vllm and tests/engine).
 sys.path.insert(0, str(Path(__file__).parent))
