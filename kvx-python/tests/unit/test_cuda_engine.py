@@ -21,7 +21,6 @@ import ctypes
 import json
 import mmap
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from types import ModuleType
 import pytest
 
 from kvx import FenceNotHeldError, SchedulerSide, WorkerSide, block_keys, step_requests
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 STANDIN = Path(os.environ.get("KVX_CUDA_STANDIN", ROOT / "target/debug/libkvx_cuda_standin.so"))
@@ -281,12 +282,6 @@ def test_a_preemption_fence_over_a_copy_stuck_past_its_deadline_raises_out_of_th
     finally:
         standin.kvx_standin_set_stalled(STANDIN_DEVICE, 0)
         worker.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_remote_load_cut_short_is_not_reported_until_no_copy_can_write_its_blocks(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,25 +17,6 @@ from harness import write_model_dir
 
 ENGINE = Path(__file__).with_name("pd_engine.py")
 START_TIMEOUT = 120.0  # importing vLLM and torch on a busy 2-core machine
-
-
-def free_port(n: int = 1) -> int:
-    """A loopback port with ``n - 1`` free ports after it (tensor-parallel rank r listens on
-    port + r), free when probed."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65535:
-            continue
-        try:
-            for r in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + r))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port range")
 
 
 class ProcessError(AssertionError):

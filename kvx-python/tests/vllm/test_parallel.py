@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import pickle
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import parallel_worker as pw
 from harness import _HASHER, BLOCK, HEAD, VOCAB, chain, prompt
+from ports import free_port
 
 LAYERS = 2
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -41,12 +41,6 @@ def model_dir(root: Path) -> str:
         "torch_dtype": "float16", "rms_norm_eps": 1e-5,
     }))
     return str(d)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -20,7 +20,8 @@ import pytest
 
 import pd_netns
 from harness import BLOCK, prompt
-from pd_proc import EngineProc, free_port
+from pd_proc import EngineProc
+from ports import free_port
 
 TICK = 0.001
 SLACK = 0.050
