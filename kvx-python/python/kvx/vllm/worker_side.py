@@ -38,9 +38,9 @@ class WorkerSide:
         self._kv_caches: dict = {}
         self._described: list[tuple] = []
         self.registered = False
-        # The KV cache's CUDA device (None for a CPU cache), and the step last ordered after it.
+        # The KV cache's CUDA device (None for a CPU cache), and the step last started.
         self._cuda: Any = None
-        self._ordered: KvxConnectorMetadata | None = None
+        self._started: KvxConnectorMetadata | None = None
         timeouts = settings.values["timeouts"]
         self._fence_ms = int(max(timeouts["load_ms"], timeouts["store_ms"])) + 1000
 
@@ -86,18 +86,12 @@ class WorkerSide:
                 )
         self.registered = True
 
-    def order_after_engine(self, meta: KvxConnectorMetadata) -> None:
-        """Once per step, before its first call that may submit a copy: every kvx copy of a CUDA
-        KV cache from now on comes, on the GPU, after the work queued so far on torch's current
-        stream (the previous step's forward, also when vLLM's asynchronous scheduling runs the
-        CPU a step ahead). Nothing waits on the CPU; a driver that refuses is logged and the
-        stream synchronized instead."""
-        if self._ordered is meta:
-            return
-        self._ordered = meta
-        self._order_after_engine()
-
     def _order_after_engine(self) -> None:
+        """Before a step's first call that may submit a copy: every kvx copy of a CUDA KV cache
+        from now on comes, on the GPU, after the work queued so far on torch's current stream
+        (the previous step's forward, also when vLLM's asynchronous scheduling runs the CPU a
+        step ahead). Nothing waits on the CPU; a driver that refuses is logged and the stream
+        synchronized instead."""
         if self._cuda is None or self.native is None:
             return
         import torch
@@ -118,7 +112,10 @@ class WorkerSide:
             raise KvxError("KvxConnector: register_kv_caches was not called before the first step")
         if not self.registered:
             raise KvxError("KvxConnector: a step between unregister_kv_caches and restore_kv_caches (sleep)")
-        self.order_after_engine(meta)
+        if self._started is meta:
+            return  # vLLM hands each step over up to three times: decoded and started once
+        self._started = meta
+        self._order_after_engine()
         left = self.native.start_step(meta.step)
         if left:
             logger.error("kvx: loads of requests %s did not end before the forward (their deadline and a second)",
