@@ -3,8 +3,12 @@ CPU: every block kvx loads is checked byte for byte against the tokens it stands
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -184,39 +188,43 @@ def test_corrupt_block_file(tmp_path, policy):
         e.close()
 
 
-def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
-    deadline_ms = 300
-    prompts = [prompt(10 + i, 3 * BLOCK + 5) for i in range(4)]
+@contextlib.contextmanager
+def frozen_loads(tmp_path: Path, test: str, deadline_ms: int, prompts: list[list[int]]) -> Iterator[tuple[Any, Engine]]:
+    """An engine whose file tier holds ``prompts``, its mount frozen and each prompt added as
+    ``r0``, ``r1``...; at the end the mount thaws, the engine runs until nothing is left (the
+    operations stuck in the mount stay kvx's, quarantined, until then), and all is closed."""
     with stored_behind_frozen_mount(
-        tmp_path,
-        "test_frozen_file_tier_waits_at_most_one_deadline",
-        {"host_blocks": 64, "timeouts": {"load_ms": deadline_ms, "store_ms": 400}},
-        prompts,
+        tmp_path, test, {"host_blocks": 64, "timeouts": {"load_ms": deadline_ms, "store_ms": 400}}, prompts
     ) as (mount, extra):
         e = Engine(tmp_path, extra)
         try:
             mount.freeze()
             for i, p in enumerate(prompts):
                 e.add(f"r{i}", p)
-
-            def finished() -> bool:
-                return all(e.tracked[f"r{i}"].finished_status for i in range(4))
-
-            e.run(timeout=20, until=finished)
-            assert mount.blocked_requests() > 0
-            waits = [w for i in range(4) for w in e.tracked[f"r{i}"].waits]
-            assert len(waits) == 4
-            assert max(waits) <= deadline_ms / 1000 + 0.050, waits
-            assert all(e.tracked[f"r{i}"].finished_status == DONE for i in range(4))
-            # Every file block timed out: reported invalid, recomputed.
-            assert sum(len(s) for s in e.invalid_reported) == 4 * 3
-            # Operations stuck in the mount stay kvx's (quarantined) until it thaws; then
-            # nothing is left anywhere.
+            yield mount, e
             mount.thaw()
             e.run(timeout=10)
         finally:
             mount.close()  # releases the stuck file operations before the engine stops
             e.close()
+
+
+def test_frozen_file_tier_waits_at_most_one_deadline(tmp_path):
+    deadline_ms = 300
+    prompts = [prompt(10 + i, 3 * BLOCK + 5) for i in range(4)]
+    with frozen_loads(tmp_path, "test_frozen_file_tier_waits_at_most_one_deadline", deadline_ms, prompts) as (mount, e):
+
+        def finished() -> bool:
+            return all(e.tracked[f"r{i}"].finished_status for i in range(4))
+
+        e.run(timeout=20, until=finished)
+        assert mount.blocked_requests() > 0
+        waits = [w for i in range(4) for w in e.tracked[f"r{i}"].waits]
+        assert len(waits) == 4
+        assert max(waits) <= deadline_ms / 1000 + 0.050, waits
+        assert all(e.tracked[f"r{i}"].finished_status == DONE for i in range(4))
+        # Every file block timed out: reported invalid, recomputed.
+        assert sum(len(s) for s in e.invalid_reported) == 4 * 3
 
 
 def test_a_frozen_load_is_reported_by_the_first_step_past_its_deadline(tmp_path):
@@ -226,32 +234,18 @@ def test_a_frozen_load_is_reported_by_the_first_step_past_its_deadline(tmp_path)
     blocks has to be asked for first (which took one more step)."""
     deadline_ms = 200
     prompts = [prompt(70 + i, 3 * BLOCK + 5) for i in range(2)]
-    with stored_behind_frozen_mount(
-        tmp_path,
-        "test_a_frozen_load_is_reported_by_the_first_step_past_its_deadline",
-        {"host_blocks": 64, "timeouts": {"load_ms": deadline_ms, "store_ms": 400}},
-        prompts,
-    ) as (mount, extra):
-        e = Engine(tmp_path, extra)
-        try:
-            mount.freeze()
-            for i, p in enumerate(prompts):
-                e.add(f"r{i}", p)
-            e.step()  # the loads start in this step
-            waiting = [r for r in ("r0", "r1") if e.tracked[r].entered_wait is not None]
-            assert waiting == ["r0", "r1"], "both requests wait for their file-tier loads"
-            assert not e.recv_reported
-            time.sleep(deadline_ms / 1000 + 0.1)
-            e.step()
-            assert e.recv_reported == {"r0", "r1"}, "the first step past the deadline reports both loads"
-            assert sum(len(s) for s in e.invalid_reported) == 2 * 3
-            e.run(timeout=20, until=lambda: all(e.tracked[r].finished_status for r in ("r0", "r1")))
-            assert all(e.tracked[r].finished_status == DONE for r in ("r0", "r1"))
-            mount.thaw()
-            e.run(timeout=10)
-        finally:
-            mount.close()
-            e.close()
+    test = "test_a_frozen_load_is_reported_by_the_first_step_past_its_deadline"
+    with frozen_loads(tmp_path, test, deadline_ms, prompts) as (_, e):
+        e.step()  # the loads start in this step
+        waiting = [r for r in ("r0", "r1") if e.tracked[r].entered_wait is not None]
+        assert waiting == ["r0", "r1"], "both requests wait for their file-tier loads"
+        assert not e.recv_reported
+        time.sleep(deadline_ms / 1000 + 0.1)
+        e.step()
+        assert e.recv_reported == {"r0", "r1"}, "the first step past the deadline reports both loads"
+        assert sum(len(s) for s in e.invalid_reported) == 2 * 3
+        e.run(timeout=20, until=lambda: all(e.tracked[r].finished_status for r in ("r0", "r1")))
+        assert all(e.tracked[r].finished_status == DONE for r in ("r0", "r1"))
 
 
 def test_abort_while_loading_frees_blocks_once_the_load_ends(tmp_path):
